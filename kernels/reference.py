@@ -1,0 +1,155 @@
+"""Pure-torch versions of every kernel: the engine's CPU path and the reference in tests.
+
+Shapes and meanings follow docs/ARCHITECTURE.md. The caches are per-layer views
+`[num_blocks, block_size, num_kv_heads, head_dim]` of the cross-layer cache, so they are
+strided; everything here writes through indexing on those views, never through a copy.
+
+Numerics: attention runs in float32 (inputs of other dtypes are upcast, the result is cast
+back) through torch's scaled_dot_product_attention per request, without ever repeating K/V
+per query head or looping per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_SWAP_METHODS = ("auto", "triton", "dma")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write the K/V of new tokens into the paged cache.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided views are fine)
+    slot_mapping: [num_tokens] int64, `block_id * block_size + offset`; -1 = skip the token.
+
+    Values are cast to the cache dtype. Raises ValueError when shapes disagree.
+    """
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"key/value must both be [num_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}], got "
+                         f"{tuple(slot_mapping.shape)}")
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64)
+    valid = slots >= 0  # [num_tokens]
+    slots = slots[valid]
+    block_ids = slots // block_size
+    offsets = slots % block_size
+    # index_put_ on the strided views writes straight into the shared cross-layer storage.
+    k_cache[block_ids, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[valid].to(v_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first `seq_len` tokens of one request: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].to(torch.int64)]  # [nb, block_size, kvh, d]
+    return blocks.reshape(num_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+            ) -> torch.Tensor:
+    """Causal attention of the last q_len of seq_len tokens (bottom-right aligned).
+
+    q: [1, num_heads, q_len, head_dim]; k, v: [1, num_kv_heads, seq_len, head_dim];
+    all float32. Returns [1, num_heads, q_len, head_dim] float32.
+    """
+    q_len, seq_len = q.shape[2], k.shape[2]
+    # The same call Hugging Face's default "sdpa" attention makes in these two cases, so
+    # float32 outputs match it as closely as possible; torch's is_causal is top-left
+    # aligned, so a chunk after a cached context needs an explicit mask.
+    if q_len == seq_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
+                                              enable_gqa=True)
+    if q_len == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=softmax_scale, enable_gqa=True)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=softmax_scale,
+                                          enable_gqa=True)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    softmax_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a batch mixing prefill chunks and decodes over a paged cache.
+
+    query: [num_tokens, num_heads, head_dim]; out (written and returned): the same shape.
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32;
+    block_tables: [num_reqs, max_blocks_per_req] int32.
+    Request r's queries are the last q_len tokens of its seq_lens[r] tokens; requests with
+    q_len 0 are padding and skipped (their rows of `out`, if any, are left untouched).
+    `max_query_len` / `max_seq_len` are accepted for signature parity with the kernels.
+    GQA: query head h reads kv head h // (num_heads // num_kv_heads).
+
+    Raises ValueError when num_heads is not a multiple of num_kv_heads or a request's
+    q_len exceeds its seq_len.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"request {r}: q_len={q_len} exceeds seq_len={seq_len}")
+        context_len = seq_len - q_len
+        # Gather the request's K/V once through its block table.
+        k = _gather_kv(k_cache, block_tables[r], seq_len)  # [seq_len, kvh, d]
+        v = _gather_kv(v_cache, block_tables[r], seq_len)
+        k = k.to(torch.float32).permute(1, 0, 2).unsqueeze(0)  # [1, kvh, seq_len, d]
+        v = v.to(torch.float32).permute(1, 0, 2).unsqueeze(0)
+        q = query[q_start:q_end].to(torch.float32).permute(1, 0, 2).unsqueeze(0)
+        o = _attend(q, k, v, softmax_scale)  # [1, num_heads, q_len, d]
+        out[q_start:q_end] = o[0].permute(1, 0, 2).to(out.dtype)
+    return out
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks inside one cache: `kv_cache[dst] = kv_cache[src]` per mapping row.
+
+    kv_cache: [num_blocks, *block_shape]; block_mapping: [n, 2] int64 rows (src, dst).
+    All sources are read before any destination is written.
+    """
+    mapping = block_mapping.to(device=kv_cache.device, dtype=torch.int64)
+    kv_cache.index_copy_(0, mapping[:, 1], kv_cache.index_select(0, mapping[:, 0]))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
+                method: str = "auto", stream: torch.cuda.Stream | None = None) -> None:
+    """Copy whole blocks between two tensors, possibly on different devices.
+
+    src: [n_src, *block_shape]; dst: [n_dst, *block_shape]; block_mapping: [n, 2] int64
+    rows (src_index, dst_index). `method` is accepted for signature parity with the kernel
+    launcher and only validated; the copy runs on `stream` when one is given.
+    Raises ValueError for an unknown method or mismatched block shapes.
+    """
+    if method not in _SWAP_METHODS:
+        raise ValueError(f"method must be one of {_SWAP_METHODS}, got {method!r}")
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(f"src and dst blocks differ: {tuple(src.shape[1:])} {src.dtype} vs "
+                         f"{tuple(dst.shape[1:])} {dst.dtype}")
+    mapping = block_mapping.to(torch.int64)
+    if stream is None:
+        dst.index_copy_(0, mapping[:, 1].to(dst.device),
+                        src.index_select(0, mapping[:, 0].to(src.device)).to(dst.device))
+        return
+    with torch.cuda.stream(stream):
+        dst.index_copy_(0, mapping[:, 1].to(dst.device),
+                        src.index_select(0, mapping[:, 0].to(src.device)).to(dst.device))
