@@ -109,7 +109,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         if q_len > seq_len:
             raise ValueError(f"request {r}: q_len={q_len} exceeds seq_len={seq_len}")
-        context_len = seq_len - q_len
         # Gather the request's K/V once through its block table.
         k = _gather_kv(k_cache, block_tables[r], seq_len)  # [seq_len, kvh, d]
         v = _gather_kv(v_cache, block_tables[r], seq_len)
