@@ -1,0 +1,119 @@
+"""TierConfig: how many GPU blocks, how big the host and disk tiers are, how bytes move.
+
+Sizes are bytes; a tier is off when its size is 0 (host) or its path is None (disk). The
+values are checked once here so the tier manager can trust them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.layout import KVLayout
+
+SWAP_METHODS = ("auto", "dma", "triton")
+
+#: Slots of the staging slab used for disk traffic when the host tier is off but the disk
+#: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
+DEFAULT_STAGING_SLOTS = 16
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Capacities of the three tiers and the knobs of the transfer engine.
+
+    num_gpu_blocks: blocks in the GPU pool (and in the `kv_cache` tensor).
+    host_capacity_bytes: size of the pinned host slab in bytes; 0 turns the host tier off.
+        It is rounded down to whole blocks (see `num_host_slots`).
+    disk_path: directory of the LMDB disk tier; None turns it off.
+    disk_budget_bytes: how many bytes the disk tier may hold; required with `disk_path`.
+    swap_method: how GPU <-> host copies run: "dma" (copy engines), "triton" (a kernel
+        writing through unified addressing) or "auto" (the kernels' choice).
+    io_threads: threads that run host <-> disk jobs.
+    max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
+    staging_slots: slab slots used for disk traffic when the host tier is off.
+
+    Raises ValueError naming the field when a value is out of range or inconsistent.
+    """
+
+    num_gpu_blocks: int
+    host_capacity_bytes: int = 0
+    disk_path: str | Path | None = None
+    disk_budget_bytes: int | None = None
+    swap_method: str = "auto"
+    io_threads: int = 2
+    max_pending_io: int = 64
+    staging_slots: int = DEFAULT_STAGING_SLOTS
+
+    def __post_init__(self) -> None:
+        for field in ("num_gpu_blocks", "io_threads", "max_pending_io", "staging_slots"):
+            value = getattr(self, field)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"TierConfig.{field} must be a positive integer, got {value!r}")
+        if not _is_int(self.host_capacity_bytes) or self.host_capacity_bytes < 0:
+            raise ValueError("TierConfig.host_capacity_bytes must be an integer >= 0 "
+                             f"(0 turns the host tier off), got {self.host_capacity_bytes!r}")
+        if self.disk_path is not None:
+            if not str(self.disk_path):
+                raise ValueError("TierConfig.disk_path must name a directory, or be None to "
+                                 "turn the disk tier off; got an empty string")
+            if self.disk_budget_bytes is None:
+                raise ValueError("TierConfig.disk_budget_bytes is required when disk_path is "
+                                 "set: say how many bytes the disk tier may use")
+        if self.disk_budget_bytes is not None:
+            if self.disk_path is None:
+                raise ValueError("TierConfig.disk_budget_bytes is set but disk_path is None; "
+                                 "set disk_path to turn the disk tier on, or drop the budget")
+            if not _is_int(self.disk_budget_bytes) or self.disk_budget_bytes <= 0:
+                raise ValueError("TierConfig.disk_budget_bytes must be a positive integer, "
+                                 f"got {self.disk_budget_bytes!r}")
+        if self.swap_method not in SWAP_METHODS:
+            raise ValueError(f"TierConfig.swap_method must be one of {SWAP_METHODS}, "
+                             f"got {self.swap_method!r}")
+
+    @classmethod
+    def from_slots(cls, layout: KVLayout, num_gpu_blocks: int, num_host_slots: int = 0,
+                   disk_path: str | Path | None = None, num_disk_blocks: int | None = None,
+                   **kwargs: object) -> TierConfig:
+        """A config with the host and disk capacities given in blocks of `layout`.
+
+        `num_disk_blocks` is required with `disk_path`. Other keyword arguments are passed
+        through. Raises ValueError as the constructor does, or for a negative slot count.
+        """
+        if not _is_int(num_host_slots) or num_host_slots < 0:
+            raise ValueError(f"num_host_slots must be an integer >= 0, got {num_host_slots!r}")
+        disk_budget = None
+        if num_disk_blocks is not None:
+            if not _is_int(num_disk_blocks) or num_disk_blocks <= 0:
+                raise ValueError(f"num_disk_blocks must be a positive integer, "
+                                 f"got {num_disk_blocks!r}")
+            disk_budget = num_disk_blocks * layout.bytes_per_block
+        return cls(num_gpu_blocks=num_gpu_blocks,
+                   host_capacity_bytes=num_host_slots * layout.bytes_per_block,
+                   disk_path=disk_path, disk_budget_bytes=disk_budget, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def host_enabled(self) -> bool:
+        return self.host_capacity_bytes > 0
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk_path is not None
+
+    def num_host_slots(self, layout: KVLayout) -> int:
+        """Whole blocks of `layout` that fit in the host tier (0 when it is off).
+
+        Raises ValueError when the host tier is on but smaller than one block.
+        """
+        if self.host_capacity_bytes == 0:
+            return 0
+        num_slots = self.host_capacity_bytes // layout.bytes_per_block
+        if num_slots == 0:
+            raise ValueError(f"host_capacity_bytes={self.host_capacity_bytes} is smaller than "
+                             f"one block ({layout.bytes_per_block} bytes for "
+                             f"{layout.describe()}); raise it or set 0 to turn the tier off")
+        return num_slots

@@ -1,0 +1,134 @@
+"""Counters of the tiers and of the transfers between them, and their frozen snapshots.
+
+The vocabulary is shared by the transfer engine and the tier manager: a `Tier` is where a
+block's bytes can live, a `Direction` is one hop between two tiers. Counters are mutable and
+owned by one object; `snapshot()` gives the frozen record that crosses the API boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.block_pool import PoolStats
+
+
+class Tier(enum.Enum):
+    """Where a block's bytes live, fastest first."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+
+class Direction(enum.Enum):
+    """One hop of a block's bytes between two tiers."""
+
+    GPU_TO_HOST = "gpu->host"
+    HOST_TO_GPU = "host->gpu"
+    HOST_TO_DISK = "host->disk"
+    DISK_TO_HOST = "disk->host"
+
+    @property
+    def src(self) -> Tier:
+        return Tier(self.value.split("->")[0])
+
+    @property
+    def dst(self) -> Tier:
+        return Tier(self.value.split("->")[1])
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """One direction: jobs finished, bytes moved, seconds spent moving them, failed jobs."""
+
+    num_jobs: int
+    num_bytes: int
+    seconds: float
+    failures: int
+
+    @property
+    def gb_per_s(self) -> float:
+        """Average bandwidth in GB/s (1e9 bytes), 0.0 before anything was timed."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    num_jobs: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+
+    def add(self, num_bytes: int, seconds: float, ok: bool) -> None:
+        self.num_jobs += 1
+        self.seconds += seconds
+        if ok:
+            self.num_bytes += num_bytes
+        else:
+            self.failures += 1
+
+    def snapshot(self) -> TransferStats:
+        return TransferStats(self.num_jobs, self.num_bytes, self.seconds, self.failures)
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """One tier, in blocks.
+
+    hits / misses: lookups that found / did not find a block in this tier, counted per
+        `lookup` call for every hash that reached this tier (a GPU miss goes on to the host).
+    failures: blocks whose transfer out of or into this tier failed (the block is a miss).
+    rejected: blocks this tier could not take (no free slot, disk budget), so they were
+        not stored there.
+    """
+
+    hits: int
+    misses: int
+    failures: int
+    rejected: int
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    failures: int = 0
+    rejected: int = 0
+
+    def snapshot(self) -> TierStats:
+        return TierStats(self.hits, self.misses, self.failures, self.rejected)
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    """Everything the tier manager counts (see `TierManager.stats`).
+
+    tiers: per `Tier`; transfers: per `Direction`; pool: the GPU block pool; host_slots /
+    host_free_slots / host_cached: the host slab (all 0 when it is off); disk: the disk
+    tier's own stats (None when it is off); num_loads_in_flight / num_jobs_in_flight: work
+    not yet completed.
+    """
+
+    tiers: dict[Tier, TierStats]
+    transfers: dict[Direction, TransferStats]
+    pool: PoolStats
+    host_slots: int
+    host_free_slots: int
+    host_cached: int
+    disk: Any = None
+    num_loads_in_flight: int = 0
+    num_jobs_in_flight: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def bytes_moved(self, direction: Direction) -> int:
+        return self.transfers[direction].num_bytes
+
+
+def new_tier_counters() -> dict[Tier, TierCounters]:
+    return {tier: TierCounters() for tier in Tier}
+
+
+def new_transfer_counters() -> dict[Direction, TransferCounters]:
+    return {direction: TransferCounters() for direction in Direction}
