@@ -1,0 +1,278 @@
+"""The transfer engine: moves block bytes between tiers asynchronously.
+
+Two kinds of jobs, keyed by the hop they make:
+
+  * `SwapJob` (GPU <-> host): whole blocks copied with `kernels.swap_blocks` on a dedicated
+    CUDA stream. The stream first waits on an event recorded on the submitter's compute
+    stream (so a block is copied only after the kernels that wrote it), and a completion event
+    is recorded after the copy; `get_finished` polls it with `event.query()` and never
+    blocks. Without CUDA (the "GPU" cache is a CPU tensor) the copy runs synchronously inside
+    `submit`, and still reports through `get_finished`, so the whole path is exercised on CPU.
+  * `IOJob` (host <-> disk): a callable run on a small pool of threads fed by a bounded
+    queue. A full queue blocks the submitter (backpressure), so queued work and the memory it
+    pins never grow without bound.
+
+A job that raises reports `ok=False`; cleaning up after it (pins, slots) is the submitter's
+business. `submit`, `get_finished` and `wait` may be called from many threads. Jobs must not
+submit jobs themselves (a worker blocked on a full queue would wait for itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NewType
+
+import torch
+
+from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
+
+logger = logging.getLogger(__name__)
+
+JobId = NewType("JobId", int)
+
+_SWAP_DIRECTIONS = (Direction.GPU_TO_HOST, Direction.HOST_TO_GPU)
+_IO_DIRECTIONS = (Direction.HOST_TO_DISK, Direction.DISK_TO_HOST)
+
+
+@dataclass(frozen=True, slots=True)
+class SwapJob:
+    """Copy whole blocks between the GPU cache and the host slab.
+
+    src: [n_src, *block_shape]; dst: [n_dst, *block_shape]; block_mapping: [n, 2] int64
+    rows (src_index, dst_index), on the CPU.
+    """
+
+    direction: Direction
+    src: torch.Tensor
+    dst: torch.Tensor
+    block_mapping: torch.Tensor
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.block_mapping.shape[0]) * self.src[0].numel() * self.src.element_size()
+
+
+@dataclass(frozen=True, slots=True)
+class IOJob:
+    """Host <-> disk work: `run()` moves the bytes and returns how many it moved.
+
+    Per-block outcomes (a record that failed validation, a block the disk rejected) are the
+    callable's to record; raising marks the whole job failed.
+    """
+
+    direction: Direction
+    run: Callable[[], int]
+
+
+@dataclass(slots=True)
+class _CudaJob:
+    direction: Direction
+    num_bytes: int
+    start: torch.cuda.Event
+    done: torch.cuda.Event
+
+
+def _swap_function(device: torch.device) -> Callable[..., None]:
+    """The Triton/DMA launcher on CUDA when it is built, else the pure-torch reference."""
+    if device.type == "cuda":
+        try:
+            from kernels.swap_blocks import swap_blocks
+            return swap_blocks
+        except ImportError:
+            pass
+    from kernels.reference import swap_blocks as reference_swap_blocks
+    return reference_swap_blocks
+
+
+class TransferEngine:
+    """Runs `SwapJob`s and `IOJob`s and reports `(JobId, ok)` when they finish.
+
+    device: where the GPU cache lives; CUDA gets a dedicated copy stream, anything else runs
+        swaps synchronously. swap_method: passed to `kernels.swap_blocks`. io_threads /
+        max_pending_io: size of the host <-> disk pool and of its queue.
+    Raises ValueError for non-positive pool sizes.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", swap_method: str = "auto",
+                 io_threads: int = 2, max_pending_io: int = 64) -> None:
+        if io_threads <= 0 or max_pending_io <= 0:
+            raise ValueError(f"io_threads ({io_threads}) and max_pending_io "
+                             f"({max_pending_io}) must be positive")
+        self.device = torch.device(device)
+        self.swap_method = swap_method
+        self._swap = _swap_function(self.device)
+        self._use_cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._use_cuda else None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._next_job_id = 0
+        self._in_flight: set[JobId] = set()
+        self._finished: list[tuple[JobId, bool]] = []
+        self._cuda_jobs: dict[JobId, _CudaJob] = {}
+        self._counters: dict[Direction, TransferCounters] = new_transfer_counters()
+        self._closed = False
+        self._queue: queue.Queue[tuple[JobId, IOJob] | None] = queue.Queue(max_pending_io)
+        self._workers = [threading.Thread(target=self._work, name=f"kvtier-io-{i}", daemon=True)
+                         for i in range(io_threads)]
+        for worker in self._workers:
+            worker.start()
+
+    # ---- submitting ----------------------------------------------------------------------
+
+    def submit(self, job: SwapJob | IOJob) -> JobId:
+        """Start `job`; returns its id. Blocks while the I/O queue is full (IOJob only).
+
+        Raises ValueError for a job whose direction does not fit its kind, or after close().
+        """
+        if isinstance(job, SwapJob) and job.direction not in _SWAP_DIRECTIONS:
+            raise ValueError(f"a SwapJob moves GPU <-> host, not {job.direction.value}")
+        if isinstance(job, IOJob) and job.direction not in _IO_DIRECTIONS:
+            raise ValueError(f"an IOJob moves host <-> disk, not {job.direction.value}")
+        with self._lock:
+            if self._closed:
+                raise ValueError("the transfer engine is closed; submit before close()")
+            job_id = JobId(self._next_job_id)
+            self._next_job_id += 1
+            self._in_flight.add(job_id)
+        if isinstance(job, IOJob):
+            self._queue.put((job_id, job))
+        elif self._use_cuda:
+            self._launch_cuda(job_id, job)
+        else:
+            self._run_sync(job_id, job)
+        return job_id
+
+    def _launch_cuda(self, job_id: JobId, job: SwapJob) -> None:
+        assert self._stream is not None
+        try:
+            compute_done = torch.cuda.Event()
+            compute_done.record(torch.cuda.current_stream(self.device))
+            start = torch.cuda.Event(enable_timing=True)
+            done = torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(compute_done)
+                start.record(self._stream)
+                self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method,
+                           stream=self._stream)
+                done.record(self._stream)
+        except Exception:
+            logger.exception("%s copy of job %d failed to launch", job.direction.value, job_id)
+            self._finish(job_id, job.direction, job.num_bytes, 0.0, ok=False)
+            return
+        with self._lock:
+            self._cuda_jobs[job_id] = _CudaJob(job.direction, job.num_bytes, start, done)
+
+    def _run_sync(self, job_id: JobId, job: SwapJob) -> None:
+        started = time.perf_counter()
+        try:
+            self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method)
+            ok = True
+        except Exception:
+            logger.exception("%s copy of job %d failed", job.direction.value, job_id)
+            ok = False
+        self._finish(job_id, job.direction, job.num_bytes, time.perf_counter() - started, ok)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job_id, job = item
+            started = time.perf_counter()
+            num_bytes, ok = 0, True
+            try:
+                num_bytes = job.run()
+            except Exception:
+                logger.exception("%s job %d failed", job.direction.value, job_id)
+                ok = False
+            self._finish(job_id, job.direction, num_bytes, time.perf_counter() - started, ok)
+
+    def _finish(self, job_id: JobId, direction: Direction, num_bytes: int, seconds: float,
+                ok: bool) -> None:
+        with self._lock:
+            self._counters[direction].add(num_bytes, seconds, ok)
+            self._finished.append((job_id, ok))
+            self._in_flight.discard(job_id)
+            self._changed.notify_all()
+
+    # ---- completion ----------------------------------------------------------------------
+
+    def get_finished(self) -> list[tuple[JobId, bool]]:
+        """Jobs finished since the last call, as `(job_id, ok)`; never blocks."""
+        self._reap_cuda(block=())
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: Iterable[JobId]) -> None:
+        """Block until every job in `job_ids` finished (their results stay queued for
+        `get_finished`). Ids already reported return at once. Raises ValueError for an id
+        that was never handed out."""
+        wanted = set(job_ids)
+        with self._lock:
+            unknown = [j for j in wanted if j >= self._next_job_id or j < 0]
+        if unknown:
+            raise ValueError(f"job ids {sorted(unknown)} were never submitted")
+        while True:
+            self._reap_cuda(block=wanted)
+            with self._changed:
+                if not wanted & self._in_flight:
+                    return
+                # Woken by every finishing job; the timeout only covers a CUDA job whose id
+                # was handed out by another thread that has not registered its events yet.
+                self._changed.wait(timeout=0.05)
+
+    def wait_all(self) -> None:
+        """Block until nothing is in flight."""
+        with self._lock:
+            in_flight = set(self._in_flight)
+        self.wait(in_flight)
+
+    def _reap_cuda(self, block: Iterable[JobId]) -> None:
+        """Move fired CUDA jobs to the finished list; synchronize on those in `block`."""
+        with self._lock:
+            pending = list(self._cuda_jobs.items())
+        must_wait = set(block)
+        for job_id, cuda_job in pending:
+            try:
+                if job_id in must_wait:
+                    cuda_job.done.synchronize()
+                elif not cuda_job.done.query():
+                    continue
+                seconds, ok = cuda_job.start.elapsed_time(cuda_job.done) / 1e3, True
+            except RuntimeError:
+                logger.exception("%s copy of job %d failed", cuda_job.direction.value, job_id)
+                seconds, ok = 0.0, False
+            with self._lock:
+                if self._cuda_jobs.pop(job_id, None) is None:
+                    continue  # another thread reaped it first
+            self._finish(job_id, cuda_job.direction, cuda_job.num_bytes, seconds, ok)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._in_flight)
+
+    def stats(self) -> dict[Direction, TransferStats]:
+        """Per direction: jobs, bytes moved by successful jobs, seconds, failed jobs."""
+        with self._lock:
+            return {d: c.snapshot() for d, c in self._counters.items()}
+
+    def close(self) -> None:
+        """Wait for in-flight jobs, then stop the I/O threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.wait_all()
+        for _ in self._workers:
+            self._queue.put(None)
+        for worker in self._workers:
+            worker.join()
