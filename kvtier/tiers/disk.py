@@ -1,0 +1,450 @@
+"""The disk tier: KV blocks as LMDB values, least-recently-used first out.
+
+One LMDB environment (a directory) holds four named databases:
+
+    blocks  block hash -> record (header + block bytes, see `kvtier.tiers.record`)
+    access  block hash -> big-endian access sequence number
+    lru     sequence (8 bytes, big-endian) || block hash -> b""   (oldest first)
+    meta    format version, next sequence number, bytes used, budget, layout names
+
+The access order lives in LMDB, so it survives restarts and is shared by every process using
+the directory. LMDB's own locks make it safe for several processes; within one process many
+threads may read and write at once (writes are serialized by LMDB). Each call opens and ends
+its own transactions; none is held across calls.
+
+Two LMDB rules shape the code: the map can only be resized while no transaction of this
+process is open (`ResizeGate`), and values read with buffers=True are only valid inside their
+transaction (bytes are copied into the caller's tensor before it ends).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import lmdb
+import numpy as np
+import torch
+
+from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
+from kvtier.hashing import BlockHash
+from kvtier.layout import KVLayout
+from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, LmdbIndex, ResizeGate, is_disk_full
+from kvtier.tiers.record import (
+    BlockMeta,
+    CorruptRecord,
+    check_payload_len,
+    decode_header,
+    decode_record,
+    encode_header,
+    payload_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+_INITIAL_MAP_BYTES = 64 * _MiB
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """Counters of one DiskTier. `num_blocks` and `bytes_used` (record bytes) are the
+    directory's, shared with other processes; the rest count this object's calls. `misses`
+    include `rejected` (values that failed validation and were deleted); `refused` counts
+    blocks not stored for lack of room."""
+
+    num_blocks: int
+    bytes_used: int
+    budget_bytes: int
+    hits: int
+    misses: int
+    rejected: int
+    puts: int
+    pruned: int
+    refused: int
+
+
+class DiskTier:
+    """KV blocks of one layout in an LMDB directory, within `budget_bytes` of record bytes.
+
+    `path` is created (mode 0o700) when missing. `max_map_bytes` caps LMDB's map (default:
+    the budget plus a quarter plus 64 MiB). With `durable` each commit is fsynced (LMDB's
+    meta page one commit later, which keeps the database consistent after a crash and may lose
+    the last commit); without it the OS flushes when it likes. A directory written with
+    another disk format is cleared on open (`format_reset` is then true) or, read-only, served
+    as empty.
+
+    Raises ValueError for a bad budget, the errors of `kvtier.fsutil.ensure_private_dir` for a
+    bad directory, and FileNotFoundError when opened read-only where no cache exists.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
+                 readonly: bool = False, max_map_bytes: int | None = None,
+                 durable: bool = True, touch_flush_every: int = 64) -> None:
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
+                or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+        self.path = ensure_private_dir(path, create=not readonly)
+        if readonly and not (self.path / "data.mdb").exists():
+            raise FileNotFoundError(f"{self.path} holds no kvtier disk cache (no data.mdb); "
+                                    "open it writable once or check the path")
+        self.layout = layout
+        self.budget_bytes = budget_bytes
+        self.readonly = readonly
+        self._fingerprint = layout.fingerprint()
+        self._map_limit = max_map_bytes or budget_bytes + budget_bytes // 4 + _INITIAL_MAP_BYTES
+        data_bytes = os.path.getsize(self.path / "data.mdb") if not readonly and \
+            (self.path / "data.mdb").exists() else 0
+        self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
+                                     map_size=min(self._map_limit,
+                                                  max(_INITIAL_MAP_BYTES, data_bytes)),
+                                     mode=PRIVATE_FILE_MODE)
+        self._gate = ResizeGate()
+        self._lock = threading.Lock()
+        self._scratch = threading.local()
+        self._pending_touches: dict[BlockHash, None] = {}
+        self._touch_flush_every = touch_flush_every
+        self._closed = False
+        self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
+                                              "refused")}
+        self.format_reset = False
+        self._stale = False
+        self._check_format()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def _check_format(self) -> None:
+        if self.readonly:
+            with self._txn() as txn:
+                self._stale = self._index.format_version(txn) != DISK_FORMAT_VERSION
+            if self._stale:
+                logger.warning("disk cache %s has another format version; serving nothing "
+                               "(open it writable to reset it)", self.path)
+            return
+        with self._txn(write=True) as txn:
+            version = self._index.format_version(txn)
+            if version != DISK_FORMAT_VERSION and (version is not None
+                                                  or self._index.num_blocks(txn)):
+                self._index.reset(txn)
+                self.format_reset = True
+            self._index.set_format_version(txn, DISK_FORMAT_VERSION)
+            self._index.set_layout_name(txn, self._fingerprint, self.layout.describe())
+            self._index.set_counter(txn, "budget_bytes", self.budget_bytes)
+        if self.format_reset:
+            logger.warning("disk cache %s had disk format %s; cleared it (this build writes "
+                           "format %d)", self.path, version, DISK_FORMAT_VERSION)
+
+    def close(self) -> None:
+        """Flush pending access-order updates and close LMDB. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+        if not self.readonly:
+            self._flush_touches()
+        with self._lock:
+            self._closed = True
+        with self._gate.exclusive():
+            self._index.env.close()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each hash has a stored value (not validated: `get_into` may still miss)."""
+        if self._stale:
+            return [False] * len(block_hashes)
+        with self._txn() as txn:
+            return [self._index.has(txn, h) for h in block_hashes]
+
+    def stats(self) -> DiskStats:
+        with self._txn() as txn:
+            num_blocks = self._index.num_blocks(txn)
+            bytes_used = self._index.counter(txn, "bytes_used")
+        with self._lock:
+            counts = dict(self._counts)
+        return DiskStats(num_blocks=num_blocks, bytes_used=bytes_used,
+                         budget_bytes=self.budget_bytes, **counts)
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def get_into(self, meta: BlockMeta, dest: torch.Tensor) -> bool:
+        """Copy the block `meta` names into `dest`; True on a verified hit.
+
+        `dest` is a contiguous CPU tensor of exactly `bytes_per_block` bytes (any dtype). On
+        False its contents are unspecified. A stored value with a bad header, checksum,
+        length, layout, parent hash or token ids is deleted and counted as rejected.
+        Raises ValueError for a bad `dest`.
+        """
+        return self.get_many_into([meta], [dest])[0]
+
+    def get_many_into(self, metas: Sequence[BlockMeta],
+                      dests: Sequence[torch.Tensor]) -> list[bool]:
+        """`get_into` for a batch, in one read transaction."""
+        if len(metas) != len(dests):
+            raise ValueError(f"{len(metas)} metas but {len(dests)} destinations")
+        arrays = [self._dest_array(dest) for dest in dests]
+        if self._stale:
+            self._count(misses=len(metas))
+            return [False] * len(metas)
+        checksums: list[int | None] = []
+        rejects: list[BlockMeta] = []
+        with self._txn() as txn:
+            for meta, array in zip(metas, arrays):
+                checksum, rejected = self._read_into(txn, meta, array)
+                checksums.append(checksum)
+                if rejected:
+                    rejects.append(meta)
+        results = []
+        for meta, array, expected in zip(metas, arrays, checksums):
+            # The checksum is taken over what the caller will use, after the copy.
+            ok = expected is not None and payload_checksum(array) == expected
+            results.append(ok)
+            if expected is not None and not ok:
+                logger.info("disk cache: rejecting %s (bad checksum)", meta.block_hash.hex())
+                rejects.append(meta)
+        num_hits = sum(results)
+        self._count(hits=num_hits, misses=len(metas) - num_hits)
+        if rejects:
+            self._reject(rejects)
+        hit_hashes = [meta.block_hash for meta, ok in zip(metas, results) if ok]
+        if hit_hashes:
+            self.touch(hit_hashes)
+        return results
+
+    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta,
+                   array: np.ndarray) -> tuple[int | None, bool]:
+        """Copy a value's payload into `array`. Returns (the payload checksum to expect, or
+        None for a miss; whether the value failed its header checks)."""
+        value = self._index.get(txn, meta.block_hash)
+        if value is None:
+            return None, False
+        try:
+            header, offset = decode_header(value, self._fingerprint)
+            check_payload_len(header, len(value) - offset, array.nbytes)
+            if not header.matches(meta):
+                raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
+        except CorruptRecord as exc:
+            logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
+            return None, True
+        np.copyto(array, np.frombuffer(value, dtype=np.uint8, count=array.nbytes,
+                                       offset=offset))
+        return header.payload_checksum, False
+
+    def _reject(self, metas: list[BlockMeta]) -> None:
+        self._count(rejected=len(metas))
+        if self.readonly:
+            return
+        with self._txn(write=True) as txn:
+            for meta in metas:
+                value = self._index.get(txn, meta.block_hash)
+                # Another process may have replaced it with a good value meanwhile.
+                if value is not None and not self._is_valid(value, meta):
+                    self._index.remove(txn, meta.block_hash)
+
+    def _is_valid(self, value: memoryview, meta: BlockMeta) -> bool:
+        try:
+            header, _ = decode_record(value, self._fingerprint, self.layout.bytes_per_block)
+        except CorruptRecord:
+            return False
+        return header.matches(meta)
+
+    # ---- stores --------------------------------------------------------------------------
+
+    def put(self, metas: Sequence[BlockMeta], payloads: Sequence[object]) -> int:
+        """Store blocks in one write transaction; how many of them are present afterwards.
+
+        A payload is `bytes_per_block` bytes as bytes, a memoryview, a C-contiguous numpy
+        array or a contiguous CPU tensor. Hashes already stored are touched, not rewritten.
+        Least-recently-used blocks are pruned first to stay within the budget; blocks that
+        still do not fit (or meet a full map or disk) are refused and counted. Raises
+        ValueError for a payload of the wrong size or kind.
+        """
+        if len(metas) != len(payloads):
+            raise ValueError(f"{len(metas)} metas but {len(payloads)} payloads")
+        views = [self._payload_view(payload) for payload in payloads]
+        items: dict[BlockHash, tuple[BlockMeta, memoryview]] = {}
+        for meta, view in zip(metas, views):
+            items.setdefault(meta.block_hash, (meta, view))
+        present = self.contains(list(items))
+        if self.readonly:
+            self._count(refused=len(items) - sum(present))
+            return sum(present)
+        encoded = [(meta, encode_header(meta, self.layout, view.nbytes, payload_checksum(view)),
+                    view) for (meta, view), hit in zip(items.values(), present) if not hit]
+        num_stored = self._put_encoded(encoded, [h for h, hit in zip(items, present) if hit])
+        return sum(present) + num_stored
+
+    def _put_encoded(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
+                     touched: list[BlockHash]) -> int:
+        """Write `encoded` records (and touch `touched`); how many new ones were stored."""
+        need = sum(len(header) + view.nbytes for _, header, view in encoded)
+        pressure = 0
+        for _ in range(4):
+            try:
+                return self._write_batch(encoded, touched, pressure)
+            except lmdb.MapFullError:
+                if self._grow_map():
+                    continue
+            except lmdb.Error as exc:
+                if not is_disk_full(exc):
+                    raise
+                logger.warning("disk cache %s: disk full (%s); pruning", self.path, exc)
+            # LMDB reuses pages freed by an earlier commit only, so prune in a commit of its
+            # own before retrying with a tighter target.
+            pressure += need
+            self._prune_committed(need)
+        if len(encoded) > 1:
+            half = len(encoded) // 2
+            return (self._put_encoded(encoded[:half], touched)
+                    + self._put_encoded(encoded[half:], []))
+        self._count(refused=len(encoded))
+        return 0
+
+    def _write_batch(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
+                     touched: list[BlockHash], pressure: int) -> int:
+        with self._txn(write=True) as txn:
+            self._touch_in(txn, touched + self._take_touches())
+            new = [(meta, header, view) for meta, header, view in encoded
+                   if not self._index.has(txn, meta.block_hash)]
+            need = sum(len(header) + view.nbytes for _, header, view in new)
+            limit = max(0, self.budget_bytes - pressure)
+            over = self._index.counter(txn, "bytes_used") + need - limit
+            keep = frozenset(touched).union(meta.block_hash for meta, _, _ in encoded)
+            num_pruned = self._index.evict(txn, over, keep)[0] if over > 0 else 0
+            room = limit - self._index.counter(txn, "bytes_used")
+            num_stored = 0
+            for meta, header, view in new:
+                size = len(header) + view.nbytes
+                if size > room:
+                    continue
+                self._index.insert(txn, meta.block_hash, self._assemble(header, view))
+                room -= size
+                num_stored += 1
+        self._count(puts=num_stored, pruned=num_pruned, refused=len(new) - num_stored)
+        return num_stored + len(encoded) - len(new)
+
+    def _assemble(self, header: bytes, view: memoryview) -> memoryview:
+        """Header + payload in a per-thread scratch buffer (LMDB copies it on put)."""
+        size = len(header) + view.nbytes
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._scratch.buffer = bytearray(size)
+        out = memoryview(scratch)[:size]
+        out[:len(header)] = header
+        out[len(header):] = view
+        return out
+
+    def _prune_committed(self, num_bytes: int) -> None:
+        with self._txn(write=True) as txn:
+            num_pruned, _ = self._index.evict(txn, num_bytes)
+        self._count(pruned=num_pruned)
+
+    def _grow_map(self) -> bool:
+        with self._gate.exclusive():
+            current = self._index.env.info()["map_size"]
+            if current >= self._map_limit:
+                return False
+            self._index.env.set_mapsize(min(self._map_limit, current * 2))
+            return True
+
+    # ---- access order and deletes --------------------------------------------------------
+
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Mark blocks as just used. Batched: written with the next write transaction, or
+        once `touch_flush_every` are pending."""
+        if self.readonly:
+            return
+        with self._lock:
+            for block_hash in block_hashes:
+                self._pending_touches.pop(block_hash, None)
+                self._pending_touches[block_hash] = None
+            flush = len(self._pending_touches) >= self._touch_flush_every
+        if flush:
+            self._flush_touches()
+
+    def delete(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Remove blocks; how many were present. Raises ValueError when read-only."""
+        if self.readonly:
+            raise ValueError(f"disk cache {self.path} is open read-only; cannot delete")
+        with self._txn(write=True) as txn:
+            self._touch_in(txn, self._take_touches())
+            return sum(self._index.remove(txn, h) for h in block_hashes)
+
+    def _take_touches(self) -> list[BlockHash]:
+        with self._lock:
+            hashes = list(self._pending_touches)
+            self._pending_touches.clear()
+        return hashes
+
+    def _flush_touches(self) -> None:
+        hashes = self._take_touches()
+        if hashes:
+            with self._txn(write=True) as txn:
+                self._touch_in(txn, hashes)
+
+    def _touch_in(self, txn: lmdb.Transaction, block_hashes: list[BlockHash]) -> None:
+        self._index.touch(txn, [h for h in block_hashes if self._index.has(txn, h)])
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    @contextmanager
+    def _txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction inside the resize gate; adopts a map grown by another process."""
+        for _ in range(8):
+            with self._gate.shared():
+                if self._closed:
+                    raise ValueError(f"disk cache {self.path} is closed")
+                try:
+                    txn = self._index.env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            with self._gate.exclusive():
+                self._index.env.set_mapsize(0)
+        raise OSError(f"disk cache {self.path}: the LMDB map keeps being resized by another "
+                      "process; retry later")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _payload_view(self, payload: object) -> memoryview:
+        if isinstance(payload, torch.Tensor):
+            if payload.device.type != "cpu" or not payload.is_contiguous():
+                raise ValueError("a tensor payload must be contiguous and on the CPU; got "
+                                 f"device={payload.device} contiguous={payload.is_contiguous()}")
+            payload = payload.reshape(-1).view(torch.uint8).numpy()
+        try:
+            view = memoryview(payload)
+        except TypeError as exc:
+            raise ValueError(f"a payload must be bytes-like or a tensor, got "
+                             f"{type(payload).__name__}") from exc
+        if not view.c_contiguous:
+            raise ValueError("a payload must be C-contiguous")
+        view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
+        if view.nbytes != self.layout.bytes_per_block:
+            raise ValueError(f"a payload must be {self.layout.bytes_per_block} bytes (one "
+                             f"block of {self.layout.describe()}), got {view.nbytes}")
+        return view
+
+    def _dest_array(self, dest: torch.Tensor) -> np.ndarray:
+        if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" \
+                or not dest.is_contiguous():
+            raise ValueError("dest must be a contiguous CPU tensor")
+        if dest.nbytes != self.layout.bytes_per_block:
+            raise ValueError(f"dest must hold {self.layout.bytes_per_block} bytes, "
+                             f"got {dest.nbytes}")
+        return dest.reshape(-1).view(torch.uint8).numpy()

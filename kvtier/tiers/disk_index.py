@@ -1,0 +1,254 @@
+"""The LMDB schema of a disk tier directory, and the operations that keep it consistent.
+
+    blocks  block hash -> record bytes
+    access  block hash -> 8-byte big-endian access sequence number
+    lru     sequence || block hash -> b""   (big-endian, so key order is age order)
+    meta    b"format_version" u16, b"next_seq" / b"bytes_used" / b"budget_bytes" u64,
+            b"layout:" + fingerprint -> the layout's describe() string
+
+Every method takes the caller's transaction; writes keep three invariants together: a hash is
+in `access` iff it is in `blocks`; `lru` holds exactly one key per entry of `access`;
+`bytes_used` is the sum of the lengths of the values in `blocks`. `DiskTier` and the
+`disk_admin` functions both use this class, so the schema is written down once.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import lmdb
+
+from kvtier.hashing import BlockHash
+
+#: Bump when the schema or the meaning of stored values changes: a directory written with
+#: another version is cleared by a writer and served as empty to a reader.
+DISK_FORMAT_VERSION = 1
+
+_SEQ = struct.Struct(">Q")
+_U64 = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
+_LAYOUT_PREFIX = b"layout:"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+@dataclass(slots=True)
+class LmdbIndex:
+    """An open LMDB environment of a disk tier and its four named databases."""
+
+    env: lmdb.Environment
+    blocks: object
+    access: object
+    lru: object
+    meta: object
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, readonly: bool, durable: bool,
+             map_size: int, mode: int, max_readers: int = 256) -> LmdbIndex:
+        """Open (creating unless `readonly`) the environment in directory `path`.
+
+        No writemap (a sparse file the size of the map is a surprise on some filesystems);
+        with `durable`, data pages are fsynced at commit and the meta page with the next one.
+        Raises lmdb.Error subclasses from LMDB, and FileNotFoundError when a read-only open
+        finds no disk tier databases.
+        """
+        env = lmdb.open(os.fspath(path), map_size=map_size, subdir=True, readonly=readonly,
+                        create=not readonly, lock=True, max_dbs=8, max_readers=max_readers,
+                        sync=durable, metasync=False, writemap=False, mode=mode)
+        try:
+            env.reader_check()  # drop reader slots left behind by dead processes
+            dbs = [env.open_db(name, create=not readonly)
+                   for name in (b"blocks", b"access", b"lru", b"meta")]
+        except lmdb.NotFoundError as exc:
+            env.close()
+            raise FileNotFoundError(f"{path} is an LMDB environment without kvtier's "
+                                    "databases; check the path") from exc
+        except BaseException:
+            env.close()
+            raise
+        return cls(env, *dbs)
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    def get(self, txn: lmdb.Transaction, block_hash: bytes) -> memoryview | bytes | None:
+        return txn.get(block_hash, db=self.blocks)
+
+    def has(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
+        return txn.get(block_hash, db=self.blocks) is not None
+
+    def num_blocks(self, txn: lmdb.Transaction) -> int:
+        return txn.stat(self.blocks)["entries"]
+
+    def counter(self, txn: lmdb.Transaction, name: str) -> int:
+        value = txn.get(name.encode(), db=self.meta)
+        return 0 if value is None else _U64.unpack(value)[0]
+
+    def format_version(self, txn: lmdb.Transaction) -> int | None:
+        value = txn.get(b"format_version", db=self.meta)
+        return None if value is None or len(value) != _U16.size else _U16.unpack(value)[0]
+
+    def layout_names(self, txn: lmdb.Transaction) -> dict[bytes, str]:
+        """Layout fingerprint -> describe() string, for every layout that opened the tier."""
+        names = {}
+        with txn.cursor(db=self.meta) as cursor:
+            if cursor.set_range(_LAYOUT_PREFIX):
+                for key, value in cursor:
+                    key = bytes(key)
+                    if not key.startswith(_LAYOUT_PREFIX):
+                        break
+                    names[key[len(_LAYOUT_PREFIX):]] = bytes(value).decode()
+        return names
+
+    def access_seq(self, txn: lmdb.Transaction, block_hash: bytes) -> int | None:
+        value = txn.get(block_hash, db=self.access)
+        return None if value is None else _SEQ.unpack(value)[0]
+
+    def lru_order(self, txn: lmdb.Transaction, newest_first: bool = False
+                  ) -> Iterator[tuple[int, BlockHash]]:
+        """(access sequence, block hash), oldest first unless `newest_first`."""
+        with txn.cursor(db=self.lru) as cursor:
+            items = cursor.iterprev(values=False) if newest_first else \
+                cursor.iternext(values=False)
+            for key in items:
+                key = bytes(key)
+                yield _SEQ.unpack_from(key)[0], BlockHash(key[_SEQ.size:])
+
+    # ---- writes --------------------------------------------------------------------------
+
+    def set_counter(self, txn: lmdb.Transaction, name: str, value: int) -> None:
+        txn.put(name.encode(), _U64.pack(value), db=self.meta)
+
+    def set_format_version(self, txn: lmdb.Transaction, version: int) -> None:
+        txn.put(b"format_version", _U16.pack(version), db=self.meta)
+
+    def set_layout_name(self, txn: lmdb.Transaction, fingerprint: bytes, name: str) -> None:
+        txn.put(_LAYOUT_PREFIX + fingerprint, name.encode(), db=self.meta)
+
+    def insert(self, txn: lmdb.Transaction, block_hash: bytes, value) -> bool:
+        """Store a new value as the most recently used; False (nothing done) if present."""
+        if not txn.put(block_hash, value, overwrite=False, db=self.blocks):
+            return False
+        self._set_seq(txn, block_hash, self._next_seqs(txn, 1))
+        self._add_bytes(txn, len(memoryview(value)))
+        return True
+
+    def remove(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
+        """Delete a block and its access entries; False if it was not stored."""
+        value = txn.get(block_hash, db=self.blocks)
+        size = None if value is None else len(value)
+        self._drop_seq(txn, block_hash)
+        if size is None:
+            return False
+        txn.delete(block_hash, db=self.blocks)
+        self._add_bytes(txn, -size)
+        return True
+
+    def touch(self, txn: lmdb.Transaction, block_hashes: Sequence[bytes]) -> None:
+        """Make stored blocks the most recently used, in the given order (last = newest)."""
+        if not block_hashes:
+            return
+        first = self._next_seqs(txn, len(block_hashes))
+        for offset, block_hash in enumerate(block_hashes):
+            self._drop_seq(txn, block_hash)
+            self._set_seq(txn, block_hash, first + offset)
+
+    def evict(self, txn: lmdb.Transaction, num_bytes: int,
+              keep: frozenset[bytes] = frozenset()) -> tuple[int, int]:
+        """Remove least-recently-used blocks, except those in `keep`, until `num_bytes` are
+        freed or none is left. Returns (blocks removed, bytes freed).
+        """
+        victims, freed = [], 0
+        with txn.cursor(db=self.lru) as cursor:
+            for key in cursor.iternext(values=False):
+                if freed >= num_bytes:
+                    break
+                block_hash = bytes(key)[_SEQ.size:]
+                if block_hash in keep:
+                    continue
+                value = txn.get(block_hash, db=self.blocks)
+                freed += 0 if value is None else len(value)
+                victims.append(block_hash)
+        num_removed = sum(self.remove(txn, block_hash) for block_hash in victims)
+        return num_removed, freed
+
+    def reset(self, txn: lmdb.Transaction) -> None:
+        """Delete every block and access entry; keep layout names and the sequence."""
+        for db in (self.blocks, self.access, self.lru):
+            txn.drop(db, delete=False)
+        self.set_counter(txn, "bytes_used", 0)
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _next_seqs(self, txn: lmdb.Transaction, count: int) -> int:
+        first = max(1, self.counter(txn, "next_seq"))
+        self.set_counter(txn, "next_seq", first + count)
+        return first
+
+    def _set_seq(self, txn: lmdb.Transaction, block_hash: bytes, seq: int) -> None:
+        packed = _SEQ.pack(seq)
+        txn.put(block_hash, packed, db=self.access)
+        txn.put(packed + block_hash, b"", db=self.lru)
+
+    def _drop_seq(self, txn: lmdb.Transaction, block_hash: bytes) -> None:
+        old = txn.get(block_hash, db=self.access)
+        if old is not None:
+            txn.delete(bytes(old) + block_hash, db=self.lru)
+            txn.delete(block_hash, db=self.access)
+
+    def _add_bytes(self, txn: lmdb.Transaction, delta: int) -> None:
+        total = self.counter(txn, "bytes_used") + delta
+        assert total >= 0, f"bytes_used would become {total}; the meta counter is corrupt"
+        self.set_counter(txn, "bytes_used", total)
+
+
+class ResizeGate:
+    """Many transactions at once, or one map resize alone (waiting resizes go first).
+
+    LMDB may only resize the map while no transaction of this process is open.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._num_active = 0
+        self._num_waiting = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing or self._num_waiting:
+                self._cond.wait()
+            self._num_active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._num_active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._num_waiting += 1
+            while self._resizing or self._num_active:
+                self._cond.wait()
+            self._num_waiting -= 1
+            self._resizing = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+def is_disk_full(exc: lmdb.Error) -> bool:
+    """Whether an LMDB error is a full disk or file-size limit (ENOSPC, EFBIG, EDQUOT)."""
+    code = exc.args[1] if len(exc.args) > 1 else None
+    return code in _DISK_FULL_ERRNOS or any(os.strerror(e) in str(exc)
+                                            for e in _DISK_FULL_ERRNOS)
