@@ -31,6 +31,8 @@ class EvictionEvent:
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
+    """A snapshot of the pool: sizes in blocks, and hit counters in blocks since creation."""
+
     num_blocks: int
     num_free: int
     num_cached: int
@@ -66,6 +68,7 @@ class BlockPool:
         return len(self.free_queue)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block caching `block_hash`, or None. Takes no reference."""
         return self.cached.get(block_hash)
 
     def lookup_prefix(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
@@ -95,8 +98,8 @@ class BlockPool:
         Returns None, changing nothing, when fewer are free. A reused block that still holds
         a cached hash is evicted from the map and an EvictionEvent is recorded.
         """
-        if num_blocks < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"allocate needs a non-negative integer count, got {num_blocks!r}")
         if num_blocks > len(self.free_queue):
             return None
         blocks = self.free_queue.popleft_n(num_blocks)
@@ -143,32 +146,43 @@ class BlockPool:
 
         Returns the blocks that became cached now (the caller writes those through to the
         host tier). A hash already cached in another block is left there and this block stays
-        uncached (two requests computed the same block). Raises ValueError on a length
-        mismatch or if a block already carries a different hash.
+        uncached (two requests computed the same block). Raises ValueError, changing nothing,
+        on a length mismatch, a block that is not held, or a block that already carries (or
+        is given in this call) a different hash.
         """
         if len(blocks) != len(block_hashes):
             raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
-        newly: list[KVCacheBlock] = []
+        claimed: dict[int, BlockHash] = {}
         for block, block_hash in zip(blocks, block_hashes):
-            if block.block_hash is not None:
-                if block.block_hash != block_hash:
-                    raise ValueError(f"block {block.block_id} already holds another hash")
-                continue
-            if block_hash in self.cached:
-                continue
             if block.ref_cnt == 0:
                 raise ValueError(f"block {block.block_id} is free; only held blocks are cached")
+            previous = claimed.setdefault(block.block_id, block.block_hash or block_hash)
+            if previous != block_hash:
+                raise ValueError(f"block {block.block_id} already holds another hash")
+        newly: list[KVCacheBlock] = []
+        for block, block_hash in zip(blocks, block_hashes):
+            if block.block_hash is not None or block_hash in self.cached:
+                continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
             newly.append(block)
         return newly
 
     def uncache(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Forget the hashes of `blocks` (their bytes are not to be trusted any more)."""
+        """Forget the hashes of `blocks` (their bytes are not to be trusted any more).
+
+        A free block that loses its hash moves to the front of the free queue: nobody can hit
+        it any more, so it is reused first. Records no EvictionEvent (the caller knows).
+        """
         for block in blocks:
-            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            if block.block_hash is None:
+                continue
+            assert self.cached.get(block.block_hash) is block, f"{block} not in the hash map"
+            del self.cached[block.block_hash]
             block.block_hash = None
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.free_queue.appendleft(block)
 
     def take_events(self) -> list[EvictionEvent]:
         """Eviction events recorded since the last call, oldest first."""
