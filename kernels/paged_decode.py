@@ -1,0 +1,126 @@
+"""Tiling choice for paged attention, and the split-KV (flash-decoding) reduction.
+
+A decode batch with few requests and long contexts gives `paged_attention` too few
+(tile, kv head) programs to keep the GPU's memory system busy: batch 1 of Llama-3-8B has
+8 kv heads, i.e. 8 programs on a 132-SM GPU. Such batches split each program's keys into
+`num_splits` ranges; every range leaves a normalised partial output and its log2-sum-exp,
+and `_reduce_splits_kernel` merges them per (token, head):
+
+    out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M),   M = max_s lse_s
+
+An empty range has lse = -inf and weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+#: A split is worth its scratch traffic only when it covers at least this many keys.
+_MIN_KEYS_PER_SPLIT = 512
+_MAX_SPLITS = 128
+#: Programs per SM a decode launch should reach before splitting stops paying.
+_PROGRAMS_PER_SM = 4
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionConfig:
+    """Tiling of one paged_attention launch.
+
+    block_q: query tokens per program (times the GQA group = rows of the score tile);
+    tile_n: keys per inner step; num_splits: key ranges per program (1 = no split-KV);
+    num_warps / num_stages: Triton launch options.
+    """
+
+    block_q: int
+    tile_n: int
+    num_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for field in ("block_q", "tile_n", "num_splits", "num_warps", "num_stages"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AttentionConfig.{field} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.tile_n < 16 or self.tile_n & (self.tile_n - 1):
+            raise ValueError(f"AttentionConfig.tile_n must be a power of two >= 16, "
+                             f"got {self.tile_n}")
+        if self.block_q & (self.block_q - 1):
+            raise ValueError(f"AttentionConfig.block_q must be a power of two, "
+                             f"got {self.block_q}")
+
+
+def pick_config(device: torch.device, num_tokens: int, num_reqs: int, num_kv_heads: int,
+                group: int, head_dim: int, max_query_len: int,
+                max_seq_len: int) -> AttentionConfig:
+    """A tiling for the batch: decode-shaped (short query tiles, split-KV when programs are
+    scarce) when every request has at most a few queries, prefill-shaped otherwise."""
+    group_pad = triton.next_power_of_2(group)
+    decode_block_m = max(16, group_pad)
+    if max_query_len <= decode_block_m // group_pad:
+        block_q = decode_block_m // group_pad
+        num_splits = 1
+        if device.type == "cuda":
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            programs = (num_tokens // block_q + num_reqs) * num_kv_heads
+            wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+            num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+        return AttentionConfig(block_q=block_q, tile_n=64, num_splits=num_splits,
+                               num_warps=4, num_stages=3)
+    block_m = max(128 if head_dim <= 128 else 64, group_pad)
+    return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,
+                           num_warps=8, num_stages=3 if head_dim <= 128 else 2)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs,
+    stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t, stride_o_t, stride_o_h,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    # Rows past the last request's queries were never computed; leave them untouched.
+    if token < tl.load(query_start_loc_ptr + num_reqs):
+        splits = tl.arange(0, SPLITS_PAD)
+        split_ok = splits < NUM_SPLITS
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        token64 = token.to(tl.int64)
+        lse = tl.load(part_lse_ptr + splits * stride_pl_s + token64 * stride_pl_t + head,
+                      mask=split_ok, other=float("-inf"))  # [SPLITS_PAD]
+        weight = tl.exp2(lse - tl.max(lse, 0))
+        parts = tl.load(part_out_ptr + splits[:, None] * stride_po_s + token64 * stride_po_t
+                        + head * stride_po_h + dims[None, :],
+                        mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)  # [HEAD_DIM_PAD]
+        tl.store(out_ptr + token64 * stride_o_t + head * stride_o_h + dims,
+                 result.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                  query_start_loc: torch.Tensor) -> None:
+    """Merge split-KV partials into `out`.
+
+    part_out: [num_splits, num_tokens, num_heads, head_dim] float32 (normalised per split)
+    part_lse: [num_splits, num_tokens, num_heads] float32, log2-sum-exp (-inf when empty)
+    out: [num_tokens, num_heads, head_dim]; query_start_loc: [num_reqs + 1] int32.
+    Internal to paged_attention, which has checked the arguments.
+    """
+    num_splits, num_tokens, num_heads, head_dim = part_out.shape
+    assert part_lse.shape == (num_splits, num_tokens, num_heads), \
+        f"partials disagree: {tuple(part_out.shape)} vs {tuple(part_lse.shape)}"
+    assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1, \
+        "reduce_splits needs unit inner strides"
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out, query_start_loc, query_start_loc.shape[0] - 1,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+    )
