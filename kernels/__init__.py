@@ -1,6 +1,20 @@
-"""Triton kernels for the paged KV cache, each with a typed launcher and a pure-torch
-reference in `kernels.reference` (the CPU path and the ground truth in tests)."""
+"""Triton kernels for the paged KV cache.
+
+Each kernel comes as a triad: a `@triton.jit` kernel, the launcher exported here (it checks
+dtype, device, shapes and strides and raises ValueError on misuse), and a pure-torch
+version in `kernels.reference`, which is the CPU path and the ground truth in tests.
+Only torch and triton are imported.
+"""
 
 from kernels import reference
+from kernels.copy_blocks import copy_blocks
+from kernels.flash_backend import flash_available, flash_paged_attention
+from kernels.paged_attention import paged_attention
+from kernels.paged_decode import AttentionConfig
+from kernels.store_kv import store_kv
+from kernels.swap_blocks import SWAP_METHODS, swap_blocks
 
-__all__ = ["reference"]
+__all__ = [
+    "AttentionConfig", "SWAP_METHODS", "copy_blocks", "flash_available",
+    "flash_paged_attention", "paged_attention", "reference", "store_kv", "swap_blocks",
+]
