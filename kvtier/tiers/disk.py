@@ -40,8 +40,10 @@ from kvtier.tiers.record import (
     check_payload_len,
     decode_header,
     decode_record,
+    dest_array,
     encode_header,
     payload_checksum,
+    payload_view,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,8 +73,9 @@ class DiskStats:
 class DiskTier:
     """KV blocks of one layout in an LMDB directory, within `budget_bytes` of record bytes.
 
-    `path` is created (mode 0o700) when missing. `max_map_bytes` caps LMDB's map (default:
-    the budget plus a quarter plus 64 MiB). With `durable` each commit is fsynced (LMDB's
+    `path` is created (mode 0o700) when missing. LMDB's map starts at `initial_map_bytes`
+    (default 64 MiB, or the data file's size) and doubles when full up to `max_map_bytes`
+    (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused. With `durable` each commit is fsynced (LMDB's
     meta page one commit later, which keeps the database consistent after a crash and may lose
     the last commit); without it the OS flushes when it likes. A directory written with
     another disk format is cleared on open (`format_reset` is then true) or, read-only, served
@@ -84,7 +87,8 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
-                 durable: bool = True, touch_flush_every: int = 64) -> None:
+                 initial_map_bytes: int | None = None, durable: bool = True,
+                 touch_flush_every: int = 64) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -97,12 +101,11 @@ class DiskTier:
         self.readonly = readonly
         self._fingerprint = layout.fingerprint()
         self._map_limit = max_map_bytes or budget_bytes + budget_bytes // 4 + _INITIAL_MAP_BYTES
-        data_bytes = os.path.getsize(self.path / "data.mdb") if not readonly and \
-            (self.path / "data.mdb").exists() else 0
+        data_file = self.path / "data.mdb"
+        data_bytes = data_file.stat().st_size if data_file.exists() else 0
+        map_size = min(self._map_limit, max(initial_map_bytes or _INITIAL_MAP_BYTES, data_bytes))
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
-                                     map_size=min(self._map_limit,
-                                                  max(_INITIAL_MAP_BYTES, data_bytes)),
-                                     mode=PRIVATE_FILE_MODE)
+                                     map_size=map_size, mode=PRIVATE_FILE_MODE)
         self._gate = ResizeGate()
         self._lock = threading.Lock()
         self._scratch = threading.local()
@@ -113,7 +116,11 @@ class DiskTier:
                                               "refused")}
         self.format_reset = False
         self._stale = False
-        self._check_format()
+        try:
+            self._check_format()
+        except BaseException:
+            self._index.env.close()
+            raise
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -191,7 +198,7 @@ class DiskTier:
         """`get_into` for a batch, in one read transaction."""
         if len(metas) != len(dests):
             raise ValueError(f"{len(metas)} metas but {len(dests)} destinations")
-        arrays = [self._dest_array(dest) for dest in dests]
+        arrays = [dest_array(dest, self.layout.bytes_per_block) for dest in dests]
         if self._stale:
             self._count(misses=len(metas))
             return [False] * len(metas)
@@ -270,7 +277,7 @@ class DiskTier:
         """
         if len(metas) != len(payloads):
             raise ValueError(f"{len(metas)} metas but {len(payloads)} payloads")
-        views = [self._payload_view(payload) for payload in payloads]
+        views = [payload_view(payload, self.layout.bytes_per_block) for payload in payloads]
         items: dict[BlockHash, tuple[BlockMeta, memoryview]] = {}
         for meta, view in zip(metas, views):
             items.setdefault(meta.block_hash, (meta, view))
@@ -280,37 +287,47 @@ class DiskTier:
             return sum(present)
         encoded = [(meta, encode_header(meta, self.layout, view.nbytes, payload_checksum(view)),
                     view) for (meta, view), hit in zip(items.values(), present) if not hit]
-        num_stored = self._put_encoded(encoded, [h for h, hit in zip(items, present) if hit])
+        touched = [h for h, hit in zip(items, present) if hit]
+        num_stored = self._put_encoded(encoded, touched, frozenset(items))
         return sum(present) + num_stored
 
     def _put_encoded(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
-                     touched: list[BlockHash]) -> int:
-        """Write `encoded` records (and touch `touched`); how many new ones were stored."""
+                     touched: list[BlockHash], keep: frozenset[BlockHash]) -> int:
+        """Write `encoded` records (and touch `touched`); how many new ones were stored.
+        Blocks in `keep` (the caller's whole batch) are never pruned to make room.
+
+        A full map is grown up to its limit; past it, or when the disk refuses the commit
+        (the commit is then rolled back, committed blocks are untouched), least-recently-used
+        blocks are pruned in commits of their own and the write retried. A batch that still
+        fails is split in halves; a single block that still fails is refused.
+        """
         need = sum(len(header) + view.nbytes for _, header, view in encoded)
         pressure = 0
-        for _ in range(4):
+        while pressure < 3 * need:
             try:
-                return self._write_batch(encoded, touched, pressure)
+                return self._write_batch(encoded, touched, keep, pressure)
             except lmdb.MapFullError:
                 if self._grow_map():
                     continue
             except lmdb.Error as exc:
                 if not is_disk_full(exc):
                     raise
-                logger.warning("disk cache %s: disk full (%s); pruning", self.path, exc)
-            # LMDB reuses pages freed by an earlier commit only, so prune in a commit of its
-            # own before retrying with a tighter target.
+                logger.info("disk cache %s: commit failed (%s); pruning", self.path, exc)
             pressure += need
-            self._prune_committed(need)
+            if not self._prune_committed(need, keep):
+                break
         if len(encoded) > 1:
             half = len(encoded) // 2
-            return (self._put_encoded(encoded[:half], touched)
-                    + self._put_encoded(encoded[half:], []))
+            return (self._put_encoded(encoded[:half], touched, keep)
+                    + self._put_encoded(encoded[half:], [], keep))
+        logger.warning("disk cache %s: no room for a block (map or disk full); refused it",
+                       self.path)
         self._count(refused=len(encoded))
         return 0
 
     def _write_batch(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
-                     touched: list[BlockHash], pressure: int) -> int:
+                     touched: list[BlockHash], keep: frozenset[BlockHash],
+                     pressure: int) -> int:
         with self._txn(write=True) as txn:
             self._touch_in(txn, touched + self._take_touches())
             new = [(meta, header, view) for meta, header, view in encoded
@@ -318,7 +335,6 @@ class DiskTier:
             need = sum(len(header) + view.nbytes for _, header, view in new)
             limit = max(0, self.budget_bytes - pressure)
             over = self._index.counter(txn, "bytes_used") + need - limit
-            keep = frozenset(touched).union(meta.block_hash for meta, _, _ in encoded)
             num_pruned = self._index.evict(txn, over, keep)[0] if over > 0 else 0
             room = limit - self._index.counter(txn, "bytes_used")
             num_stored = 0
@@ -343,10 +359,21 @@ class DiskTier:
         out[len(header):] = view
         return out
 
-    def _prune_committed(self, num_bytes: int) -> None:
-        with self._txn(write=True) as txn:
-            num_pruned, _ = self._index.evict(txn, num_bytes)
+    def _prune_committed(self, num_bytes: int, keep: frozenset[BlockHash]) -> bool:
+        """Prune in a commit of its own; False if nothing could be pruned or written."""
+        try:
+            with self._txn(write=True) as txn:
+                num_pruned, _ = self._index.evict(txn, num_bytes, keep)
+            # LMDB reuses the pages freed by commit N from commit N + 2 on (one reader may
+            # still hold snapshot N - 1); a second small commit makes them usable right away.
+            with self._txn(write=True) as txn:
+                self._index.set_counter(txn, "budget_bytes", self.budget_bytes)
+        except lmdb.Error as exc:
+            if not (isinstance(exc, lmdb.MapFullError) or is_disk_full(exc)):
+                raise
+            return False
         self._count(pruned=num_pruned)
+        return num_pruned > 0
 
     def _grow_map(self) -> bool:
         with self._gate.exclusive():
@@ -420,31 +447,3 @@ class DiskTier:
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
-
-    def _payload_view(self, payload: object) -> memoryview:
-        if isinstance(payload, torch.Tensor):
-            if payload.device.type != "cpu" or not payload.is_contiguous():
-                raise ValueError("a tensor payload must be contiguous and on the CPU; got "
-                                 f"device={payload.device} contiguous={payload.is_contiguous()}")
-            payload = payload.reshape(-1).view(torch.uint8).numpy()
-        try:
-            view = memoryview(payload)
-        except TypeError as exc:
-            raise ValueError(f"a payload must be bytes-like or a tensor, got "
-                             f"{type(payload).__name__}") from exc
-        if not view.c_contiguous:
-            raise ValueError("a payload must be C-contiguous")
-        view = view.cast("B") if view.ndim != 1 or view.format != "B" else view
-        if view.nbytes != self.layout.bytes_per_block:
-            raise ValueError(f"a payload must be {self.layout.bytes_per_block} bytes (one "
-                             f"block of {self.layout.describe()}), got {view.nbytes}")
-        return view
-
-    def _dest_array(self, dest: torch.Tensor) -> np.ndarray:
-        if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" \
-                or not dest.is_contiguous():
-            raise ValueError("dest must be a contiguous CPU tensor")
-        if dest.nbytes != self.layout.bytes_per_block:
-            raise ValueError(f"dest must hold {self.layout.bytes_per_block} bytes, "
-                             f"got {dest.nbytes}")
-        return dest.reshape(-1).view(torch.uint8).numpy()

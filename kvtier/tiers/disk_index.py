@@ -34,7 +34,8 @@ _SEQ = struct.Struct(">Q")
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
 _LAYOUT_PREFIX = b"layout:"
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+# LMDB reports a short write at commit (what a full disk often gives) as EIO.
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
 
 
 @dataclass(slots=True)
@@ -248,7 +249,8 @@ class ResizeGate:
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:
-    """Whether an LMDB error is a full disk or file-size limit (ENOSPC, EFBIG, EDQUOT)."""
+    """Whether an LMDB error is a failed write to the disk: full, over a size limit or a
+    short write (ENOSPC, EFBIG, EDQUOT, EIO). The commit is then rolled back."""
     code = exc.args[1] if len(exc.args) > 1 else None
     return code in _DISK_FULL_ERRNOS or any(os.strerror(e) in str(exc)
                                             for e in _DISK_FULL_ERRNOS)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import xxhash
 
 from kvtier.hashing import BlockHash, encode_token_ids
@@ -229,3 +230,40 @@ def metas_for(parent: BlockHash, block_hashes: Sequence[BlockHash],
         metas.append(BlockMeta(block_hash, parent, chunk))
         parent = block_hash
     return metas
+
+
+def payload_view(payload: object, nbytes: int) -> memoryview:
+    """A flat byte view of one block's bytes, without copying.
+
+    `payload` is bytes, a memoryview, a C-contiguous numpy array or a contiguous CPU tensor
+    (any dtype) of exactly `nbytes` bytes; anything else raises ValueError.
+    """
+    if isinstance(payload, torch.Tensor):
+        if payload.device.type != "cpu" or not payload.is_contiguous():
+            raise ValueError("a tensor payload must be contiguous and on the CPU; got "
+                             f"device={payload.device} contiguous={payload.is_contiguous()}")
+        payload = payload.reshape(-1).view(torch.uint8).numpy()
+    try:
+        view = memoryview(payload)
+    except TypeError as exc:
+        raise ValueError("a payload must be bytes-like or a tensor, got "
+                         f"{type(payload).__name__}") from exc
+    if not view.c_contiguous:
+        raise ValueError("a payload must be C-contiguous")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    if view.nbytes != nbytes:
+        raise ValueError(f"a payload must be {nbytes} bytes (one block), got {view.nbytes}")
+    return view
+
+
+def dest_array(dest: torch.Tensor, nbytes: int) -> np.ndarray:
+    """A flat uint8 numpy view of `dest`, a contiguous CPU tensor (any dtype) of exactly
+    `nbytes` bytes; raises ValueError otherwise."""
+    if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" \
+            or not dest.is_contiguous():
+        raise ValueError("dest must be a contiguous CPU tensor")
+    if dest.nbytes != nbytes:
+        raise ValueError(f"dest must hold {nbytes} bytes (one block), got {dest.nbytes}")
+    # [nbytes] uint8, sharing memory with dest
+    return dest.reshape(-1).view(torch.uint8).numpy()
