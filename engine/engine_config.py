@@ -10,9 +10,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import paths
+from engine.attention import ATTN_BACKENDS as _BACKENDS
 from kvtier.hashing import HASH_ALGORITHMS
 
-ATTN_BACKENDS = ("auto", "torch", "triton", "flash")
+ATTN_BACKENDS = ("auto", *_BACKENDS)
 
 GIB = 1 << 30
 
@@ -80,6 +82,11 @@ class EngineConfig:
     def disk_cache_bytes(self) -> int:
         """Budget of the disk tier in bytes (0 when it is off)."""
         return int(self.disk_cache_gb * GIB) if self.disk_cache else 0
+
+
+def default_disk_cache_dir() -> Path:
+    """`<user cache dir>/kv`: the disk tier's directory when none is given (not created)."""
+    return paths.cache_dir(create=False) / "kv"
 
 
 def _check_positive_int(name: str, value: object) -> None:

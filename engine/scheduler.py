@@ -181,7 +181,7 @@ class Scheduler:
         """Give a waiting request its cached prefix. False if it now waits for a load."""
         num_lookup = (request.num_tokens - 1) // request.block_size
         hit = self.manager.lookup(request.block_hashes[:num_lookup])
-        tiers = list(hit.tiers)
+        tiers = list(hit.locations)
         gpu_blocks = list(hit.gpu_blocks)
         load_positions = [i for i, tier in enumerate(tiers) if tier is not Tier.GPU]
         fresh = self.manager.allocate(len(load_positions)) if load_positions else []

@@ -1,0 +1,125 @@
+"""The model runner: turns one step's plan into tensors, runs the model, samples.
+
+Input preparation builds plain numpy arrays on the CPU (token ids, positions, slot_mapping,
+block_tables, query_start_loc, seq_lens), then makes one tensor per field and copies it to
+the device once (from pinned memory, non-blocking, on CUDA). The attention metadata is
+passed to the model's forward as an argument. Logits are computed only for the last token
+of each request that samples in this step (a prefill chunk that stops short of the end of
+the prompt does not sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInputs:
+    """Device tensors of one step."""
+
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor   # [num_sampling_reqs] int64, rows of the hidden states
+    sampling_rows: tuple[int, ...]  # index into the scheduled list of each logits row
+
+
+class ModelRunner:
+    """Runs `model` over the paged `kv_cache` for the requests a scheduler planned.
+
+    `model` has `forward(input_ids, positions, kv_cache, attn_metadata) -> hidden
+    [num_tokens, hidden_size]` and `compute_logits(hidden [n, hidden_size]) -> [n, vocab]`.
+    `sample_fn(logits [n, vocab] float32, requests) -> [n]` token ids picks the next tokens.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 sample_fn) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        self.block_size = block_size
+        self.device = kv_cache.device
+        self.sample_fn = sample_fn
+        self._pin = self.device.type == "cuda"
+
+    def prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> ModelInputs:
+        """The step's tensors, built on the CPU and copied once per field."""
+        assert scheduled, "nothing scheduled"
+        bs = self.block_size
+        num_reqs = len(scheduled)
+        query_lens = np.array([s.num_new_tokens for s in scheduled], dtype=np.int32)
+        seq_lens = np.array([s.start + s.num_new_tokens for s in scheduled], dtype=np.int32)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_blocks = max(-(-int(n) // bs) for n in seq_lens)
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slot_mapping = np.empty(num_tokens, dtype=np.int64)
+        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        logits_indices: list[int] = []
+        sampling_rows: list[int] = []
+        for row, planned in enumerate(scheduled):
+            request = planned.request
+            lo, hi = int(query_start_loc[row]), int(query_start_loc[row + 1])
+            end = planned.start + planned.num_new_tokens
+            num_blocks = -(-end // bs)
+            assert len(request.block_table) >= num_blocks, \
+                f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
+            block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
+                                    dtype=np.int64, count=num_blocks)
+            block_tables[row, :num_blocks] = block_ids
+            input_ids[lo:hi] = request.token_ids[planned.start:end]
+            pos = np.arange(planned.start, end, dtype=np.int64)
+            positions[lo:hi] = pos
+            slot_mapping[lo:hi] = block_ids[pos // bs] * bs + pos % bs
+            if planned.samples:
+                logits_indices.append(hi - 1)
+                sampling_rows.append(row)
+
+        metadata = AttentionMetadata(
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(seq_lens),
+            block_tables=self._to_device(block_tables),
+            slot_mapping=self._to_device(slot_mapping),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        return ModelInputs(
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            attn_metadata=metadata,
+            logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),
+            sampling_rows=tuple(sampling_rows),
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[int | None]:
+        """Run one step; return the sampled token per scheduled request (None: no sample)."""
+        inputs = self.prepare_inputs(scheduled)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
+                                    inputs.attn_metadata)  # [num_tokens, hidden_size]
+        sampled: list[int | None] = [None] * len(scheduled)
+        if not inputs.sampling_rows:
+            return sampled
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [n, vocab]
+        requests = [scheduled[row].request for row in inputs.sampling_rows]
+        token_ids = self.sample_fn(logits, requests)  # [n]
+        for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
+            sampled[row] = int(token_id)
+        return sampled
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        if self._pin:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
