@@ -1,0 +1,151 @@
+"""The attention layer over the paged KV cache, and the metadata that drives it.
+
+Every decoder layer calls `PagedAttention.forward`: it writes the new tokens' K/V into the
+layer's cache views through `slot_mapping` (store_kv), then runs causal varlen attention of
+the batch's queries over each request's block table (paged_attention). The metadata is built
+once per step by the model runner and passed explicitly; there is no global context.
+
+Backends (chosen once, at construction):
+    "torch"  kernels.reference: pure torch, the CPU default and the reference in tests.
+    "triton" kernels.store_kv / kernels.paged_attention: the GPU default.
+    "flash"  kernels.flash_backend (flash-attn): CUDA only, block sizes divisible by 256.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ATTN_BACKENDS = ("torch", "triton", "flash")
+
+#: Upstream flash-attn 2's paged KV path needs the page (block) size divisible by this.
+FLASH_BLOCK_MULTIPLE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where one step's tokens sit in the paged cache (all tensors on the model's device).
+
+    query_start_loc: [num_reqs + 1] int32, cu_seqlens of the queries (padded with its last
+        value); request r's queries are tokens query_start_loc[r]:query_start_loc[r+1].
+    seq_lens: [num_reqs] int32, tokens of each request in the cache after this step; its
+        queries are the last q_len of them.
+    block_tables: [num_reqs, max_blocks_per_req] int32, GPU block ids (unused entries 0).
+    slot_mapping: [num_tokens] int64, `block_id * block_size + offset` for each new token's
+        K/V; -1 = do not store.
+    max_query_len, max_seq_len: host-side maxima over the requests.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def select_backend(device: torch.device | str, block_size: int, requested: str = "auto") -> str:
+    """The attention backend to use on `device` for caches of `block_size` tokens per block.
+
+    "auto" picks "torch" on the CPU and "triton" on CUDA (flash is only used when asked
+    for). Raises ValueError when `requested` is unknown or impossible here: "triton" without
+    CUDA (unless TRITON_INTERPRET=1, the slow CPU interpreter used in tests), "flash"
+    without CUDA, without flash-attn installed, or with a block size it cannot page.
+    """
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if requested == "auto":
+        return "triton" if on_cuda else "torch"
+    if requested == "torch":
+        return "torch"
+    if requested == "triton":
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton attention backend needs a CUDA device, got {device}; "
+                             "use attn_backend='torch' on the CPU")
+        return "triton"
+    if requested == "flash":
+        if not on_cuda:
+            raise ValueError(f"the flash attention backend needs a CUDA device, got {device}; "
+                             "use 'torch' on the CPU")
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ValueError("attn_backend='flash' needs the flash-attn package "
+                             "(pip install 'kvtier[flash]'); or use 'triton'")
+        if block_size % FLASH_BLOCK_MULTIPLE != 0:
+            raise ValueError(f"flash-attn pages KV in blocks that are multiples of "
+                             f"{FLASH_BLOCK_MULTIPLE} tokens, got block_size={block_size}; "
+                             "use attn_backend='triton' or a block size like 256")
+        return "flash"
+    raise ValueError(f"unknown attention backend {requested!r}; use 'auto' or one of "
+                     f"{ATTN_BACKENDS}")
+
+
+def _backend_functions(backend: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
+    """(store_kv, paged_attention) of a backend, imported on first use."""
+    if backend == "torch":
+        reference = importlib.import_module("kernels.reference")
+        return reference.store_kv, reference.paged_attention
+    if backend == "triton":
+        store = importlib.import_module("kernels.store_kv")
+        attend = importlib.import_module("kernels.paged_attention")
+        return store.store_kv, attend.paged_attention
+    if backend == "flash":
+        store = importlib.import_module("kernels.store_kv")
+        flash = importlib.import_module("kernels.flash_backend")
+        return store.store_kv, flash.paged_attention
+    raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTN_BACKENDS}")
+
+
+class PagedAttention(nn.Module):
+    """Store new K/V into the paged cache, then attend causally over it (no weights).
+
+    Queries carry `num_heads` heads, keys/values `num_kv_heads` (GQA: query head h reads kv
+    head h // (num_heads // num_kv_heads)). `softmax_scale` defaults to head_dim ** -0.5.
+    Raises ValueError for an unknown backend or heads that do not divide.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 backend: str = "torch", softmax_scale: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.backend = backend
+        self.softmax_scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self._store_kv, self._paged_attention = _backend_functions(backend)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads,
+        head_dim]; k_cache/v_cache: one layer's views [num_blocks, block_size, num_kv_heads,
+        head_dim]. Returns [num_tokens, num_heads, head_dim] in the query's dtype."""
+        assert query.shape[1:] == (self.num_heads, self.head_dim), \
+            f"query heads {tuple(query.shape[1:])} != {(self.num_heads, self.head_dim)}"
+        assert key.shape[1:] == (self.num_kv_heads, self.head_dim), \
+            f"key heads {tuple(key.shape[1:])} != {(self.num_kv_heads, self.head_dim)}"
+        self._store_kv(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        return self._paged_attention(
+            query, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+            attn_metadata.block_tables, attn_metadata.max_query_len,
+            attn_metadata.max_seq_len, self.softmax_scale)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend!r}")
