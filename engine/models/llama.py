@@ -1,0 +1,272 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+The batch is flattened: `input_ids` and `positions` are [num_tokens] covering prefill chunks
+and decodes of several requests; `AttentionMetadata` says which tokens belong to which
+request and where their K/V go. Every layer reads and writes its slice of the cross-layer
+cache `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` through
+`kvtier.device_cache.layer_views`.
+
+Parameter names are transformers' (`model.layers.3.self_attn.q_proj.weight`, ...) and nothing
+is fused, so Hugging Face state dicts load as they are. The numerics follow transformers'
+modeling code operation by operation (RMSNorm in float32, rope tables computed in float32
+then cast), so float32 outputs match it to rounding of the attention's reduction order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.config import ModelConfig, RopeScaling
+from kvtier.device_cache import layer_views
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in float32 and cast back first."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, with linear or llama3 scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep short wavelengths, divide long ones by `factor`, interpolate between.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((old_len / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding with a precomputed table indexed by absolute position.
+
+    `cos_sin_cache` [max_position, head_dim] holds cos in the first half of the last dim and
+    sin in the second, computed in float32 on the module's device (then cast to the model
+    dtype along with the module, as transformers casts its per-step tables).
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("cos_sin_cache", self._table(None), persistent=False)
+
+    def _table(self, device: torch.device | None) -> torch.Tensor:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)
+        positions = torch.arange(self.max_position, dtype=torch.int64, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def reset_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Recompute the table in float32 on `device`, stored in `dtype` (needed after
+        building on the meta device)."""
+        self.cos_sin_cache = self._table(device).to(dtype)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] int64 -> (cos, sin), each [num_tokens, 1, head_dim // 2]."""
+        table = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
+        cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x [num_tokens, heads, head_dim]: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+
+    Bitwise the same as transformers' `x * cos + rotate_half(x) * sin` with duplicated tables.
+    """
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention: q/k/v projections (optional bias), optional per-head q/k RMSNorm,
+    rope, then paged attention over this layer's cache views."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.uses_o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                   backend=attn_backend)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)  # [num_tokens, num_heads, head_dim]
+        k = apply_rope(k, cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
+        out = self.attn(q, k, v, k_cache, v_cache, attn_metadata)  # [num_tokens, heads, dim]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, attn_backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
+                                  attn_metadata)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (transformers' `model.*`)."""
+
+    def __init__(self, config: ModelConfig, attn_backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attn_backend)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(positions)  # [num_tokens, 1, head_dim // 2] each
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM over the paged cache; `attn_backend` as in `engine.attention`.
+
+    With tied embeddings there is no `lm_head` module: logits use `model.embed_tokens`.
+    """
+
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 (positions < max_position_embeddings);
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], written
+        at `attn_metadata.slot_mapping`. Returns hidden [num_tokens, hidden_size]."""
+        assert input_ids.shape == positions.shape and input_ids.dim() == 1, \
+            f"input_ids {tuple(input_ids.shape)} / positions {tuple(positions.shape)} must be " \
+            "equal flat [num_tokens]"
+        return self.model(input_ids, positions, kv_cache, attn_metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def reset_buffers(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Compute the non-weight buffers (the rope table) on `device` in `dtype`; needed
+        after building on the meta device."""
+        with torch.no_grad():
+            self.model.rotary_emb.reset_cache(torch.device(device), dtype)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     device: torch.device | str, dtype: torch.dtype) -> None:
+        """Make (name, tensor) pairs with transformers' names the model's parameters.
+
+        Each tensor is cast to `dtype` on `device` and becomes the parameter itself (no copy
+        when it already matches), so a model built on the meta device is materialised
+        without a second copy of the weights. A tied checkpoint's `lm_head.weight` is skipped
+        (it equals the embeddings) and so are rotary `inv_freq` buffers of old checkpoints.
+        Raises ValueError for an unknown name, a shape mismatch, or parameters the weights
+        did not cover.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in "
+                                 f"{self.config.family} model (wrong architecture?)")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(params[name].shape)}")
+            owner_name, _, leaf = name.rpartition(".")
+            owner = self.get_submodule(owner_name)
+            value = tensor.to(device=device, dtype=dtype)
+            setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
