@@ -8,7 +8,8 @@ Only torch and triton are imported.
 
 from kernels import reference
 from kernels.copy_blocks import copy_blocks
-from kernels.flash_backend import flash_available, flash_paged_attention
+from kernels.flash_backend import flash_available
+from kernels.flash_backend import paged_attention as flash_paged_attention
 from kernels.paged_attention import paged_attention
 from kernels.paged_decode import AttentionConfig
 from kernels.store_kv import store_kv

@@ -27,16 +27,15 @@ def flash_available(block_size: int) -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def flash_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
-                          softmax_scale: float,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
+                    softmax_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """`kernels.paged_attention` through flash-attn; same arguments, same result.
 
-    Unlike the Triton kernel, rows of `out` past `query_start_loc[-1]` are overwritten
-    with unspecified values. Raises ValueError when flash-attn cannot serve the configuration (see
-    `flash_available`) or the dtype is not float16 / bfloat16.
+    Unlike the Triton kernel, rows of `out` past `query_start_loc[-1]` are overwritten with
+    unspecified values. Raises ValueError when flash-attn cannot serve the configuration
+    (see `flash_available`) or the dtype is not float16 / bfloat16.
     """
     block_size = k_cache.shape[1]
     if not flash_available(block_size):
