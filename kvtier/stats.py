@@ -8,7 +8,7 @@ owned by one object; `snapshot()` gives the frozen record that crosses the API b
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.block_pool import PoolStats
@@ -80,8 +80,8 @@ class TierStats:
     hits / misses: lookups that found / did not find a block in this tier, counted per
         `lookup` call for every hash that reached this tier (a GPU miss goes on to the host).
     failures: blocks whose transfer out of or into this tier failed (the block is a miss).
-    rejected: blocks this tier could not take (no free slot, disk budget), so they were
-        not stored there.
+    rejected: blocks this tier could not take: no host slot for a write-through (skipped)
+        or a load (a miss), no room on disk.
     """
 
     hits: int
@@ -105,10 +105,10 @@ class TierCounters:
 class ManagerStats:
     """Everything the tier manager counts (see `TierManager.stats`).
 
-    tiers: per `Tier`; transfers: per `Direction`; pool: the GPU block pool; host_slots /
-    host_free_slots / host_cached: the host slab (all 0 when it is off); disk: the disk
-    tier's own stats (None when it is off); num_loads_in_flight / num_jobs_in_flight: work
-    not yet completed.
+    tiers: per `Tier`, in blocks; transfers: per `Direction`; pool: the GPU block pool.
+    host_slots / host_free_slots / host_cached / host_dirty: the host tier in slots (all 0
+    when it is off). disk: the disk tier's own stats (None when it is off or closed).
+    num_loads_in_flight / num_jobs_in_flight: work not completed yet.
     """
 
     tiers: dict[Tier, TierStats]
@@ -117,13 +117,24 @@ class ManagerStats:
     host_slots: int
     host_free_slots: int
     host_cached: int
-    disk: Any = None
-    num_loads_in_flight: int = 0
-    num_jobs_in_flight: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+    host_dirty: int
+    disk: Any
+    num_loads_in_flight: int
+    num_jobs_in_flight: int
 
     def bytes_moved(self, direction: Direction) -> int:
         return self.transfers[direction].num_bytes
+
+
+def count_lookup(counters: dict[Tier, TierCounters], search_order: list[Tier],
+                 found: Tier | None) -> None:
+    """Count one looked-up block: a miss in every tier searched before `found`, a hit there
+    (`found` None: a miss everywhere)."""
+    for tier in search_order:
+        if tier is found:
+            counters[tier].hits += 1
+            return
+        counters[tier].misses += 1
 
 
 def new_tier_counters() -> dict[Tier, TierCounters]:

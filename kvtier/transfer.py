@@ -23,13 +23,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import torch
 
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
+
+if TYPE_CHECKING:
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.record import BlockMeta
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,42 @@ class IOJob:
 
     direction: Direction
     run: Callable[[], int]
+
+
+def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[torch.Tensor],
+                  bytes_per_block: int) -> tuple[IOJob, list[bool]]:
+    """A DISK_TO_HOST job reading the blocks `metas` names into `dests` (uint8 views
+    `[bytes_per_block]` of host slots) in one read transaction. The returned list receives
+    each block's outcome (True: verified hit) once the job has run; it stays empty if the
+    job raised."""
+    results: list[bool] = []
+
+    def run() -> int:
+        results.extend(disk.get_many_into(metas, dests))
+        return sum(results) * bytes_per_block
+
+    return IOJob(Direction.DISK_TO_HOST, run), results
+
+
+def disk_write_job(disk: DiskTier, metas: Sequence[BlockMeta],
+                   payloads: Sequence[torch.Tensor],
+                   bytes_per_block: int) -> tuple[IOJob, list[bool]]:
+    """A HOST_TO_DISK job storing blocks (payloads: uint8 views `[bytes_per_block]` of host
+    slots) that the disk does not hold yet, in one write transaction. The returned list
+    receives, per block, whether the disk holds it afterwards (False: refused for lack of
+    room); it stays empty if the job raised. Counts only newly written bytes."""
+    stored: list[bool] = []
+
+    def run() -> int:
+        block_hashes = [meta.block_hash for meta in metas]
+        before = disk.contains(block_hashes)
+        new = [i for i, present in enumerate(before) if not present]
+        if new:
+            disk.put([metas[i] for i in new], [payloads[i] for i in new])
+        stored.extend(disk.contains(block_hashes) if new else before)
+        return sum(stored[i] for i in new) * bytes_per_block
+
+    return IOJob(Direction.HOST_TO_DISK, run), stored
 
 
 @dataclass(slots=True)

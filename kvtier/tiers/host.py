@@ -209,6 +209,14 @@ class HostTier:
         entry.state, entry.meta, entry.num_pins, entry.dirty = SlotState.FREE, None, 0, False
         self._free.append(slot)
 
+    def release(self, slot: SlotId) -> None:
+        """A transfer is done with the slot: unpin a CACHED slot, free a RESERVED one (it
+        only staged bytes, or duplicates a block cached in another slot)."""
+        if self._slots[slot].state is SlotState.RESERVED:
+            self.free_slot(slot)
+        else:
+            self.unpin(slot)
+
     def pin(self, slot: SlotId) -> None:
         """One more transfer uses the slot: it is not evicted or reused until `unpin`."""
         entry = self._slots[slot]
@@ -273,8 +281,9 @@ class HostTier:
         self._num_dirty -= entry.dirty
         entry.state, entry.meta, entry.num_pins, entry.dirty = SlotState.FREE, None, 0, False
 
-    def check_invariants(self) -> None:
-        """Assert the slot bookkeeping is consistent (O(num_slots); for tests)."""
+    def check_invariants(self, idle: bool = False) -> None:
+        """Assert the slot bookkeeping is consistent; with `idle` (no transfer in flight),
+        also that no slot is pinned or reserved (O(num_slots); for tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a slot is twice in the free list"
         num_dirty = 0
@@ -288,7 +297,9 @@ class HostTier:
                 num_dirty += entry.dirty
             if entry.state is SlotState.RESERVED:
                 assert not entry.dirty, f"reserved slot {slot} is dirty"
-        for block_hash, slot in self._index.items():
+            assert not idle or (entry.num_pins == 0 and entry.state is not SlotState.RESERVED), \
+                f"slot {slot} is pinned or reserved while no transfer is in flight: {entry}"
+        for slot in self._index.values():
             assert self._slots[slot].state is SlotState.CACHED, f"index points at {slot}"
         assert num_dirty == self._num_dirty, f"dirty count {self._num_dirty} != {num_dirty}"
         assert len(self.policy) == len(self._index), "policy tracks other keys than the index"

@@ -1,0 +1,450 @@
+"""The tier manager: who holds which block hash, and the moves between GPU, host and disk.
+It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
+`TransferEngine`, and is driven from one engine thread.
+
+  * Write-through: newly cached full blocks are copied to host slots asynchronously; the copy
+    holds an extra pool reference on the block and a pin on the slot, which is indexed once
+    the bytes landed. With the host tier off and a disk tier on, a small staging slab carries
+    the bytes on to disk.
+  * Write-back: the least recently used dirty host blocks are written to disk ahead of demand;
+    a slot is evicted only once its block is clean (its disk write committed). When no slot
+    can be had, the write-through of that block is skipped and counted, never waited for.
+  * Loads: host hits are pinned and copied to the GPU; disk hits are read into host slots (in
+    waves when slots are short), then copied. `poll` advances the chains.
+
+Fail closed (DESIGN decision 3): a failed transfer or an invalid record makes its block a
+miss; pins and slots are released and the failure is counted.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import torch
+
+from kvtier.block_pool import BlockPool
+from kvtier.config import TierConfig
+from kvtier.device_cache import allocate_kv_cache
+from kvtier.free_queue import KVCacheBlock
+from kvtier.hashing import BlockHash
+from kvtier.layout import KVLayout
+from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier, SlotId
+from kvtier.tiers.record import BlockMeta
+from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, disk_write_job
+
+LoadId = NewType("LoadId", int)
+
+_DISK_WRITE_BATCH = 32  # blocks per LMDB write transaction
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest prefix of the looked-up hashes that some tier holds.
+
+    `locations[i]` is the fastest tier holding block i; `gpu_blocks[i]` is its pool block for
+    GPU hits and None otherwise. Both lists have the prefix's length (0: nothing hit).
+    """
+
+    locations: list[Tier]
+    gpu_blocks: list[KVCacheBlock | None]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
+
+
+@dataclass(slots=True)
+class _LoadBlock:
+    meta: BlockMeta
+    gpu_block: KVCacheBlock
+    slot: SlotId | None = None
+    done: bool = False
+    ok: bool = False
+
+
+@dataclass(slots=True)
+class _Load:
+    blocks: list[_LoadBlock]
+    waiting: deque[_LoadBlock] = field(default_factory=deque)  # disk hits without a slot
+    job_ids: set[JobId] = field(default_factory=set)
+
+    @property
+    def is_ready(self) -> bool:
+        return all(lb.done for lb in self.blocks)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+class TierManager:
+    """GPU block pool plus host and disk tiers for one KV layout (see the module docstring).
+
+    `kv_cache: [num_gpu_blocks, *layout.block_shape]` lives on `device`; on a CPU device the
+    "GPU" is a CPU tensor and copies run synchronously. Not thread-safe. Raises ValueError
+    for a config that does not fit the layout or the machine, and the disk tier's errors.
+    """
+
+    def __init__(self, layout: KVLayout, config: TierConfig,
+                 device: torch.device | str = "cpu") -> None:
+        self.layout, self.config, self.device = layout, config, torch.device(device)
+        num_host_slots = config.num_host_slots(layout)
+        # [num_gpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+        self.kv_cache = allocate_kv_cache(layout, config.num_gpu_blocks, self.device)
+        self.pool = BlockPool(config.num_gpu_blocks)
+        self._host_caches = num_host_slots > 0
+        self.host: HostTier | None = None
+        if self._host_caches or config.disk_enabled:
+            self.host = HostTier(layout, num_host_slots or config.staging_slots,
+                                 pin_memory=self.device.type == "cuda")
+        self.disk: DiskTier | None = None
+        if config.disk_path is not None:
+            assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
+            self.disk = DiskTier(config.disk_path, layout, config.disk_budget_bytes)
+        self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
+                                        config.max_pending_io)
+        self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
+            + [Tier.DISK] * (self.disk is not None)
+        self._on_done: dict[JobId, tuple[_Load | None, Callable[[bool], None]]] = {}
+        self._loads: dict[LoadId, _Load] = {}
+        self._load_ids = itertools.count()
+        self._storing: set[BlockHash] = set()  # write-through in flight
+        self._num_writing_back = 0
+        self._writeback_reserve = max(1, num_host_slots // 8)
+        self._tiers = new_tier_counters()
+        self._closed = False
+
+    # ---- lookups and GPU blocks ----------------------------------------------------------
+
+    @property
+    def _host(self) -> HostTier:
+        assert self.host is not None, "no host slab: the host and disk tiers are both off"
+        return self.host
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> PrefixHit:
+        """The longest prefix of `block_hashes` held by some tier, each block from the
+        fastest tier holding it. Takes no references and pins nothing (call `touch` on GPU
+        hits, `prepare_load` for the rest); counts hits and misses per tier."""
+        gpu_run = self.pool.lookup_prefix(block_hashes)  # the common case; counts pool stats
+        locations = [Tier.GPU] * len(gpu_run)
+        gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
+        self._tiers[Tier.GPU].hits += len(gpu_run)
+        on_disk: list[bool] = []
+        for i in range(len(gpu_run), len(block_hashes)):
+            block = self.pool.get_cached_block(block_hashes[i])
+            tier = Tier.GPU if block is not None else None
+            if tier is None and self._host_caches and self._host.contains(block_hashes[i]):
+                tier = Tier.HOST
+            if tier is None and self.disk is not None:
+                if not on_disk:  # one read transaction for all the rest
+                    on_disk = [False] * i + self.disk.contains(list(block_hashes[i:]))
+                tier = Tier.DISK if on_disk[i] else None
+            count_lookup(self._tiers, self._search_order, tier)
+            if tier is None:
+                break
+            locations.append(tier)
+            gpu_blocks.append(block)
+        return PrefixHit(locations, gpu_blocks)
+
+    def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
+        """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few
+        are free. Raises ValueError for a negative count."""
+        blocks = self.pool.allocate(num_blocks)
+        self.pool.take_events()  # evicted GPU blocks need nothing: their bytes are below
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """One more reference on each block (e.g. GPU prefix hits a request will use)."""
+        self.pool.touch(blocks)
+
+    def free(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one reference on each block, in sequence order (see `BlockPool.free`)."""
+        self.pool.free(blocks)
+
+    # ---- loads ---------------------------------------------------------------------------
+
+    def prepare_load(self, metas: Sequence[BlockMeta],
+                     gpu_blocks: Sequence[KVCacheBlock]) -> LoadId:
+        """Start loading the blocks `metas` names into `gpu_blocks` (allocated by the caller,
+        held, not cached) from the host, else from disk. From the first block no tier
+        holds onwards, all are misses at once.
+
+        The manager holds a reference on every block until `complete_load`, which must be
+        called once per load (also when its request went away). Raises ValueError on a
+        length mismatch or a block that is free or already cached.
+        """
+        if len(metas) != len(gpu_blocks):
+            raise ValueError(f"{len(metas)} metas but {len(gpu_blocks)} GPU blocks")
+        for block in gpu_blocks:
+            if block.ref_cnt == 0 or block.block_hash is not None:
+                raise ValueError(f"{block}: load targets must be allocated by the caller "
+                                 "and not cached")
+        load = _Load([_LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)])
+        load_id = LoadId(next(self._load_ids))
+        self._loads[load_id] = load
+        self.pool.touch(gpu_blocks)
+        from_host: list[_LoadBlock] = []
+        on_disk: list[bool] = []
+        for i, lb in enumerate(load.blocks):
+            lb.slot = self._host.lookup(lb.meta.block_hash) if self._host_caches else None
+            if lb.slot is not None:
+                self._host.pin(lb.slot)
+                from_host.append(lb)
+                continue
+            if self.disk is not None:
+                if not on_disk:
+                    on_disk = [False] * i + self.disk.contains(
+                        [b.meta.block_hash for b in load.blocks[i:]])
+                if on_disk[i]:
+                    load.waiting.append(lb)
+                    continue
+            for missing in load.blocks[i:]:
+                missing.done = True
+            break
+        if from_host:
+            self._copy_to_gpu(load, from_host)
+        self._feed_load(load)
+        return load_id
+
+    def _feed_load(self, load: _Load) -> None:
+        """Give host slots to the load's waiting disk hits, in order, and start reading them
+        (split over the I/O threads)."""
+        ready: list[_LoadBlock] = []
+        while load.waiting:
+            slot = self._host.allocate_slot(load.waiting[0].meta)
+            if slot is None:  # SlotId 0 is falsy: compare with None
+                break
+            load.waiting[0].slot = slot
+            ready.append(load.waiting.popleft())
+        for chunk in _chunks(ready, max(1, -(-len(ready) // self.config.io_threads))):
+            dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [bytes_per_block]
+            job, results = disk_read_job(self.disk, [lb.meta for lb in chunk], dests,
+                                         self.layout.bytes_per_block)
+            self._submit(job, lambda ok, c=chunk, r=results: self._finish_disk_read(load, c, r),
+                         load)
+
+    def _finish_disk_read(self, load: _Load, items: list[_LoadBlock],
+                          results: list[bool]) -> None:
+        landed = []
+        for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
+            assert lb.slot is not None
+            if ok:
+                if self._host_caches:  # a duplicate stays reserved and is freed after the copy
+                    self._host.commit(lb.slot, dirty=False)
+                landed.append(lb)
+            else:
+                self._host.free_slot(lb.slot)
+                lb.slot, lb.done = None, True
+                self._tiers[Tier.DISK].failures += 1
+        if landed:
+            self._copy_to_gpu(load, landed)
+
+    def _copy_to_gpu(self, load: _Load, items: list[_LoadBlock]) -> None:
+        mapping = torch.tensor([[lb.slot, lb.gpu_block.block_id] for lb in items],
+                               dtype=torch.int64)  # [n, 2] (slot, gpu block)
+
+        def finish(ok: bool) -> None:
+            for lb in items:
+                assert lb.slot is not None
+                self._host.release(lb.slot)  # freed if it only staged the bytes
+                lb.slot, lb.done, lb.ok = None, True, ok
+            self._tiers[Tier.HOST].failures += 0 if ok else len(items)
+
+        self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache, mapping),
+                     finish, load)
+
+    def is_load_ready(self, load_id: LoadId) -> bool:
+        """Whether every block of the load arrived or failed (advances transfers first).
+        Raises ValueError for an unknown or completed load."""
+        load = self._get_load(load_id)
+        self.poll()
+        return load.is_ready
+
+    def _get_load(self, load_id: LoadId) -> _Load:
+        if load_id not in self._loads:
+            raise ValueError(f"load {load_id} is unknown or already completed")
+        return self._loads[load_id]
+
+    def complete_load(self, load_id: LoadId) -> int:
+        """Finish a load, waiting for it if needed; returns how many LEADING blocks arrived
+        intact. Those are now cached in the pool; the others stay allocated, uncached, and
+        the caller recomputes them. Raises ValueError for an unknown or completed load."""
+        load = self._get_load(load_id)
+        self.poll()
+        while not load.is_ready:
+            # Blocks waiting for a host slot wait for whatever is in flight to free one.
+            pending = list(load.job_ids or self._on_done)
+            assert pending, "poll() leaves a load unready only while transfers are in flight"
+            self.transfers.wait(pending)
+            self.poll()
+        del self._loads[load_id]
+        num_ok = next((i for i, lb in enumerate(load.blocks) if not lb.ok), len(load.blocks))
+        # ref_cnt 1 is our own reference alone: the caller freed the block, so it is not
+        # cached (a later owner would overwrite its bytes).
+        held = [lb for lb in load.blocks[:num_ok] if lb.gpu_block.ref_cnt > 1]
+        self.pool.cache_full_blocks([lb.gpu_block for lb in held],
+                                    [lb.meta.block_hash for lb in held])
+        self.pool.free([lb.gpu_block for lb in load.blocks])
+        return num_ok
+
+    # ---- stores --------------------------------------------------------------------------
+
+    def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
+                          metas: Sequence[BlockMeta]) -> list[KVCacheBlock]:
+        """Cache full blocks in the pool and write the newly cached ones through to the host
+        (asynchronously); returns the newly cached blocks. A block already stored below, or
+        for which no host slot can be had now, is not copied. Raises ValueError as
+        `BlockPool.cache_full_blocks` does, or on a length mismatch."""
+        if len(blocks) != len(metas):
+            raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas")
+        newly = self.pool.cache_full_blocks(blocks, [meta.block_hash for meta in metas])
+        if self.host is None or not newly:
+            return newly
+        meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
+        self._schedule_writebacks(len(newly))
+        items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
+        for block, meta in ((block, meta_of[block.block_id]) for block in newly):
+            # (Staging: the disk write itself skips blocks already on disk.)
+            if meta.block_hash in self._storing or (
+                    self._host_caches and self._host.contains(meta.block_hash)):
+                continue
+            slot = self._host.allocate_slot(meta)
+            if slot is None:  # skipped, not waited for
+                self._tiers[Tier.HOST].rejected += 1
+                continue
+            items.append((block, meta, slot))
+            self._storing.add(meta.block_hash)
+        if items:
+            self.pool.touch([block for block, _, _ in items])
+            mapping = torch.tensor([[b.block_id, slot] for b, _, slot in items],
+                                   dtype=torch.int64)  # [n, 2] (gpu block, slot)
+            job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self._host.slab, mapping)
+            self._submit(job, lambda ok: self._finish_store(items, ok))
+        return newly
+
+    def _finish_store(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
+                      ok: bool) -> None:
+        self.pool.free([block for block, _, _ in items])
+        self._storing.difference_update(meta.block_hash for _, meta, _ in items)
+        slots = [slot for _, _, slot in items]
+        self._tiers[Tier.HOST].failures += 0 if ok else len(items)
+        if ok and not self._host_caches:
+            for chunk in _chunks(slots, _DISK_WRITE_BATCH):
+                self._write_to_disk(chunk, staged=True)
+            return
+        for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
+            if ok and self._host.commit(slot, dirty=self.disk is not None):
+                self._host.unpin(slot)
+            else:
+                self._host.free_slot(slot)
+
+    def _schedule_writebacks(self, num_needed: int) -> None:
+        """Start writing dirty host blocks to disk, least recently used first, so that
+        `num_needed` slots plus a small reserve can be had without waiting."""
+        if not self._host_caches or self.disk is None:
+            return
+        available = self._host.num_free_slots + self._host.num_clean + self._num_writing_back
+        shortfall = num_needed + self._writeback_reserve - available
+        if shortfall > 0:
+            for chunk in _chunks(self._host.writeback_candidates(shortfall), _DISK_WRITE_BATCH):
+                self._write_to_disk(chunk, staged=False)
+
+    def _write_to_disk(self, slots: list[SlotId], staged: bool) -> None:
+        """Write host slots to disk on the I/O pool. `staged`: RESERVED staging slots, freed
+        afterwards; else CACHED dirty slots, pinned meanwhile and clean afterwards."""
+        payloads = [self._host.slot_bytes(slot) for slot in slots]  # uint8 [bytes_per_block]
+        job, stored = disk_write_job(self.disk, [self._host.meta(slot) for slot in slots],
+                                     payloads, self.layout.bytes_per_block)
+
+        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
+            self._tiers[Tier.DISK].rejected += stored.count(False)
+            self._tiers[Tier.DISK].failures += len(slots) - len(stored)
+            for slot in slots:
+                if staged:
+                    self._host.free_slot(slot)
+                    continue
+                # Clean even when the write failed or was refused: the block is then lost
+                # on eviction, but a broken or full disk must not wedge the host tier.
+                self._host.unpin(slot)
+                self._host.mark_clean(slot)
+            self._num_writing_back -= 0 if staged else len(slots)
+
+        if not staged:
+            for slot in slots:
+                self._host.pin(slot)
+            self._num_writing_back += len(slots)
+        self._submit(job, finish)
+
+    # ---- progress ------------------------------------------------------------------------
+
+    def _submit(self, job: SwapJob | IOJob, on_done: Callable[[bool], None],
+                load: _Load | None = None) -> None:
+        job_id = self.transfers.submit(job)
+        self._on_done[job_id] = (load, on_done)
+        if load is not None:
+            load.job_ids.add(job_id)
+
+    def poll(self) -> None:
+        """Advance transfers without blocking: run the next step of every finished job
+        (disk -> host -> GPU chains, stores landing, write-backs committing), start
+        write-backs where the host runs short of evictable slots, and give freed slots to
+        waiting loads. Call it once per engine step."""
+        while finished := self.transfers.get_finished():
+            for job_id, ok in finished:
+                load, on_done = self._on_done.pop(job_id)
+                if load is not None:
+                    load.job_ids.discard(job_id)
+                on_done(ok)
+        self._schedule_writebacks(sum(len(load.waiting) for load in self._loads.values()))
+        for load in self._loads.values():
+            self._feed_load(load)
+        if not self._on_done:  # nothing in flight can free a slot: waiting blocks are misses
+            for load in self._loads.values():
+                self._tiers[Tier.HOST].rejected += len(load.waiting)
+                for lb in load.waiting:
+                    lb.done = True
+                load.waiting.clear()
+
+    def flush(self) -> None:
+        """Block until nothing is in flight and every dirty host block is written to disk."""
+        for write_back in (False, True):
+            if write_back and self._host_caches and self.disk is not None:
+                dirty = [s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]
+                for chunk in _chunks(dirty, _DISK_WRITE_BATCH):
+                    self._write_to_disk(chunk, staged=False)
+            self.poll()
+            while self._on_done:
+                self.transfers.wait(list(self._on_done))
+                self.poll()
+
+    def close(self) -> None:
+        """Wait for in-flight work, flush write-backs to disk, stop the I/O threads and close
+        the disk tier. Idempotent. Loads not completed keep their GPU references."""
+        if self._closed:
+            return
+        self.flush()
+        self.transfers.close()
+        if self.disk is not None:
+            self.disk.close()
+        self._closed = True
+
+    # ---- inspection ----------------------------------------------------------------------
+
+    def stats(self) -> ManagerStats:
+        """Per-tier hits, misses, failures and rejections (in blocks), transfer bytes and
+        seconds per direction, the pool's stats and the host slab's occupancy."""
+        host = self.host if self._host_caches else None
+        return ManagerStats(
+            tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},
+            transfers=self.transfers.stats(), pool=self.pool.stats(),
+            host_slots=host.num_slots if host else 0,
+            host_free_slots=host.num_free_slots if host else 0,
+            host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
+            disk=self.disk.stats() if self.disk is not None and not self._closed else None,
+            num_loads_in_flight=len(self._loads), num_jobs_in_flight=len(self._on_done))
