@@ -1,5 +1,6 @@
 """Chained block hashes: deterministic, namespaced, full blocks only, incremental == batch."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -156,7 +157,7 @@ def test_incremental_hasher_matches_batch_hashing(token_ids, cuts, block_size, a
     hasher = BlockHasher(parent, block_size, algorithm)
     bounds = sorted({0, len(token_ids), *(c for c in cuts if c <= len(token_ids))})
     returned = []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         piece = token_ids[start:end]
         new = hasher.extend(np.array(piece, dtype=np.uint32) if as_numpy else piece)
         returned.extend(new)
