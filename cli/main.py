@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 
+from cli import cache
 from cli.bench import pool as bench_pool
 from cli.common import KvtierGroup, print_json, print_table
 
@@ -122,6 +123,13 @@ def _register() -> None:
     app.command("info")(info)
     bench_app.command("pool")(bench_pool.pool)
     app.add_typer(bench_app, name="bench")
+    cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
+    for name, command in (("stats", cache.stats), ("inspect", cache.inspect),
+                          ("verify", cache.verify), ("prune", cache.prune),
+                          ("clear", cache.clear), ("export", cache.export),
+                          ("import", cache.import_)):
+        cache_app.command(name)(command)
+    app.add_typer(cache_app, name="cache")
 
 
 _register()
