@@ -121,6 +121,7 @@ def info(
 def _register() -> None:
     """Attach every command to the app: the single place where commands are added."""
     app.command("info")(info)
+    app.command("generate")(importlib.import_module("cli.generate").generate)
     bench_app.command("pool")(bench_pool.pool)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from engine.engine_config import EngineConfig, default_disk_cache_dir
-from engine.loader import load_model, resolve_device_dtype
 from engine.attention import select_backend
+from engine.engine_config import EngineConfig, default_disk_cache_dir
+from engine.loader import LoadedModel, load_model, resolve_device_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestId, check_token_ids
@@ -71,14 +71,16 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class LLM:
     """An inference engine over one model with tiered KV caching.
 
-    model: "smollm2-135m", a Hugging Face directory, a .gguf file, or "random:<name>".
+    model: "smollm2-135m", a Hugging Face directory, a .gguf file, "random:<name>", or an
+    already loaded `LoadedModel` (its device and dtype are used; the model is shared, never
+    modified, so several engines may run one after the other on it).
     device: "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on
     CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, device: str | torch.device = "auto",
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, device: str | torch.device = "auto",
                  dtype: str | torch.dtype = "auto", block_size: int = 16,
                  gpu_blocks: int | None = None, gpu_memory_fraction: float = 0.5,
                  host_cache: bool = True, host_cache_gb: float = 1.0,
@@ -93,9 +95,13 @@ class LLM:
             host_cache_gb=host_cache_gb, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
             disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm,
             attn_backend=attn_backend, seed=seed)
-        self.device, self.dtype = resolve_device_dtype(resolve_device(device), dtype)
-        backend = select_backend(self.device, block_size, attn_backend)
-        loaded = load_model(model, self.device, self.dtype, attn_backend=backend)
+        if isinstance(model, LoadedModel):
+            loaded = model
+            self.device, self.dtype = _check_loaded(loaded, device, dtype)
+        else:
+            self.device, self.dtype = resolve_device_dtype(resolve_device(device), dtype)
+            backend = select_backend(self.device, block_size, attn_backend)
+            loaded = load_model(model, self.device, self.dtype, attn_backend=backend)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
@@ -337,6 +343,18 @@ class LLM:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _check_loaded(loaded: LoadedModel, device: str | torch.device,
+                  dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of an already loaded model; ValueError if they contradict the
+    ones asked for."""
+    weight = next(loaded.model.parameters())
+    if device != "auto" and resolve_device(device).type != weight.device.type:
+        raise ValueError(f"the loaded model is on {weight.device}, not {device}")
+    if dtype != "auto" and resolve_device_dtype(weight.device, dtype)[1] != weight.dtype:
+        raise ValueError(f"the loaded model is {weight.dtype}, not {dtype}")
+    return weight.device, weight.dtype
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
