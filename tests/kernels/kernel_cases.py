@@ -20,9 +20,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Tests of Triton kernels on CPU tensors need the interpreter.
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETING, reason="Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-#: GPU tests: marked, and skipped cleanly without CUDA.
-gpu = [pytest.mark.gpu,
-       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+#: GPU tests carry @pytest.mark.gpu and this, so they skip cleanly without CUDA.
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TOLERANCES = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),

@@ -36,7 +36,7 @@ MIXED_SEQ_LENS = [13, 27, 37, 0, 32]
 MIXED_Q_LENS = [13, 6, 1, 0, 1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_paged_attention_matches_naive(dtype: torch.dtype, group: int) -> None:
     case = cases.build_attention_case(MIXED_SEQ_LENS, MIXED_Q_LENS, num_kv_heads=2,
