@@ -124,20 +124,24 @@ class BlockPool:
         nobody can hit them). Raises ValueError, changing nothing, if a block is not held
         (e.g. freed twice).
         """
-        pending: dict[int, int] = {}
-        for block in blocks:
-            pending[block.block_id] = pending.get(block.block_id, 0) + 1
-            if block.ref_cnt < pending[block.block_id]:
-                raise ValueError(f"block {block.block_id} is freed more times than it is held "
-                                 f"(ref_cnt={block.ref_cnt}); was it freed twice?")
-        tail_first: list[KVCacheBlock] = []
-        for block in reversed(blocks):
+        # One pass drops the references, tail first; a block that is not held undoes the
+        # pass so far. The queue is only touched after the whole batch is known to be valid.
+        released: list[KVCacheBlock] = []  # blocks reaching ref_cnt 0, tail first
+        for num_done, block in enumerate(reversed(blocks)):
+            if block.ref_cnt <= 0:
+                for done in blocks[len(blocks) - num_done:]:
+                    done.ref_cnt += 1
+                raise ValueError(f"block {block.block_id} is freed more times than it is held; "
+                                 "was it freed twice?")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
-                    tail_first.append(block)
+                released.append(block)
+        tail_first: list[KVCacheBlock] = []
+        for block in released:
+            if block.block_hash is None:
+                self.free_queue.appendleft(block)
+            else:
+                tail_first.append(block)
         self.free_queue.append_n(tail_first)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
@@ -152,7 +156,7 @@ class BlockPool:
         """
         if len(blocks) != len(block_hashes):
             raise ValueError(f"{len(blocks)} blocks but {len(block_hashes)} hashes")
-        claimed: dict[int, BlockHash] = {}
+        claimed: dict[int, BlockHash] = {}  # block id -> the one hash it may carry
         for block, block_hash in zip(blocks, block_hashes):
             if block.ref_cnt == 0:
                 raise ValueError(f"block {block.block_id} is free; only held blocks are cached")
