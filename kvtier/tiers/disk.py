@@ -13,7 +13,7 @@ threads may read and write at once (writes are serialized by LMDB). Each call op
 its own transactions; none is held across calls.
 
 Two LMDB rules shape the code: the map can only be resized while no transaction of this
-process is open (`ResizeGate`), and values read with buffers=True are only valid inside their
+process is open (`GuardedEnv`), and values read with buffers=True are only valid inside their
 transaction (bytes are copied into the caller's tensor before it ends).
 """
 
@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -33,7 +32,7 @@ import torch
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, LmdbIndex, ResizeGate, is_disk_full
+from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, GuardedEnv, LmdbIndex, is_disk_full
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
@@ -77,7 +76,9 @@ class DiskTier:
     (default 64 MiB, or the data file's size) and doubles when full up to `max_map_bytes`
     (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused. With `durable` each commit is fsynced (LMDB's
     meta page one commit later, which keeps the database consistent after a crash and may lose
-    the last commit); without it the OS flushes when it likes. A directory written with
+    the last commit); without it the OS flushes when it likes. Access-order updates from
+    reads ride on the next write transaction, or get one of their own once
+    `touch_flush_every` are pending (each commit costs an fsync when durable). A directory written with
     another disk format is cleared on open (`format_reset` is then true) or, read-only, served
     as empty.
 
@@ -88,7 +89,7 @@ class DiskTier:
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
                  initial_map_bytes: int | None = None, durable: bool = True,
-                 touch_flush_every: int = 64) -> None:
+                 touch_flush_every: int = 1024) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -106,12 +107,11 @@ class DiskTier:
         map_size = min(self._map_limit, max(initial_map_bytes or _INITIAL_MAP_BYTES, data_bytes))
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
                                      map_size=map_size, mode=PRIVATE_FILE_MODE)
-        self._gate = ResizeGate()
+        self._map = GuardedEnv(self._index.env, self._map_limit)
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._pending_touches: dict[BlockHash, None] = {}
         self._touch_flush_every = touch_flush_every
-        self._closed = False
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
         self.format_reset = False
@@ -126,13 +126,13 @@ class DiskTier:
 
     def _check_format(self) -> None:
         if self.readonly:
-            with self._txn() as txn:
+            with self._map.txn() as txn:
                 self._stale = self._index.format_version(txn) != DISK_FORMAT_VERSION
             if self._stale:
                 logger.warning("disk cache %s has another format version; serving nothing "
                                "(open it writable to reset it)", self.path)
             return
-        with self._txn(write=True) as txn:
+        with self._map.txn(write=True) as txn:
             version = self._index.format_version(txn)
             if version != DISK_FORMAT_VERSION and (version is not None
                                                   or self._index.num_blocks(txn)):
@@ -147,15 +147,13 @@ class DiskTier:
 
     def close(self) -> None:
         """Flush pending access-order updates and close LMDB. Safe to call twice."""
-        with self._lock:
-            if self._closed:
-                return
-        if not self.readonly:
-            self._flush_touches()
-        with self._lock:
-            self._closed = True
-        with self._gate.exclusive():
-            self._index.env.close()
+        if self._map.closed:
+            return
+        try:
+            if not self.readonly:
+                self._flush_touches()
+        finally:
+            self._map.close()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -169,11 +167,11 @@ class DiskTier:
         """Whether each hash has a stored value (not validated: `get_into` may still miss)."""
         if self._stale:
             return [False] * len(block_hashes)
-        with self._txn() as txn:
+        with self._map.txn() as txn:
             return [self._index.has(txn, h) for h in block_hashes]
 
     def stats(self) -> DiskStats:
-        with self._txn() as txn:
+        with self._map.txn() as txn:
             num_blocks = self._index.num_blocks(txn)
             bytes_used = self._index.counter(txn, "bytes_used")
         with self._lock:
@@ -204,7 +202,7 @@ class DiskTier:
             return [False] * len(metas)
         checksums: list[int | None] = []
         rejects: list[BlockMeta] = []
-        with self._txn() as txn:
+        with self._map.txn() as txn:
             for meta, array in zip(metas, arrays):
                 checksum, rejected = self._read_into(txn, meta, array)
                 checksums.append(checksum)
@@ -250,7 +248,7 @@ class DiskTier:
         self._count(rejected=len(metas))
         if self.readonly:
             return
-        with self._txn(write=True) as txn:
+        with self._map.txn(write=True) as txn:
             for meta in metas:
                 value = self._index.get(txn, meta.block_hash)
                 # Another process may have replaced it with a good value meanwhile.
@@ -267,7 +265,8 @@ class DiskTier:
     # ---- stores --------------------------------------------------------------------------
 
     def put(self, metas: Sequence[BlockMeta], payloads: Sequence[object]) -> int:
-        """Store blocks in one write transaction; how many of them are present afterwards.
+        """Store blocks in one write transaction; how many of them (distinct hashes) are
+        present afterwards.
 
         A payload is `bytes_per_block` bytes as bytes, a memoryview, a C-contiguous numpy
         array or a contiguous CPU tensor. Hashes already stored are touched, not rewritten.
@@ -281,15 +280,19 @@ class DiskTier:
         items: dict[BlockHash, tuple[BlockMeta, memoryview]] = {}
         for meta, view in zip(metas, views):
             items.setdefault(meta.block_hash, (meta, view))
+        if not items:
+            return 0
         present = self.contains(list(items))
         if self.readonly:
             self._count(refused=len(items) - sum(present))
             return sum(present)
+        # Checksums are computed here, outside the write transaction other writers wait on.
         encoded = [(meta, encode_header(meta, self.layout, view.nbytes, payload_checksum(view)),
                     view) for (meta, view), hit in zip(items.values(), present) if not hit]
         touched = [h for h, hit in zip(items, present) if hit]
-        num_stored = self._put_encoded(encoded, touched, frozenset(items))
-        return sum(present) + num_stored
+        self._put_encoded(encoded, touched, frozenset(items))
+        # Counted afterwards: another process may have stored or pruned some meanwhile.
+        return sum(self.contains(list(items)))
 
     def _put_encoded(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
                      touched: list[BlockHash], keep: frozenset[BlockHash]) -> int:
@@ -302,12 +305,13 @@ class DiskTier:
         fails is split in halves; a single block that still fails is refused.
         """
         need = sum(len(header) + view.nbytes for _, header, view in encoded)
+        self._map.grow(need)
         pressure = 0
         while pressure < 3 * need:
             try:
                 return self._write_batch(encoded, touched, keep, pressure)
             except lmdb.MapFullError:
-                if self._grow_map():
+                if self._map.grow(need, full=True):
                     continue
             except lmdb.Error as exc:
                 if not is_disk_full(exc):
@@ -328,8 +332,9 @@ class DiskTier:
     def _write_batch(self, encoded: list[tuple[BlockMeta, bytes, memoryview]],
                      touched: list[BlockHash], keep: frozenset[BlockHash],
                      pressure: int) -> int:
-        with self._txn(write=True) as txn:
-            self._touch_in(txn, touched + self._take_touches())
+        with self._map.txn(write=True) as txn:
+            # Earlier reads first, then this batch: the batch is the most recent use.
+            self._touch_in(txn, self._take_touches() + touched)
             new = [(meta, header, view) for meta, header, view in encoded
                    if not self._index.has(txn, meta.block_hash)]
             need = sum(len(header) + view.nbytes for _, header, view in new)
@@ -362,11 +367,11 @@ class DiskTier:
     def _prune_committed(self, num_bytes: int, keep: frozenset[BlockHash]) -> bool:
         """Prune in a commit of its own; False if nothing could be pruned or written."""
         try:
-            with self._txn(write=True) as txn:
+            with self._map.txn(write=True) as txn:
                 num_pruned, _ = self._index.evict(txn, num_bytes, keep)
             # LMDB reuses the pages freed by commit N from commit N + 2 on (one reader may
             # still hold snapshot N - 1); a second small commit makes them usable right away.
-            with self._txn(write=True) as txn:
+            with self._map.txn(write=True) as txn:
                 self._index.set_counter(txn, "budget_bytes", self.budget_bytes)
         except lmdb.Error as exc:
             if not (isinstance(exc, lmdb.MapFullError) or is_disk_full(exc)):
@@ -374,14 +379,6 @@ class DiskTier:
             return False
         self._count(pruned=num_pruned)
         return num_pruned > 0
-
-    def _grow_map(self) -> bool:
-        with self._gate.exclusive():
-            current = self._index.env.info()["map_size"]
-            if current >= self._map_limit:
-                return False
-            self._index.env.set_mapsize(min(self._map_limit, current * 2))
-            return True
 
     # ---- access order and deletes --------------------------------------------------------
 
@@ -402,7 +399,7 @@ class DiskTier:
         """Remove blocks; how many were present. Raises ValueError when read-only."""
         if self.readonly:
             raise ValueError(f"disk cache {self.path} is open read-only; cannot delete")
-        with self._txn(write=True) as txn:
+        with self._map.txn(write=True) as txn:
             self._touch_in(txn, self._take_touches())
             return sum(self._index.remove(txn, h) for h in block_hashes)
 
@@ -415,33 +412,13 @@ class DiskTier:
     def _flush_touches(self) -> None:
         hashes = self._take_touches()
         if hashes:
-            with self._txn(write=True) as txn:
+            with self._map.txn(write=True) as txn:
                 self._touch_in(txn, hashes)
 
     def _touch_in(self, txn: lmdb.Transaction, block_hashes: list[BlockHash]) -> None:
         self._index.touch(txn, [h for h in block_hashes if self._index.has(txn, h)])
 
     # ---- plumbing ------------------------------------------------------------------------
-
-    @contextmanager
-    def _txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
-        """A transaction inside the resize gate; adopts a map grown by another process."""
-        for _ in range(8):
-            with self._gate.shared():
-                if self._closed:
-                    raise ValueError(f"disk cache {self.path} is closed")
-                try:
-                    txn = self._index.env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    txn = None
-                if txn is not None:
-                    with txn:
-                        yield txn
-                    return
-            with self._gate.exclusive():
-                self._index.env.set_mapsize(0)
-        raise OSError(f"disk cache {self.path}: the LMDB map keeps being resized by another "
-                      "process; retry later")
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

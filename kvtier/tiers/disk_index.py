@@ -6,10 +6,11 @@
     meta    b"format_version" u16, b"next_seq" / b"bytes_used" / b"budget_bytes" u64,
             b"layout:" + fingerprint -> the layout's describe() string
 
-Every method takes the caller's transaction; writes keep three invariants together: a hash is
-in `access` iff it is in `blocks`; `lru` holds exactly one key per entry of `access`;
-`bytes_used` is the sum of the lengths of the values in `blocks`. `DiskTier` and the
-`disk_admin` functions both use this class, so the schema is written down once.
+Every `LmdbIndex` method takes the caller's transaction; writes keep three invariants
+together: a hash is in `access` iff it is in `blocks`; `lru` holds exactly one key per entry
+of `access`; `bytes_used` is the sum of the lengths of the values in `blocks`. `DiskTier` and
+the `disk_admin` functions both use this class, so the schema is written down once.
+`GuardedEnv` lets threads share the environment while its map grows.
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ class LmdbIndex:
         self.set_counter(txn, "bytes_used", total)
 
 
-class ResizeGate:
+class _ResizeGate:
     """Many transactions at once, or one map resize alone (waiting resizes go first).
 
     LMDB may only resize the map while no transaction of this process is open.
@@ -246,6 +247,67 @@ class ResizeGate:
             with self._cond:
                 self._resizing = False
                 self._cond.notify_all()
+
+
+class GuardedEnv:
+    """An LMDB environment whose map grows on demand while threads use it.
+
+    LMDB may only resize the map while no transaction of this process is open, so every
+    transaction is taken through `txn()` inside a gate that a resize closes. `map_limit`
+    caps growth (bytes).
+    """
+
+    def __init__(self, env: lmdb.Environment, map_limit: int) -> None:
+        self.env = env
+        self.map_limit = map_limit
+        self.closed = False
+        self._path = env.path()
+        self._gate = _ResizeGate()
+        self._page_size = env.stat()["psize"]
+
+    @contextmanager
+    def txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
+        """A transaction (buffers=True); adopts a map grown by another process. Raises
+        ValueError once closed."""
+        for _ in range(8):
+            with self._gate.shared():
+                if self.closed:
+                    raise ValueError(f"disk cache {self._path} is closed")
+                try:
+                    txn = self.env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            with self._gate.exclusive():
+                self.env.set_mapsize(0)
+        raise OSError(f"disk cache {self._path}: the LMDB map keeps being resized by "
+                      "another process; retry later")
+
+    def grow(self, num_bytes: int, full: bool = False) -> bool:
+        """Grow the map (doubling, up to its limit) when it is `full` or has less than twice
+        `num_bytes` left past the last used page: growing before a write transaction is
+        cheaper than aborting it. False when the map cannot grow."""
+        info = self.env.info()
+        room = info["map_size"] - (info["last_pgno"] + 1) * self._page_size
+        if not full and room >= 2 * num_bytes:
+            return True
+        with self._gate.exclusive():
+            current = self.env.info()["map_size"]
+            if current >= self.map_limit:
+                return False
+            target = max(current * 2, current - room + 2 * num_bytes)
+            self.env.set_mapsize(min(self.map_limit, target))
+            return True
+
+    def close(self) -> None:
+        """Close the environment once no transaction is open. Safe to call twice."""
+        with self._gate.exclusive():
+            if not self.closed:
+                self.closed = True
+                self.env.close()
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:

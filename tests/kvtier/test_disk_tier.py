@@ -3,12 +3,11 @@ damaged values, old formats, the byte budget, a full map and a full disk."""
 
 from __future__ import annotations
 
-import os
+import multiprocessing
 import random
 import resource
 import signal
 import struct
-import multiprocessing
 import threading
 import traceback
 from pathlib import Path
@@ -16,6 +15,8 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
@@ -307,6 +308,21 @@ def test_budget_prunes_least_recently_used_first_across_reopen(tmp_path):
         assert stats.refused == 2 and stats.pruned == 2
 
 
+def test_a_read_is_older_than_a_later_put_of_a_present_block(tmp_path):
+    metas, payloads = make_blocks(SMALL, seed=13, num_blocks=5)
+    hashes = [m.block_hash for m in metas]
+    with DiskTier(tmp_path, SMALL, 3 * record_size(SMALL, metas[0])) as tier:
+        for i in (0, 1, 3):  # oldest first: 0, 1, 3
+            tier.put(metas[i:i + 1], payloads[i:i + 1])
+        assert read_back(tier, metas[0]) is not None  # pending access: 1, 3, 0
+        # Re-putting 1 is a later use than the read of 0: 3, 0, 1; block 2 evicts 3.
+        assert tier.put([metas[1], metas[2]], [payloads[1], payloads[2]]) == 2
+        assert tier.contains(hashes[:4]) == [True, True, True, False]
+        # Order now 0, 1, 2: block 4 evicts 0, not 1.
+        assert tier.put(metas[4:5], payloads[4:5]) == 1
+        assert tier.contains(hashes) == [False, True, True, False, True]
+
+
 def test_map_full_prunes_or_refuses_without_losing_committed_blocks(tmp_path):
     metas, payloads = make_blocks(LARGE, seed=8, num_blocks=80)
     tier = DiskTier(tmp_path, LARGE, BIG_BUDGET, max_map_bytes=1 << 20,
@@ -427,3 +443,93 @@ def test_refuses_a_bad_directory(tmp_path):
         pass
     assert (tmp_path / "new" / "cache").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "new" / "cache" / "data.mdb").stat().st_mode & 0o777 == 0o600
+
+
+class LruModel:
+    """The truth the tier must match: an LRU of equal-sized records under a byte budget,
+    with reads' access updates applied at the next write (as the tier batches them)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.order: dict[bytes, int] = {}  # hash -> payload index, oldest first
+        self.pending: dict[bytes, None] = {}
+
+    def _use(self, block_hash: bytes) -> None:
+        if block_hash in self.order:
+            self.order[block_hash] = self.order.pop(block_hash)
+
+    def _flush(self) -> None:
+        for block_hash in self.pending:
+            self._use(block_hash)
+        self.pending.clear()
+
+    def put(self, batch: list[tuple[bytes, int]]) -> int:
+        self._flush()
+        batch_hashes = {h for h, _ in batch}
+        new = [(h, i) for h, i in batch if h not in self.order]
+        for h, _ in batch:
+            self._use(h)
+        over = len(self.order) + len(new) - self.capacity
+        for victim in [h for h in self.order if h not in batch_hashes][:max(over, 0)]:
+            del self.order[victim]
+        for h, i in new[:self.capacity - len(self.order)]:
+            self.order[h] = i
+        return sum(h in self.order for h in batch_hashes)
+
+    def get(self, block_hash: bytes) -> int | None:
+        if block_hash not in self.order:
+            return None
+        self.pending.pop(block_hash, None)
+        self.pending[block_hash] = None
+        return self.order[block_hash]
+
+    def delete(self, block_hashes: list[bytes]) -> int:
+        self._flush()
+        return sum(self.order.pop(h, None) is not None for h in block_hashes)
+
+
+# Few distinct blocks and small batches, so that hits, re-puts and evictions interleave.
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.lists(st.integers(0, 6), min_size=1, max_size=3)),
+    st.tuples(st.just("put"), st.lists(st.integers(0, 6), min_size=1, max_size=3)),
+    st.tuples(st.just("get"), st.integers(0, 6)),
+    st.tuples(st.just("get"), st.integers(0, 6)),
+    st.tuples(st.just("delete"), st.lists(st.integers(0, 6), max_size=2)),
+    st.tuples(st.just("reopen"), st.just(0)),
+), min_size=1, max_size=30)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, capacity=st.integers(1, 5))
+def test_matches_an_lru_model(tmp_path_factory, ops, capacity):
+    path = tmp_path_factory.mktemp("model")
+    metas, payloads = make_blocks(SMALL, seed=30, num_blocks=7)
+    budget = capacity * record_size(SMALL, metas[0])
+    model = LruModel(capacity)
+    tier = DiskTier(path, SMALL, budget, touch_flush_every=1000)
+    try:
+        for op, arg in ops:
+            if op == "put":
+                batch = list(dict.fromkeys(arg))  # distinct, in order
+                assert tier.put([metas[i] for i in batch], [payloads[i] for i in batch]) == \
+                    model.put([(metas[i].block_hash, i) for i in batch])
+            elif op == "get":
+                expected = model.get(metas[arg].block_hash)
+                got = read_back(tier, metas[arg])
+                assert (got is None) == (expected is None)
+                assert got is None or same_bytes(got, payloads[expected])
+            elif op == "delete":
+                assert tier.delete([metas[i].block_hash for i in arg]) == \
+                    model.delete([metas[i].block_hash for i in arg])
+            else:
+                tier.close()
+                model._flush()
+                tier = DiskTier(path, SMALL, budget, touch_flush_every=1000)
+            assert tier.contains([m.block_hash for m in metas]) == \
+                [m.block_hash in model.order for m in metas]
+        stats = tier.stats()
+        assert stats.num_blocks == len(model.order) <= capacity
+        assert stats.bytes_used == len(model.order) * record_size(SMALL, metas[0])
+    finally:
+        tier.close()

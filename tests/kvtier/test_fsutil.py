@@ -111,7 +111,7 @@ def test_refuses_a_directory_it_cannot_write(tmp_path):
             try:
                 result = subprocess.run([python, "-I", "-c", probe, str(locked),
                                          str(fsutil_file)], user=NOBODY, capture_output=True,
-                                        text=True, timeout=60, cwd=base)
+                                        text=True, timeout=60, cwd=base, check=False)
             except (PermissionError, FileNotFoundError):
                 continue
             if "Permission denied" not in result.stderr:
