@@ -229,8 +229,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return out
     group = num_heads // num_kv_heads
     if config is None:
-        config = pick_config(query.device, num_tokens, num_reqs, num_kv_heads, group,
-                             head_dim, max_query_len, max_seq_len)
+        config = pick_config(query.device, query.dtype, num_tokens, num_reqs, num_kv_heads,
+                             group, head_dim, max_query_len, max_seq_len)
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     num_splits = config.num_splits

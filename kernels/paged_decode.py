@@ -55,8 +55,8 @@ class AttentionConfig:
                              f"got {self.block_q}")
 
 
-def pick_config(device: torch.device, num_tokens: int, num_reqs: int, num_kv_heads: int,
-                group: int, head_dim: int, max_query_len: int,
+def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_reqs: int,
+                num_kv_heads: int, group: int, head_dim: int, max_query_len: int,
                 max_seq_len: int) -> AttentionConfig:
     """A tiling for the batch: decode-shaped (short query tiles, split-KV when programs are
     scarce) when every request has at most a few queries, prefill-shaped otherwise."""
@@ -72,6 +72,11 @@ def pick_config(device: torch.device, num_tokens: int, num_reqs: int, num_kv_hea
             num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
         return AttentionConfig(block_q=block_q, tile_n=64, num_splits=num_splits,
                                num_warps=4, num_stages=3)
+    if dtype == torch.float32:
+        # Exact float32 dots run on CUDA cores, not tensor cores: big tiles only spill.
+        block_m = max(32, group_pad)
+        return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=32, num_splits=1,
+                               num_warps=4, num_stages=2)
     block_m = max(128 if head_dim <= 128 else 64, group_pad)
     return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,
                            num_warps=8, num_stages=3 if head_dim <= 128 else 2)

@@ -26,8 +26,9 @@ def _store_kv_kernel(
     stride_key_t, stride_key_h, stride_value_t, stride_value_h,
     stride_kc_b, stride_kc_t, stride_kc_h,
     stride_vc_b, stride_vc_t, stride_vc_h,
-    num_kv_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, HEAD_TILE: tl.constexpr, DIM_TILE: tl.constexpr,
+    num_kv_heads,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_TILE: tl.constexpr,
+    DIM_TILE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # int64
@@ -36,7 +37,7 @@ def _store_kv_kernel(
         offset = slot % BLOCK_SIZE
         heads = tl.program_id(1) * HEAD_TILE + tl.arange(0, HEAD_TILE)[:, None]
         dims = tl.arange(0, DIM_TILE)[None, :]
-        mask = (heads < num_kv_heads) & (dims < head_dim)  # [HEAD_TILE, DIM_TILE]
+        mask = (heads < num_kv_heads) & (dims < HEAD_DIM)  # [HEAD_TILE, DIM_TILE]
         token64 = token.to(tl.int64)
         k = tl.load(key_ptr + token64 * stride_key_t + heads * stride_key_h + dims, mask=mask)
         v = tl.load(value_ptr + token64 * stride_value_t + heads * stride_value_h + dims,
@@ -86,7 +87,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads, head_dim,
-        BLOCK_SIZE=k_cache.shape[1], HEAD_TILE=head_tile, DIM_TILE=dim_tile,
+        num_kv_heads,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_TILE=head_tile, DIM_TILE=dim_tile,
         num_warps=4,
     )
