@@ -183,18 +183,21 @@ class Scheduler:
         hit = self.manager.lookup(request.block_hashes[:num_lookup])
         tiers = list(hit.locations)
         gpu_blocks = list(hit.gpu_blocks)
+        # GPU hits leave the free queue before anything is allocated, or the allocation
+        # could hand one of them out again.
+        self.manager.touch([b for b in gpu_blocks if b is not None])
         load_positions = [i for i, tier in enumerate(tiers) if tier is not Tier.GPU]
         fresh = self.manager.allocate(len(load_positions)) if load_positions else []
         if fresh is None:
             # No room to restore into: keep the GPU part in front of the first lower-tier hit.
             cut = load_positions[0]
+            self.manager.free([b for b in gpu_blocks[cut:] if b is not None])
             tiers, gpu_blocks, load_positions, fresh = tiers[:cut], gpu_blocks[:cut], [], []
-        touched = [b for b in gpu_blocks if b is not None]
-        self.manager.touch(touched)
         table: list[KVCacheBlock] = []
         fresh_iter = iter(fresh)
         for tier, block in zip(tiers, gpu_blocks):
             table.append(block if tier is Tier.GPU else next(fresh_iter))
+        assert len({b.block_id for b in table}) == len(table), "a block twice in one table"
         request.block_table = table
         if not load_positions:
             self._set_prefix(request, len(table), tiers)

@@ -178,6 +178,34 @@ def test_waiting_for_a_load_does_not_block_later_requests(host_manager: TierMana
     assert again.counters.computed == 1 + 1
 
 
+def test_prefix_split_between_gpu_and_host_on_a_full_pool(host_manager: TierManager) -> None:
+    driver = Driver(host_manager)
+    driver.add(prompt_of(25), max_tokens=1)  # 6 full blocks + 1 token
+    driver.run_until_done()
+    host_manager.flush()
+    # Reuse 4 free blocks (evicting the prompt's last full blocks from the GPU) and keep 3:
+    # one free block is left besides the cached prefix still on the GPU.
+    held = host_manager.allocate(4)
+    assert held is not None
+    host_manager.free(held[3:])
+    again = driver.add(prompt_of(25), max_tokens=2)
+    plan, _ = driver.step()
+    # The GPU hits are taken before blocks are allocated for the host hits; there is then no
+    # room for the load or the computation, so the request waits, holding nothing.
+    assert not plan.scheduled and again.status is RequestStatus.WAITING
+    assert again.block_table == []
+    host_manager.pool.check_invariants()
+    host_manager.free(held[:3])
+    while again.status is not RequestStatus.RUNNING:
+        plan, _ = driver.step()
+    assert plan.scheduled[0].start == 24
+    assert again.counters.cached_gpu + again.counters.cached_host == 24
+    assert again.counters.cached_gpu > 0 and again.counters.cached_host > 0
+    assert len({b.block_id for b in again.block_table}) == len(again.block_table)
+    assert_kv_matches_tokens(host_manager, again, 25)
+    driver.run_until_done()
+
+
 def test_gpu_hits_are_shared_not_recomputed(host_manager: TierManager) -> None:
     driver = Driver(host_manager)
     first = driver.add(prompt_of(9), max_tokens=1)
