@@ -33,8 +33,8 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
     """The last request r whose first tile `query_start_loc[r] // BLOCK_Q + r` is <= tile."""
-    lo = tl.full((), 0, tl.int32)
-    hi = tl.full((), 0, tl.int32) + num_reqs  # the answer lies in [lo, hi)
+    lo = tile * 0  # int32 tensors even when num_reqs is specialised to a constant
+    hi = tile * 0 + num_reqs  # the answer lies in [lo, hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -92,11 +92,10 @@ def _paged_attention_kernel(
     stride_k_b, stride_k_t, stride_k_h, stride_v_b, stride_v_t, stride_v_h,
     stride_bt_r, stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -256,7 +255,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=config.block_q, BLOCK_SIZE=block_size,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=config.block_q,
+        BLOCK_M=config.block_q * group_pad, BLOCK_SIZE=block_size,
         TILE_N=config.tile_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32,

@@ -74,8 +74,8 @@ def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_r
                                num_warps=4, num_stages=3)
     if dtype == torch.float32:
         # Exact float32 dots run on CUDA cores, not tensor cores: big tiles only spill.
-        block_m = max(32, group_pad)
-        return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=32, num_splits=1,
+        block_m = max(16, group_pad)
+        return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,
                                num_warps=4, num_stages=2)
     block_m = max(128 if head_dim <= 128 else 64, group_pad)
     return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,

@@ -87,7 +87,7 @@ def run_swap_bench(num_blocks: int = 512, repeats: int = 9, matmul_size: int = 8
     num_slots = 2 * num_blocks
     gpu = torch.empty((num_slots, *BLOCK_SHAPE), dtype=DTYPE, device=device)
     gpu.view(torch.int16).random_(generator=torch.Generator(device=device).manual_seed(SEED))
-    host = torch.empty((num_slots, *BLOCK_SHAPE), dtype=DTYPE).pin_memory()
+    host = torch.empty((num_slots, *BLOCK_SHAPE), dtype=DTYPE, pin_memory=True)
     block_bytes = gpu[0].numel() * gpu.element_size()
     total = num_blocks * block_bytes
     maps = _mappings(num_blocks, num_slots, num_slots)
