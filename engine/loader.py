@@ -13,7 +13,6 @@ on the target device in the target dtype, so no second copy of the model is made
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from engine import paths
 from engine.attention import select_backend
@@ -39,8 +39,7 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Written last into a converted model directory: the fingerprint of the file it came from.
 _SOURCE_STAMP = "kvtier-source.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-#: Bytes read from the start and the end of each weights file for the model id.
-_SAMPLE_BYTES = 1 << 16
+_READ_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,16 +123,20 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
 
 
 def _fingerprint(files: list[Path], extra: bytes = b"") -> str:
-    """16 hex digits over names, sizes and the first and last 64 KiB of each file: cheap on
-    multi-GB weights, and different files of equal name and size still differ."""
-    digest = hashlib.sha256(extra)
+    """16 hex digits of xxh3-128 over `extra` and each file's name, size and full contents.
+
+    Every byte counts, so weights that differ anywhere get different ids (a sampled digest
+    would let a partial fine-tune share an id, and so KV blocks, with its base model). The
+    read costs far less than the load that follows and leaves the file in the page cache.
+    """
+    digest = xxhash.xxh3_128(extra)
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
     for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}\x00{size}\x00".encode())
-        with open(file, "rb") as handle:
-            digest.update(handle.read(_SAMPLE_BYTES))
-            handle.seek(max(0, size - _SAMPLE_BYTES))
-            digest.update(handle.read(_SAMPLE_BYTES))
+        digest.update(f"\x00{file.name}\x00{file.stat().st_size}\x00".encode())
+        with open(file, "rb", buffering=0) as handle:
+            while num_read := handle.readinto(buffer):
+                digest.update(view[:num_read])
     return digest.hexdigest()[:16]
 
 
