@@ -178,15 +178,16 @@ class ModelConfig:
         Qwen3Config), with the same weight names and numerics as this engine's model."""
         import transformers
 
-        common: dict[str, Any] = dict(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            rope_scaling=None if self.rope_scaling is None else self.rope_scaling.to_hf(),
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings, bos_token_id=self.bos_token_id,
-            eos_token_id=list(self.eos_token_ids) or None, hidden_act="silu")
+        common: dict[str, Any] = {
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None, "hidden_act": "silu"}
         if self.family == "qwen2":
             if not self.attention_bias:
                 raise ValueError("transformers' Qwen2 always has qkv biases; "
@@ -234,16 +235,16 @@ def _read_rope(hf_config: Any) -> tuple[float, RopeScaling | None]:
 
 
 def _tiny(family: str, **overrides: Any) -> ModelConfig:
-    base = dict(family=family, vocab_size=256, hidden_size=64, intermediate_size=128,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                rope_theta=10000.0, max_position_embeddings=1024, eos_token_ids=(2,),
-                bos_token_id=1)
+    base = {"family": family, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+            "eos_token_ids": (2,), "bos_token_id": 1}
     base.update(overrides)
     return ModelConfig(**base)
 
 
-_LLAMA3_SCALING = dict(low_freq_factor=1.0, high_freq_factor=4.0,
-                       original_max_position_embeddings=8192)
+_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
 
 NAMED_CONFIGS: MappingProxyType[str, ModelConfig] = MappingProxyType({
     "llama3-8b": ModelConfig(

@@ -146,7 +146,7 @@ def _safetensors_weights(files: list[Path], device: torch.device
 
     for file in files:
         with safe_open(str(file), framework="pt", device=str(device)) as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 yield name, handle.get_tensor(name)
 
 

@@ -266,8 +266,8 @@ def test_config_validation_and_kv_layout():
     layout = config.kv_layout(16, torch.bfloat16)
     assert layout.block_shape == (32, 2, 16, 8, 128)
     assert layout.bytes_per_block == 2 * 1024 * 1024  # 2 MiB per 16-token block
-    base = dict(family="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
-                num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2)
+    base = {"family": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+            "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 2}
     ModelConfig(**base)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig(**{**base, "num_kv_heads": 3})
