@@ -15,6 +15,7 @@ from typing import Any
 import typer
 
 from cli import cache
+from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
 from cli.common import KvtierGroup, print_json, print_table
 
@@ -123,6 +124,8 @@ def _register() -> None:
     app.command("info")(info)
     app.command("generate")(importlib.import_module("cli.generate").generate)
     bench_app.command("pool")(bench_pool.pool)
+    bench_app.command("longctx")(bench_commands.longctx)
+    bench_app.command("serve")(bench_commands.serve)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
     for name, command in (("stats", cache.stats), ("inspect", cache.inspect),

@@ -1,0 +1,193 @@
+"""Typer commands for the benchmarks whose modules expose only a `run_*_bench` function.
+
+Each command turns its options into the bench's arguments, shows progress on stderr, and
+prints the result as JSON (`--json`) or as a rich table. cli/main.py attaches them to the
+`bench` group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
+from cli.bench.serve import MODES as SERVE_MODES
+from cli.bench.serve import ServeConfig, run_serve_bench
+from cli.common import print_json, print_table
+from cli.plot import plot_longctx
+
+_JSON_HELP = "Print the result as one JSON object instead of a table."
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f}"
+
+
+def _parse_names(text: str, known: tuple[str, ...], option: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(f"{option} takes a comma-separated list of {', '.join(known)}; "
+                         f"got {text!r}")
+    return names
+
+
+def _with_status(message: str, run):
+    """Run `run(update)` under a spinner on stderr; `update(text)` changes its line."""
+    console = Console(stderr=True)
+    with console.status(message) as status:
+        return run(lambda text: status.update(text))
+
+
+def _print_longctx(result: dict[str, Any]) -> None:
+    config = result["config"]
+    strategies = result["strategies"]
+    print_table(f"bench longctx: {config['num_docs']} documents x {config['doc_tokens']} tokens, "
+                f"{result['model_id']} on {result['device']} ({result['dtype']}), GPU budget "
+                f"{result['gpu_blocks']} blocks; round-two time to first token (ms)",
+                ("strategy", "p50", "p90", "p99", "speedup", "round 1 p50"),
+                [(name, _ms(f["ttft_s"]["p50"]), _ms(f["ttft_s"]["p90"]),
+                  _ms(f["ttft_s"]["p99"]), f"{f['speedup_vs_recompute']:.2f}x",
+                  _ms(f["ttft_round1_s"]["p50"])) for name, f in strategies.items()])
+    print_table("Where round-two prompt tokens came from, and transfers over both rounds",
+                ("strategy", "GPU", "host", "disk", "computed", "MiB moved", "swap steps",
+                 "max MiB/step"),
+                [(name, f["tokens"]["gpu"], f["tokens"]["host"], f["tokens"]["disk"],
+                  f["tokens"]["computed"], _mib(sum(f["bytes_moved"].values())),
+                  f"{f['num_swap_steps']} of {f['num_steps']}", _mib(f["max_bytes_per_step"]))
+                 for name, f in strategies.items()])
+    headline = result["headline"]
+    for name in ("host", "disk"):
+        key = f"speedup_{name}_vs_recompute"
+        if key in headline:
+            typer.echo(f"{name} restore vs recompute, {headline['prompt_tokens']}-token prompt: "
+                       f"{headline[key]:.2f}x sooner first token (p50)")
+    verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
+    typer.echo(f"generated tokens across strategies: {verdict}")
+
+
+def longctx(
+    model: str = typer.Option("smollm2-135m", help="Model: an alias, a Hugging Face "
+                              "directory, a .gguf file, or random:<name> (e.g. "
+                              "random:llama3-8b)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
+                              "float32, bfloat16 or float16."),
+    num_docs: int = typer.Option(4, help="Documents (the GPU budget holds one request)."),
+    doc_tokens: int = typer.Option(1024, help="Tokens per document."),
+    question_tokens: int = typer.Option(16, help="Tokens per question after a document."),
+    max_tokens: int = typer.Option(4, help="Tokens generated per request."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    gpu_blocks: int | None = typer.Option(None, help="GPU block budget (default: one "
+                                          "request's blocks plus two)."),
+    max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step "
+                                           "(prefill chunk size)."),
+    strategies: str = typer.Option(",".join(STRATEGIES), help="Comma-separated strategies "
+                                   "to compare; recompute is the baseline and required."),
+    disk_dir: Path | None = typer.Option(None, help="Directory of the disk strategy's tier "
+                                         "(default: a temporary directory, removed after)."),
+    seed: int = typer.Option(0, help="Seed of the documents' token ids."),
+    plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
+                                     "TTFT comparison to this PNG file (needs matplotlib)."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """TTFT of long prompts whose KV is recomputed vs restored from the host or disk tier."""
+    config = LongctxConfig(model=model, device=device, dtype=dtype, num_docs=num_docs,
+                           doc_tokens=doc_tokens, question_tokens=question_tokens,
+                           max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
+                           max_batched_tokens=max_batched_tokens,
+                           strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
+                           disk_dir=str(disk_dir) if disk_dir else None, seed=seed)
+    result = _with_status("bench longctx", lambda update: run_longctx_bench(config, update))
+    if plot is not None:
+        result["plot"] = str(plot_longctx(result, plot))
+    if json_output:
+        print_json(result)
+        return
+    _print_longctx(result)
+    if plot is not None:
+        typer.echo(f"plot written to {result['plot']}")
+
+
+def _print_serve(result: dict[str, Any]) -> None:
+    config = result["config"]
+    modes, ratios = result["modes"], result["ratios_vs_baseline"]
+    rows = []
+    for name, m in modes.items():
+        ttft, tpot = m["ttft_s"], m["tpot_s"]
+        rows.append((name, f"{m['throughput_tok_s']:,.1f}", f"{ratios[name]['throughput']:.2f}x",
+                     _ms(ttft["p50"]), _ms(ttft["p90"]), _ms(ttft["p99"]),
+                     *((_ms(tpot["p50"]), _ms(tpot["p90"]), _ms(tpot["p99"])) if tpot
+                       else ("-", "-", "-"))))
+    print_table(f"bench serve: {config['num_conversations']} conversations x "
+                f"{config['num_rounds']} rounds, {result['model_id']} on {result['device']} "
+                f"({result['dtype']}), GPU budget {result['gpu_blocks']} of "
+                f"{result['blocks_needed_by_all']} blocks; TTFT and TPOT in ms",
+                ("mode", "tok/s", f"vs {result['baseline']}", "TTFT p50", "p90", "p99",
+                 "TPOT p50", "p90", "p99"), rows)
+    print_table("Where prompt tokens came from",
+                ("mode", "GPU", "host", "disk", "computed", "preemptions", "MiB moved"),
+                [(name, m["tokens"]["gpu"], m["tokens"]["host"], m["tokens"]["disk"],
+                  m["tokens"]["computed"], m["num_preemptions"],
+                  _mib(sum(m["bytes_moved"].values()))) for name, m in modes.items()])
+    verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
+    typer.echo(f"conversations across modes: {verdict}")
+    comparison = result.get("hf_comparison")
+    if comparison:
+        print_table("engine (tiers off) vs transformers generate(): tokens/s",
+                    ("batch", "prefill engine", "prefill HF", "ratio", "decode engine",
+                     "decode HF", "ratio", "same tokens"),
+                    [(key.removeprefix("batch_"), f"{c['engine_prefill_tok_s']:,.0f}",
+                      f"{c['hf_prefill_tok_s']:,.0f}", f"{c['prefill_ratio']:.2f}x",
+                      f"{c['engine_decode_tok_s']:,.1f}", f"{c['hf_decode_tok_s']:,.1f}",
+                      f"{c['decode_ratio']:.2f}x", "yes" if c["same_tokens"] else "no")
+                     for key, c in comparison.items()])
+
+
+def serve(
+    model: str = typer.Option("smollm2-135m", help="Model: an alias, a Hugging Face "
+                              "directory, a .gguf file, or random:<name>."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    num_conversations: int = typer.Option(8, help="Concurrent conversations (clients)."),
+    num_rounds: int = typer.Option(3, help="Requests per conversation."),
+    system_tokens: int = typer.Option(256, help="Tokens of the system prompt all share."),
+    user_tokens: int = typer.Option(32, help="Tokens of each new question."),
+    max_tokens: int = typer.Option(16, help="Tokens of each answer."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    gpu_blocks: int | None = typer.Option(None, help="GPU block budget (default: a third of "
+                                          "what all conversations need)."),
+    max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
+    modes: str = typer.Option(",".join(SERVE_MODES), help="Comma-separated tier modes; the "
+                              "first is the baseline of the ratios."),
+    compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
+                                    "decode tokens/s with transformers' generate()."),
+    hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),
+    hf_prompt_tokens: int = typer.Option(128, help="Prompt tokens in the comparison."),
+    hf_new_tokens: int = typer.Option(32, help="Generated tokens in the comparison."),
+    repeats: int = typer.Option(3, help="Timed runs of the comparison; figures are medians."),
+    seed: int = typer.Option(0, help="Seed of the token ids."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk."""
+    config = ServeConfig(model=model, device=device, dtype=dtype,
+                         num_conversations=num_conversations, num_rounds=num_rounds,
+                         system_tokens=system_tokens, user_tokens=user_tokens,
+                         max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
+                         max_batched_tokens=max_batched_tokens,
+                         modes=_parse_names(modes, SERVE_MODES, "--modes"),
+                         compare_hf=compare_hf, hf_batch=hf_batch,
+                         hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
+                         repeats=repeats, seed=seed)
+    result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
+    if json_output:
+        print_json(result)
+    else:
+        _print_serve(result)

@@ -1,0 +1,297 @@
+"""`kvtier bench longctx`: time to first token of long prompts whose KV is recomputed, restored
+from the host tier, or restored from the disk tier.
+
+`num_docs` documents of `doc_tokens` seeded random token ids, more than the GPU budget holds
+(by default it holds one request). Round one prefills every document with a first question,
+so their blocks spill; round two asks a second question about each document, one request at
+a time. Strategies, side by side on one loaded model:
+
+    recompute  tiers off: round two prefills every document again
+    host       a host tier large enough for every document: round two restores from it
+    disk       round one on an engine that is then closed (its host tier flushed to disk);
+               round two on a fresh engine whose host tier starts empty, so the documents'
+               blocks come from the LMDB disk tier
+
+The engine's stats are sampled after every step (tier occupancy, bytes moved per direction),
+which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy and its ratio to
+recompute are the headline; every strategy must generate the same tokens (greedy).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import LLM, RequestOutput, SamplingParams
+from engine.llm import resolve_device
+from engine.loader import LoadedModel, load_model
+from kvtier.layout import KVLayout
+from kvtier.stats import Direction, ManagerStats
+
+STRATEGIES = ("recompute", "host", "disk")
+GIB = 1 << 30
+#: The goal the engine issue sets for a 32K-token prompt on the GPU: restoring its KV from the
+#: host tier gives the first token at least this many times sooner than recomputing it.
+HOST_SPEEDUP_GOAL = 12.0
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LongctxConfig:
+    """Sizes of the benchmark. gpu_blocks None: one request's blocks plus two.
+
+    Raises ValueError naming the option when a size is out of range or a strategy unknown.
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    num_docs: int = 4
+    doc_tokens: int = 1024
+    question_tokens: int = 16
+    max_tokens: int = 4
+    block_size: int = 16
+    gpu_blocks: int | None = None
+    max_batched_tokens: int = 2048
+    strategies: tuple[str, ...] = STRATEGIES
+    disk_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
+                     "max_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        if unknown or "recompute" not in self.strategies:
+            raise ValueError(f"--strategies must name some of {STRATEGIES} including "
+                             f"'recompute' (the baseline of every ratio); got {self.strategies}")
+        if self.gpu_blocks is not None and self.gpu_blocks < self.request_blocks:
+            raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold one request "
+                             f"({self.request_blocks} blocks); raise it or shorten --doc-tokens")
+
+    @property
+    def request_blocks(self) -> int:
+        """Blocks one request occupies at its longest."""
+        tokens = self.doc_tokens + self.question_tokens + self.max_tokens
+        return math.ceil(tokens / self.block_size)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.gpu_blocks if self.gpu_blocks is not None else self.request_blocks + 2
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float | int]:
+    """p50 / p90 / p99 (linear interpolation), mean and count of `samples`."""
+    values = np.asarray(samples, dtype=np.float64)
+    assert values.size, "no samples to summarize"
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "mean": float(values.mean()), "n": int(values.size)}
+
+
+def load_for_bench(model: str, device: str, dtype: str) -> LoadedModel:
+    """Load `model` once; the strategies' engines share it."""
+    return load_model(model, resolve_device(device), dtype)
+
+
+def free_engine_memory(device: torch.device) -> None:
+    """Release a closed engine's KV cache before the next one allocates its own."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class StepRecorder:
+    """Samples an engine's stats after every step: occupancy and bytes moved in that step.
+
+    Steps are numbered across every engine fed to it (`start`), so a strategy that restarts
+    its engine keeps one timeline.
+    """
+
+    def __init__(self) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self._origin = time.perf_counter()
+        self._previous: ManagerStats | None = None
+        self._phase = ""
+
+    def start(self, llm: LLM, phase: str) -> None:
+        """Begin sampling `llm` (moves are counted from its current totals)."""
+        self._previous = llm.stats()
+        self._phase = phase
+
+    def sample(self, llm: LLM) -> None:
+        stats = llm.stats()
+        assert self._previous is not None, "start() the recorder before sampling"
+        moved = {d.value: stats.bytes_moved(d) - self._previous.bytes_moved(d)
+                 for d in Direction}
+        self._previous = stats
+        self.samples.append({
+            "step": len(self.samples), "t_s": time.perf_counter() - self._origin,
+            "phase": self._phase,
+            "gpu_blocks": stats.pool.num_cached,
+            "gpu_used_blocks": stats.pool.num_blocks - stats.pool.num_free,
+            "host_blocks": stats.host_cached,
+            "disk_blocks": stats.disk.num_blocks if stats.disk is not None else 0,
+            "bytes_moved": moved,
+        })
+
+    def swaps(self) -> list[dict[str, Any]]:
+        """The steps in which bytes moved between tiers."""
+        return [s for s in self.samples if any(s["bytes_moved"].values())]
+
+
+def run_one(llm: LLM, prompt: Sequence[int], params: SamplingParams,
+            recorder: StepRecorder) -> RequestOutput:
+    """Run one request to completion, sampling the engine after every step."""
+    request_id = llm.add_request(list(prompt), params)
+    while True:
+        outputs = llm.step()
+        recorder.sample(llm)
+        for output in outputs:
+            if output.request_id == request_id:
+                return output
+
+
+def make_documents(config: LongctxConfig, vocab_size: int) -> tuple[list[list[int]], ...]:
+    """Seeded token ids: the documents, and one question per document and round."""
+    rng = np.random.default_rng(config.seed)
+    low = min(16, vocab_size - 1)  # keep clear of the usual special-token ids
+    docs = [rng.integers(low, vocab_size, config.doc_tokens).tolist()
+            for _ in range(config.num_docs)]
+    questions = [[rng.integers(low, vocab_size, config.question_tokens).tolist()
+                  for _ in range(config.num_docs)] for _ in range(2)]
+    return docs, questions[0], questions[1]
+
+
+def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
+                    disk_dir: Path) -> dict[str, Any]:
+    # Room for every document in the host tier (and on disk), with slack for the answers.
+    tier_bytes = 2 * config.num_docs * config.request_blocks * layout.bytes_per_block
+    options: dict[str, Any] = dict(gpu_blocks=config.num_gpu_blocks,
+                                   block_size=config.block_size,
+                                   max_num_batched_tokens=config.max_batched_tokens,
+                                   host_cache=strategy != "recompute",
+                                   host_cache_gb=tier_bytes / GIB,
+                                   disk_cache=strategy == "disk",
+                                   disk_cache_gb=tier_bytes / GIB)
+    if strategy == "disk":
+        options["disk_cache_dir"] = disk_dir
+    return options
+
+
+def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
+                  docs: list[list[int]], first: list[list[int]], second: list[list[int]],
+                  disk_dir: Path, progress: Progress) -> dict[str, Any]:
+    params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
+    layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
+    options = _engine_options(strategy, config, layout, disk_dir)
+    recorder = StepRecorder()
+    outputs: dict[str, list[RequestOutput]] = {}
+    with LLM(loaded, **options) as llm:
+        device = llm.device
+        recorder.start(llm, "round 1")
+        progress(f"{strategy}: round 1, prefilling {config.num_docs} documents")
+        outputs["round1"] = [run_one(llm, d + q, params, recorder) for d, q in zip(docs, first)]
+        if strategy != "disk":
+            recorder.start(llm, "round 2")
+            progress(f"{strategy}: round 2, asking about each document again")
+            outputs["round2"] = [run_one(llm, d + q, params, recorder)
+                                 for d, q in zip(docs, second)]
+    del llm
+    free_engine_memory(device)
+    if strategy == "disk":
+        # A fresh engine over the same directory: its host tier is empty, so every block
+        # that is not recomputed comes from disk.
+        with LLM(loaded, **options) as llm:
+            recorder.start(llm, "round 2")
+            progress(f"{strategy}: round 2 on a fresh engine, restoring from disk")
+            outputs["round2"] = [run_one(llm, d + q, params, recorder)
+                                 for d, q in zip(docs, second)]
+        del llm
+        free_engine_memory(device)
+    round2 = outputs["round2"]
+    moved = {d.value: sum(s["bytes_moved"][d.value] for s in recorder.samples)
+             for d in Direction}
+    return {
+        "ttft_s": summarize([o.metrics.ttft_s for o in round2]),
+        "ttft_round1_s": summarize([o.metrics.ttft_s for o in outputs["round1"]]),
+        "tokens": {"gpu": sum(o.metrics.cached_tokens_gpu for o in round2),
+                   "host": sum(o.metrics.cached_tokens_host for o in round2),
+                   "disk": sum(o.metrics.cached_tokens_disk for o in round2),
+                   "computed": sum(o.metrics.computed_tokens for o in round2)},
+        "bytes_moved": moved,
+        "num_steps": len(recorder.samples),
+        "num_swap_steps": len(recorder.swaps()),
+        "max_bytes_per_step": max((sum(s["bytes_moved"].values()) for s in recorder.samples),
+                                  default=0),
+        "timeline": recorder.samples,
+        "token_ids": {name: [list(o.token_ids) for o in outs] for name, outs in outputs.items()},
+    }
+
+
+def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run every strategy of `config` on one loaded model; return a JSON-ready dict.
+
+    `strategies[name]["ttft_s"]` summarizes round two; `speedup_vs_recompute` is the
+    recompute p50 over this strategy's p50; `headline` repeats the host and disk ratios for
+    the prompt length used; `outputs_identical` says whether every strategy generated the
+    same tokens. Raises ValueError for bad sizes (including a model context too short for
+    the documents) and the loader's errors for a model it cannot load.
+    """
+    report = progress or (lambda message: None)
+    report(f"loading {config.model}")
+    loaded = load_for_bench(config.model, config.device, config.dtype)
+    context = loaded.config.max_position_embeddings
+    if config.doc_tokens + config.question_tokens + config.max_tokens > context:
+        raise ValueError(f"--doc-tokens {config.doc_tokens} plus the question and answer "
+                         f"exceed the model's context ({context} tokens); shorten them")
+    docs, first, second = make_documents(config, loaded.config.vocab_size)
+    strategies: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvtier-longctx-") as scratch:
+        disk_dir = Path(config.disk_dir) if config.disk_dir else Path(scratch) / "kv"
+        for strategy in config.strategies:
+            strategies[strategy] = _run_strategy(strategy, loaded, config, docs, first, second,
+                                                 disk_dir, report)
+    baseline = strategies["recompute"]["ttft_s"]["p50"]
+    for result in strategies.values():
+        result["speedup_vs_recompute"] = baseline / result["ttft_s"]["p50"]
+    reference = strategies["recompute"]["token_ids"]
+    weight = next(loaded.model.parameters())
+    layout = loaded.config.kv_layout(config.block_size, weight.dtype)
+    prompt_tokens = config.doc_tokens + config.question_tokens
+    return {
+        "bench": "longctx",
+        "config": asdict(config),
+        "model_id": loaded.model_id,
+        "device": str(weight.device),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "layout": layout.describe(),
+        "bytes_per_block": layout.bytes_per_block,
+        "gpu_blocks": config.num_gpu_blocks,
+        "prompt_tokens": prompt_tokens,
+        "document_kv_bytes": config.doc_tokens * layout.bytes_per_token,
+        "headline": {
+            "prompt_tokens": prompt_tokens,
+            "ttft_p50_recompute_s": baseline,
+            **{f"ttft_p50_{name}_s": strategies[name]["ttft_s"]["p50"]
+               for name in strategies if name != "recompute"},
+            **{f"speedup_{name}_vs_recompute": strategies[name]["speedup_vs_recompute"]
+               for name in strategies if name != "recompute"},
+            "host_speedup_goal": HOST_SPEEDUP_GOAL,
+        },
+        "strategies": strategies,
+        "outputs_identical": all(result["token_ids"] == reference
+                                 for result in strategies.values()),
+    }

@@ -1,0 +1,313 @@
+"""`kvtier bench serve`: multi-round conversations sharing a system prompt, under memory
+pressure, with the tiers off, a host tier, and a host tier plus a disk tier.
+
+`num_conversations` closed-loop clients each send `num_rounds` requests: the shared system
+prompt, then the conversation so far (every earlier question and answer), then a new
+question. A client sends its next request as soon as its answer arrives, so the engine always
+has up to `num_conversations` requests while the GPU block budget holds only part of their
+contexts: finished histories are evicted from the GPU, and a tier brings them back when the
+conversation returns. Token ids are seeded random; sampling is greedy with a fixed answer
+length, so every mode must produce the same conversations.
+
+With `compare_hf`, the same loaded model also runs through transformers' `generate()` (the
+weights are shared, not copied): prefill tokens/s and decode tokens/s at batch 1 and batch
+`hf_batch`, for the engine (tiers off) and for transformers, reported with their ratios.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from cli.bench.longctx import free_engine_memory, load_for_bench, summarize
+from engine import LLM, RequestOutput, SamplingParams
+from engine.loader import LoadedModel
+
+MODES = ("off", "host", "host_disk")
+GIB = 1 << 30
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Sizes of the workload. gpu_blocks None: a third of what every conversation's final
+    context needs (at least one request). Raises ValueError naming a bad option."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    num_conversations: int = 8
+    num_rounds: int = 3
+    system_tokens: int = 256
+    user_tokens: int = 32
+    max_tokens: int = 16
+    block_size: int = 16
+    gpu_blocks: int | None = None
+    max_batched_tokens: int = 2048
+    modes: tuple[str, ...] = MODES
+    compare_hf: bool = False
+    hf_batch: int = 8
+    hf_prompt_tokens: int = 128
+    hf_new_tokens: int = 32
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_conversations", "num_rounds", "system_tokens", "user_tokens",
+                     "max_tokens", "block_size", "max_batched_tokens", "hf_batch",
+                     "hf_prompt_tokens", "repeats"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.hf_new_tokens < 2:
+            raise ValueError(f"--hf-new-tokens must be at least 2 (decode needs a second "
+                             f"token), got {self.hf_new_tokens}")
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"--modes must name some of {MODES}, got {self.modes}")
+        if self.gpu_blocks is not None and self.gpu_blocks < self.request_blocks:
+            raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold one conversation's "
+                             f"last request ({self.request_blocks} blocks)")
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of a conversation after its last answer."""
+        return self.system_tokens + self.num_rounds * (self.user_tokens + self.max_tokens)
+
+    @property
+    def request_blocks(self) -> int:
+        return math.ceil(self.context_tokens / self.block_size)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        if self.gpu_blocks is not None:
+            return self.gpu_blocks
+        return max(self.request_blocks, self.num_conversations * self.request_blocks // 3)
+
+
+def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[str, Any]:
+    everything = config.num_conversations * config.request_blocks * bytes_per_block
+    options: dict[str, Any] = dict(gpu_blocks=config.num_gpu_blocks, block_size=config.block_size,
+                                   max_num_seqs=config.num_conversations,
+                                   max_num_batched_tokens=config.max_batched_tokens,
+                                   host_cache=mode != "off", disk_cache=mode == "host_disk")
+    if mode == "host":
+        options["host_cache_gb"] = 2 * everything / GIB
+    elif mode == "host_disk":
+        # The host tier holds a third of the conversations; the rest must go to disk.
+        options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
+        options["disk_cache_gb"] = 2 * everything / GIB
+    return options
+
+
+def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
+              questions: list[list[list[int]]]) -> dict[str, Any]:
+    """Drive the closed-loop clients to the end; per-request metrics and the histories."""
+    params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
+    histories = [list(system) for _ in range(config.num_conversations)]
+    rounds = [0] * config.num_conversations
+    owner: dict[str, int] = {}
+
+    def send(conversation: int) -> None:
+        histories[conversation] += questions[conversation][rounds[conversation]]
+        owner[llm.add_request(list(histories[conversation]), params)] = conversation
+
+    start = time.perf_counter()
+    for conversation in range(config.num_conversations):
+        send(conversation)
+    finished: list[RequestOutput] = []
+    while owner:
+        for output in llm.step():
+            conversation = owner.pop(output.request_id)
+            finished.append(output)
+            histories[conversation] += output.token_ids
+            rounds[conversation] += 1
+            if rounds[conversation] < config.num_rounds:
+                send(conversation)
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics.ttft_s for o in finished]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+            for o in finished if len(o.token_ids) > 1]
+    num_generated = sum(len(o.token_ids) for o in finished)
+    stats = llm.stats()
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(finished),
+        "generated_tokens": num_generated,
+        "throughput_tok_s": num_generated / elapsed,
+        "ttft_s": summarize(ttft),
+        "tpot_s": summarize(tpot) if tpot else None,
+        "tokens": {"gpu": sum(o.metrics.cached_tokens_gpu for o in finished),
+                   "host": sum(o.metrics.cached_tokens_host for o in finished),
+                   "disk": sum(o.metrics.cached_tokens_disk for o in finished),
+                   "computed": sum(o.metrics.computed_tokens for o in finished)},
+        "num_preemptions": sum(o.metrics.num_preemptions for o in finished),
+        "bytes_moved": {d.value: t.num_bytes for d, t in stats.transfers.items()},
+        "histories": histories,
+    }
+
+
+# ---- transformers comparison -------------------------------------------------------------
+
+
+def hf_twin(loaded: LoadedModel) -> torch.nn.Module:
+    """transformers' model for `loaded`, sharing its weight tensors (no second copy)."""
+    from transformers import AutoModelForCausalLM
+
+    weight = next(loaded.model.parameters())
+    with torch.device(weight.device):
+        hf_model = AutoModelForCausalLM.from_config(loaded.config.to_hf(), dtype=weight.dtype,
+                                                    attn_implementation="sdpa")
+    result = hf_model.load_state_dict(loaded.model.state_dict(), strict=False, assign=True)
+    tied = {"lm_head.weight"} if loaded.config.tie_word_embeddings else set()
+    if set(result.missing_keys) != tied or result.unexpected_keys:
+        raise ValueError(f"cannot map {loaded.model_id} onto transformers' model: missing "
+                         f"{result.missing_keys}, unexpected {result.unexpected_keys}")
+    if tied:
+        hf_model.tie_weights()
+    # Generate exactly max_new_tokens, as the engine does with ignore_eos. (min_new_tokens
+    # would not do: it masks the EOS logit, so the tokens would differ from the engine's.)
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 0
+    return hf_model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_timings(hf_model: torch.nn.Module, prompts: list[list[int]], num_new: int,
+                device: torch.device) -> tuple[float, float, list[list[int]]]:
+    """(seconds for prefill + first token, seconds for all `num_new` tokens, new tokens)."""
+    input_ids = torch.tensor(prompts, device=device)  # [batch, prompt_tokens]
+    mask = torch.ones_like(input_ids)
+    times = []
+    with torch.inference_mode():
+        for max_new in (1, num_new):
+            _sync(device)
+            start = time.perf_counter()
+            out = hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new,
+                                    do_sample=False)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return times[0], times[1], out[:, input_ids.shape[1]:].tolist()
+
+
+def _engine_timings(loaded: LoadedModel, prompts: list[list[int]], num_new: int,
+                    config: ServeConfig) -> tuple[float, float, list[list[int]]]:
+    """The same quantities for the engine with the tiers off (pure compute)."""
+    num_blocks = len(prompts) * math.ceil((len(prompts[0]) + num_new) / config.block_size)
+    with LLM(loaded, gpu_blocks=num_blocks, block_size=config.block_size,
+             max_num_seqs=len(prompts), max_num_batched_tokens=max(
+                 config.max_batched_tokens, len(prompts) * len(prompts[0])),
+             host_cache=False, disk_cache=False) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=num_new, ignore_eos=True))
+    arrival = min(o.metrics.arrival_time for o in outputs)
+    first = max(o.metrics.first_token_time for o in outputs)
+    last = max(o.metrics.finished_time for o in outputs)
+    return first - arrival, last - arrival, [list(o.token_ids) for o in outputs]
+
+
+def compare_with_hf(loaded: LoadedModel, config: ServeConfig, progress: Progress) -> dict:
+    """Prefill and decode tokens/s of the engine and of transformers, batch 1 and batch N;
+    medians over `repeats` runs on fresh prompts (so no prefix cache helps the engine)."""
+    device = next(loaded.model.parameters()).device
+    hf_model = hf_twin(loaded)
+    rng = np.random.default_rng(config.seed + 1)
+    vocab = loaded.config.vocab_size
+    results: dict[str, Any] = {}
+    for batch in sorted({1, config.hf_batch}):
+        figures: dict[str, list[float]] = {}
+        same_tokens = True
+        for repeat in range(config.repeats + 1):  # run 0 warms up (kernels, allocator)
+            prompts = rng.integers(16, vocab, (batch, config.hf_prompt_tokens)).tolist()
+            progress(f"transformers comparison: batch {batch}, run {repeat}")
+            runs = {"engine": _engine_timings(loaded, prompts, config.hf_new_tokens, config),
+                    "hf": _hf_timings(hf_model, prompts, config.hf_new_tokens, device)}
+            same_tokens &= runs["engine"][2] == runs["hf"][2]
+            if repeat == 0:
+                continue
+            for name, (first_s, total_s, _) in runs.items():
+                figures.setdefault(f"{name}_prefill", []).append(
+                    batch * config.hf_prompt_tokens / first_s)
+                figures.setdefault(f"{name}_decode", []).append(
+                    batch * (config.hf_new_tokens - 1) / (total_s - first_s))
+        medians = {key: statistics.median(values) for key, values in figures.items()}
+        results[f"batch_{batch}"] = {
+            "engine_prefill_tok_s": medians["engine_prefill"],
+            "hf_prefill_tok_s": medians["hf_prefill"],
+            "prefill_ratio": medians["engine_prefill"] / medians["hf_prefill"],
+            "engine_decode_tok_s": medians["engine_decode"],
+            "hf_decode_tok_s": medians["hf_decode"],
+            "decode_ratio": medians["engine_decode"] / medians["hf_decode"],
+            "same_tokens": same_tokens,
+        }
+    del hf_model
+    return results
+
+
+# ---- the benchmark -----------------------------------------------------------------------
+
+
+def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run every mode of `config` on one loaded model; return a JSON-ready dict.
+
+    `modes[name]` has throughput (generated tokens/s), TTFT and TPOT p50/p90/p99, where
+    prompt tokens came from, bytes moved; `ratios_vs_off` compares each mode with the tiers
+    off; `outputs_identical` says whether every mode produced the same conversations.
+    Raises ValueError for bad sizes and the loader's errors for a model it cannot load.
+    """
+    report = progress or (lambda message: None)
+    report(f"loading {config.model}")
+    loaded = load_for_bench(config.model, config.device, config.dtype)
+    if config.context_tokens > loaded.config.max_position_embeddings:
+        raise ValueError(f"a conversation reaches {config.context_tokens} tokens, past the "
+                         f"model's context ({loaded.config.max_position_embeddings}); use "
+                         "fewer rounds or shorter prompts")
+    weight = next(loaded.model.parameters())
+    layout = loaded.config.kv_layout(config.block_size, weight.dtype)
+    rng = np.random.default_rng(config.seed)
+    vocab = loaded.config.vocab_size
+    system = rng.integers(16, vocab, config.system_tokens).tolist()
+    questions = [[rng.integers(16, vocab, config.user_tokens).tolist()
+                  for _ in range(config.num_rounds)] for _ in range(config.num_conversations)]
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in config.modes:
+        report(f"mode {mode}: {config.num_conversations} conversations x "
+               f"{config.num_rounds} rounds")
+        with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
+            options = _tier_options(mode, config, layout.bytes_per_block)
+            with LLM(loaded, disk_cache_dir=scratch, **options) as llm:
+                modes[mode] = _run_mode(llm, config, system, questions)
+            del llm
+            free_engine_memory(weight.device)
+    baseline = modes[config.modes[0]]
+    histories = [m.pop("histories") for m in modes.values()]
+    result: dict[str, Any] = {
+        "bench": "serve",
+        "config": asdict(config),
+        "model_id": loaded.model_id,
+        "device": str(weight.device),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+        "gpu_blocks": config.num_gpu_blocks,
+        "blocks_needed_by_all": config.num_conversations * config.request_blocks,
+        "modes": modes,
+        "baseline": config.modes[0],
+        "ratios_vs_baseline": {
+            name: {"throughput": m["throughput_tok_s"] / baseline["throughput_tok_s"],
+                   "ttft_p50": m["ttft_s"]["p50"] / baseline["ttft_s"]["p50"]}
+            for name, m in modes.items()},
+        "outputs_identical": all(h == histories[0] for h in histories),
+    }
+    if config.compare_hf:
+        result["hf_comparison"] = compare_with_hf(loaded, config, report)
+    return result

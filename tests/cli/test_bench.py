@@ -1,0 +1,157 @@
+"""`kvtier bench longctx` and `kvtier bench serve` on a tiny random model, through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from kvtier.stats import Direction
+
+TINY = ["--model", "random:tiny-llama", "--device", "cpu"]
+# 3 documents of 64 tokens: 5 blocks per request, a GPU budget of 7 blocks.
+LONGCTX = ["bench", "longctx", *TINY, "--num-docs", "3", "--doc-tokens", "64",
+           "--question-tokens", "8", "--max-tokens", "3", "--seed", "5"]
+SERVE = ["bench", "serve", *TINY, "--num-conversations", "4", "--num-rounds", "3",
+         "--system-tokens", "48", "--user-tokens", "8", "--max-tokens", "4", "--seed", "2"]
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVTIER_CACHE_DIR", str(tmp_path_factory.mktemp("kvtier-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def longctx_run(runner, tmp_path_factory) -> tuple[dict, Path]:
+    plot = tmp_path_factory.mktemp("plot") / "longctx.png"
+    result = runner.invoke(app, [*LONGCTX, "--plot", str(plot), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), plot
+
+
+def test_longctx_strategies_restore_from_their_tier_and_agree(longctx_run):
+    result, _ = longctx_run
+    assert result["outputs_identical"] is True
+    strategies = result["strategies"]
+    assert list(strategies) == ["recompute", "host", "disk"]
+    prompt_tokens = 64 + 8
+    full_blocks = 64 // 16 * 16  # the documents' full blocks are what a tier can restore
+    recompute, host, disk = strategies["recompute"], strategies["host"], strategies["disk"]
+    # Recompute: nothing comes back; every round-two prompt is prefilled again.
+    assert recompute["tokens"]["host"] == recompute["tokens"]["disk"] == 0
+    assert recompute["tokens"]["gpu"] < full_blocks
+    assert not any(recompute["bytes_moved"].values())
+    # Host: each document's blocks come back from the host tier, none from disk.
+    assert host["tokens"]["disk"] == 0
+    assert host["tokens"]["gpu"] + host["tokens"]["host"] == 3 * full_blocks
+    assert host["tokens"]["host"] > 0
+    assert host["bytes_moved"][Direction.HOST_TO_GPU.value] > 0
+    # Disk: a fresh engine with an empty host tier, so the blocks come from disk.
+    assert disk["tokens"]["host"] == 0 and disk["tokens"]["disk"] > 0
+    assert disk["tokens"]["gpu"] + disk["tokens"]["disk"] == 3 * full_blocks
+    assert disk["bytes_moved"][Direction.DISK_TO_HOST.value] > 0
+    for figures in strategies.values():
+        ttft = figures["ttft_s"]
+        assert ttft["n"] == 3 and 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"]
+        assert figures["speedup_vs_recompute"] == pytest.approx(
+            recompute["ttft_s"]["p50"] / ttft["p50"])
+        assert len(figures["token_ids"]["round2"]) == 3
+        assert all(len(ids) == 3 for ids in figures["token_ids"]["round2"])
+    assert recompute["speedup_vs_recompute"] == pytest.approx(1.0)
+    headline = result["headline"]
+    assert headline["prompt_tokens"] == prompt_tokens
+    assert headline["speedup_host_vs_recompute"] == pytest.approx(host["speedup_vs_recompute"])
+    assert headline["speedup_disk_vs_recompute"] == pytest.approx(disk["speedup_vs_recompute"])
+
+
+def test_longctx_timeline_samples_every_step(longctx_run):
+    result, _ = longctx_run
+    for name, figures in result["strategies"].items():
+        timeline = figures["timeline"]
+        assert [s["step"] for s in timeline] == list(range(len(timeline)))
+        assert [s["phase"] for s in timeline] == sorted(s["phase"] for s in timeline)
+        assert {s["phase"] for s in timeline} == {"round 1", "round 2"}
+        # Moves per step add up to the strategy's totals; occupancy never exceeds the budget.
+        for direction in Direction:
+            assert sum(s["bytes_moved"][direction.value] for s in timeline) == \
+                figures["bytes_moved"][direction.value]
+        assert all(s["gpu_used_blocks"] <= result["gpu_blocks"] for s in timeline)
+        swaps = [s for s in timeline if any(s["bytes_moved"].values())]
+        assert figures["num_swap_steps"] == len(swaps)
+        if name == "disk":
+            # Round two starts on an engine that finds round one's blocks on disk.
+            first_round2 = next(s for s in timeline if s["phase"] == "round 2")
+            assert first_round2["disk_blocks"] > 0
+
+
+def test_longctx_plot_is_a_png(longctx_run):
+    result, plot = longctx_run
+    assert result["plot"] == str(plot)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_longctx_table_reports_the_ratio(runner):
+    result = runner.invoke(app, [*LONGCTX, "--num-docs", "2", "--strategies", "recompute,host"])
+    assert result.exit_code == 0, result.output
+    assert "host restore vs recompute, 72-token prompt" in result.stdout
+    assert "generated tokens across strategies: identical" in result.stdout
+
+
+def test_longctx_bad_strategies_is_one_line_error(runner):
+    result = runner.invoke(app, [*LONGCTX, "--strategies", "host,disk"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().startswith("error: ") and "recompute" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_serve_modes_agree_and_tiers_serve_history(runner):
+    result = runner.invoke(app, [*SERVE, "--compare-hf", "--hf-batch", "2",
+                                 "--hf-prompt-tokens", "12", "--hf-new-tokens", "3",
+                                 "--repeats", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    assert report["baseline"] == "off"
+    modes = report["modes"]
+    assert list(modes) == ["off", "host", "host_disk"]
+    assert report["gpu_blocks"] < report["blocks_needed_by_all"]  # memory pressure
+    for name, figures in modes.items():
+        assert figures["num_requests"] == 4 * 3
+        assert figures["generated_tokens"] == 4 * 3 * 4
+        assert figures["throughput_tok_s"] > 0
+        for key in ("ttft_s", "tpot_s"):
+            summary = figures[key]
+            assert 0 < summary["p50"] <= summary["p90"] <= summary["p99"]
+        assert report["ratios_vs_baseline"][name]["throughput"] == pytest.approx(
+            figures["throughput_tok_s"] / modes["off"]["throughput_tok_s"])
+    assert modes["off"]["tokens"]["host"] == modes["off"]["tokens"]["disk"] == 0
+    restored = modes["host"]["tokens"]["host"] + modes["host_disk"]["tokens"]["host"] \
+        + modes["host_disk"]["tokens"]["disk"]
+    assert restored > 0
+    assert modes["host"]["tokens"]["computed"] < modes["off"]["tokens"]["computed"]
+    comparison = report["hf_comparison"]
+    assert set(comparison) == {"batch_1", "batch_2"}
+    for figures in comparison.values():
+        assert figures["same_tokens"] is True
+        for key in ("engine_prefill_tok_s", "hf_prefill_tok_s", "engine_decode_tok_s",
+                    "hf_decode_tok_s"):
+            assert figures[key] > 0
+        assert figures["decode_ratio"] == pytest.approx(
+            figures["engine_decode_tok_s"] / figures["hf_decode_tok_s"])
+
+
+def test_serve_table(runner):
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host"])
+    assert result.exit_code == 0, result.output
+    assert "conversations across modes: identical" in result.stdout
+    assert "TTFT" in result.stdout and "TPOT" in result.stdout
