@@ -127,6 +127,10 @@ class HostTier:
         """Whether `block_hash` is cached here (does not count as a use)."""
         return block_hash in self._index
 
+    def slot_of(self, block_hash: BlockHash) -> SlotId | None:
+        """The slot caching `block_hash`, or None; not a use (for inspection and tests)."""
+        return self._index.get(block_hash)
+
     def lookup(self, block_hash: BlockHash) -> SlotId | None:
         """The slot caching `block_hash`, marked as used for the policy; None on a miss."""
         slot = self._index.get(block_hash)

@@ -75,6 +75,7 @@ def test_lru_matches_a_list_model(ops):
                 model.remove(key)
             policy.on_remove(key)
         else:
-            evictable = [k for k in model if k % 2 == key % 2]
-            assert policy.victims(count, lambda k: k % 2 == key % 2) == evictable[:count]
+            parity = key % 2
+            evictable = [k for k in model if k % 2 == parity]
+            assert policy.victims(count, lambda k, p=parity: k % 2 == p) == evictable[:count]
         assert policy.keys() == model

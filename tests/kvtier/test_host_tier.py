@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvtier.hashing import BlockHash
@@ -142,21 +142,27 @@ def test_slab_is_pinned_with_cuda():
     assert HostTier(LAYOUT, 2, pin_memory=True).slab.is_pinned()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["store", "pin", "unpin", "clean", "read"]),
-                          st.integers(0, 5)), max_size=40))
+                          st.integers(0, 4)), max_size=40))
+@example([("store", 1), ("store", 3), ("pin", 1), ("store", 4)])  # pinned and coldest
+@example([("store", 0), ("store", 2), ("store", 1)])  # every block dirty
 def test_a_pinned_slot_keeps_its_block(ops):
-    """Whatever happens, a pinned slot still holds the block it held when pinned."""
-    host = HostTier(LAYOUT, num_slots=3, pin_memory=False)
+    """Whatever happens, a pinned slot still holds the block it held when pinned, and a
+    dirty block is never dropped."""
+    host = HostTier(LAYOUT, num_slots=2, pin_memory=False)
     pins: dict[int, int] = {}  # slot -> block number, for slots we pinned
+    dirty: set[int] = set()  # blocks stored dirty and not cleaned since
     for op, i in ops:
-        slot = host.lookup(meta(i).block_hash)
+        slot = host.slot_of(meta(i).block_hash)
         if op == "store" and slot is None:
             new = host.allocate_slot(meta(i))
             if new is not None:
                 assert new not in pins, "a pinned slot was handed out again"
                 host.commit(new, dirty=i % 2 == 0)
                 host.unpin(new)
+                if i % 2 == 0:
+                    dirty.add(i)
         elif op == "pin" and slot is not None and slot not in pins:
             host.pin(slot)
             pins[slot] = i
@@ -166,7 +172,11 @@ def test_a_pinned_slot_keeps_its_block(ops):
             del pins[pinned]
         elif op == "clean" and slot is not None and host.is_dirty(slot):
             host.mark_clean(slot)
+            dirty.discard(i)
+        elif op == "read":
+            assert host.lookup(meta(i).block_hash) == slot
         for pinned, block in pins.items():
             assert host.state(pinned) is SlotState.CACHED
             assert host.meta(pinned) == meta(block)
+        assert all(host.contains(meta(block).block_hash) for block in dirty)
         host.check_invariants(idle=not pins)
