@@ -73,14 +73,16 @@ class DiskTier:
     """KV blocks of one layout in an LMDB directory, within `budget_bytes` of record bytes.
 
     `path` is created (mode 0o700) when missing. LMDB's map starts at `initial_map_bytes`
-    (default 64 MiB, or the data file's size) and doubles when full up to `max_map_bytes`
-    (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused. With `durable` each commit is fsynced (LMDB's
-    meta page one commit later, which keeps the database consistent after a crash and may lose
-    the last commit); without it the OS flushes when it likes. Access-order updates from
-    reads ride on the next write transaction, or get one of their own once
-    `touch_flush_every` are pending (each commit costs an fsync when durable). A directory written with
-    another disk format is cleared on open (`format_reset` is then true) or, read-only, served
-    as empty.
+    (default 64 MiB, or the data file's size) and grows when needed up to `max_map_bytes`
+    (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused.
+    With `durable` each commit is fsynced (LMDB's meta page one commit later, which keeps the
+    database consistent after a crash and may lose the last commit); without it the OS flushes
+    when it likes and an OS crash or power loss may corrupt the database (a process crash
+    cannot). Access-order updates from reads ride on the next write transaction, or get
+    one of their own once `touch_flush_every` are pending (a commit costs an fsync when
+    durable). A directory written with another disk format is cleared on open (`format_reset`
+    is then true) or, read-only, served as empty. Thread-safe; several processes may share
+    `path`, but one process must not open it twice.
 
     Raises ValueError for a bad budget, the errors of `kvtier.fsutil.ensure_private_dir` for a
     bad directory, and FileNotFoundError when opened read-only where no cache exists.
