@@ -23,22 +23,26 @@ CHUNK_WORDS = 4 * TILE_WORDS
 @triton.jit
 def _copy_blocks_kernel(
     src_ptr, dst_ptr, block_mapping_ptr, stride_src, stride_dst, words_per_block,
+    num_chunks, chunks_per_block,
     CHUNK: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
 ):
-    pair = tl.program_id(0)
-    part = tl.program_id(1)
-    src_block = tl.load(block_mapping_ptr + 2 * pair)  # int64
-    dst_block = tl.load(block_mapping_ptr + 2 * pair + 1)
-    src = src_ptr + src_block * stride_src
-    dst = dst_ptr + dst_block * stride_dst
-    start = part.to(tl.int64) * CHUNK
-    for offset in range(0, CHUNK, TILE):
-        words = start + offset + tl.arange(0, TILE)
-        if EVEN:
-            tl.store(dst + words, tl.load(src + words))
-        else:
-            in_block = words < words_per_block
-            tl.store(dst + words, tl.load(src + words, mask=in_block), mask=in_block)
+    # Programs stride over (pair, chunk) work items, so the grid can be capped: a swap then
+    # leaves SMs to the model and to a concurrent swap in the other direction.
+    for item in range(tl.program_id(0), num_chunks, tl.num_programs(0)):
+        pair = item // chunks_per_block
+        part = item % chunks_per_block
+        src_block = tl.load(block_mapping_ptr + 2 * pair)  # int64
+        dst_block = tl.load(block_mapping_ptr + 2 * pair + 1)
+        src = src_ptr + src_block * stride_src
+        dst = dst_ptr + dst_block * stride_dst
+        start = part.to(tl.int64) * CHUNK
+        for offset in range(0, CHUNK, TILE):
+            words = start + offset + tl.arange(0, TILE)
+            if EVEN:
+                tl.store(dst + words, tl.load(src + words))
+            else:
+                in_block = words < words_per_block
+                tl.store(dst + words, tl.load(src + words, mask=in_block), mask=in_block)
 
 
 def as_words(blocks: torch.Tensor, word_bytes: int) -> torch.Tensor:
@@ -58,11 +62,13 @@ def word_bytes_for(*tensors: torch.Tensor) -> int:
     raise AssertionError("a one-byte word always divides")
 
 
-def launch_block_copy(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def launch_block_copy(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
+                      max_programs: int | None = None) -> None:
     """Copy blocks `src[m[i, 0]] -> dst[m[i, 1]]` with the Triton kernel on the current stream.
 
     Internal to copy_blocks / swap_blocks, which have checked shapes, dtypes and devices;
     `block_mapping` must already be readable by the kernel (device, or CPU when interpreting).
+    `max_programs` caps the grid (None: one program per chunk).
     """
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0 or src[0].numel() == 0:
@@ -70,10 +76,12 @@ def launch_block_copy(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch
     word = word_bytes_for(src, dst)
     src_words, dst_words = as_words(src, word), as_words(dst, word)
     words_per_block = src_words.shape[1]
-    grid = (num_pairs, triton.cdiv(words_per_block, CHUNK_WORDS))
+    chunks_per_block = triton.cdiv(words_per_block, CHUNK_WORDS)
+    num_chunks = num_pairs * chunks_per_block
+    grid = (min(num_chunks, max_programs or num_chunks),)
     _copy_blocks_kernel[grid](
         src_words, dst_words, block_mapping, src_words.stride(0), dst_words.stride(0),
-        words_per_block, CHUNK=CHUNK_WORDS, TILE=TILE_WORDS,
+        words_per_block, num_chunks, chunks_per_block, CHUNK=CHUNK_WORDS, TILE=TILE_WORDS,
         EVEN=words_per_block % CHUNK_WORDS == 0, num_warps=4,
     )
 

@@ -87,16 +87,18 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_reqs,
+    qk_scale, num_reqs, num_splits,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_b, stride_k_t, stride_k_h, stride_v_b, stride_v_t, stride_v_h,
     stride_bt_r, stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # Last tiles first: under the causal mask they carry the most keys, and starting them
+    # early keeps the GPU from idling on a tail of heavy programs.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     r = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
@@ -122,8 +124,8 @@ def _paged_attention_kernel(
         # Keys this program reads: causal limit of its last query, cut to its split.
         hi = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
         lo = 0
-        if NUM_SPLITS > 1:
-            split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N
+        if SPLIT_KV:
+            split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
             lo = split * split_len
             hi = tl.minimum(hi, lo + split_len)
         # Whole tiles below the first row's diagonal need no mask.
@@ -149,7 +151,7 @@ def _paged_attention_kernel(
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         result = acc / l_safe[:, None]
-        if NUM_SPLITS == 1:
+        if not SPLIT_KV:
             tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
                      + dims[None, :], result.to(out_ptr.dtype.element_ty), mask=io_mask)
         else:
@@ -158,6 +160,29 @@ def _paged_attention_kernel(
             tl.store(part_out_ptr + part[:, None] + dims[None, :], result, mask=io_mask)
             tl.store(part_lse_ptr + split * stride_pl_s + token * stride_pl_t + head, lse,
                      mask=row_ok)
+
+
+def _looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
+    """One cheap pass over the facts `_check_args` verifies, for the common valid call (this
+    runs per layer per step; the detailed checks cost tens of microseconds)."""
+    device, dtype = query.device, query.dtype
+    return (query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+            and k_cache.shape[3] == query.shape[2] and k_cache.shape[2] > 0
+            and query.shape[1] % k_cache.shape[2] == 0
+            and dtype in _checks.FLOAT_DTYPES and k_cache.dtype == dtype
+            and v_cache.dtype == dtype and seq_lens.dim() == 1
+            and query_start_loc.shape == (seq_lens.shape[0] + 1,)
+            and block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0]
+            and query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
+            and block_tables.dtype == torch.int32 and device.type == "cuda"
+            and k_cache.device == device and v_cache.device == device
+            and query_start_loc.device == device and seq_lens.device == device
+            and block_tables.device == device
+            and query.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+            and query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1
+            and block_tables.stride(1) == 1
+            and (out is None or (out.shape == query.shape and out.dtype == dtype
+                                 and out.device == device and out.stride(2) == 1)))
 
 
 def _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
@@ -218,7 +243,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Accumulates in float32. Runs on the current stream. Raises ValueError on a wrong
     device, dtype, shape or stride, or num_heads not a multiple of num_kv_heads.
     """
-    _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    if not _looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
+        _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -249,7 +275,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out, part_out, part_lse,
         query_start_loc, seq_lens, block_tables,
-        softmax_scale * _LOG2E, num_reqs,
+        softmax_scale * _LOG2E, num_reqs, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -258,7 +284,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=config.block_q,
         BLOCK_M=config.block_q * group_pad, BLOCK_SIZE=block_size,
         TILE_N=config.tile_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -71,7 +71,7 @@ def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_r
             wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
             num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
         return AttentionConfig(block_q=block_q, tile_n=64, num_splits=num_splits,
-                               num_warps=4, num_stages=3)
+                               num_warps=4, num_stages=2)
     if dtype == torch.float32:
         # Exact float32 dots run on CUDA cores, not tensor cores: big tiles only spill.
         block_m = max(16, group_pad)
@@ -84,9 +84,9 @@ def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_r
 
 @triton.jit
 def _reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs,
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
     stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t, stride_o_t, stride_o_h,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -94,7 +94,7 @@ def _reduce_splits_kernel(
     # Rows past the last request's queries were never computed; leave them untouched.
     if token < tl.load(query_start_loc_ptr + num_reqs):
         splits = tl.arange(0, SPLITS_PAD)
-        split_ok = splits < NUM_SPLITS
+        split_ok = splits < num_splits
         dims = tl.arange(0, HEAD_DIM_PAD)
         token64 = token.to(tl.int64)
         lse = tl.load(part_lse_ptr + splits * stride_pl_s + token64 * stride_pl_t + head,
@@ -123,9 +123,9 @@ def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1, \
         "reduce_splits needs unit inner strides"
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, query_start_loc, query_start_loc.shape[0] - 1,
+        part_out, part_lse, out, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
     )

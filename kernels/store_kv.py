@@ -48,19 +48,21 @@ def _store_kv_kernel(
         tl.store(v_dst + heads * stride_vc_h + dims, v, mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write K/V of `num_tokens` new tokens into the paged cache of one layer.
+def _looks_valid(key, value, k_cache, v_cache, slot_mapping) -> bool:
+    """One cheap pass over what `_check_args` verifies (this runs per layer per step)."""
+    device, dtype = key.device, key.dtype
+    return (key.dim() == 3 and value.shape == key.shape and k_cache.dim() == 4
+            and v_cache.shape == k_cache.shape and k_cache.shape[2:] == key.shape[1:]
+            and slot_mapping.shape == key.shape[:1] and dtype in _checks.FLOAT_DTYPES
+            and value.dtype == dtype and k_cache.dtype == dtype and v_cache.dtype == dtype
+            and slot_mapping.dtype == torch.int64 and device.type == "cuda"
+            and value.device == device and k_cache.device == device
+            and v_cache.device == device and slot_mapping.device == device
+            and key.stride(2) == 1 and value.stride(2) == 1 and k_cache.stride(3) == 1
+            and v_cache.stride(3) == 1)
 
-    key, value: [num_tokens, num_kv_heads, head_dim], the cache dtype
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided views of the
-        cross-layer cache; `head_dim` must have stride 1)
-    slot_mapping: [num_tokens] int64 on the same device, `block_id * block_size + offset`;
-        -1 skips the token. Slots are not range-checked (that would need a device sync).
 
-    Runs asynchronously on the current stream. Raises ValueError on a wrong device, dtype,
-    shape or stride.
-    """
+def _check_args(key, value, k_cache, v_cache, slot_mapping) -> None:
     _checks.check_shape("key", key, (None, None, None), "[num_tokens, num_kv_heads, head_dim]")
     num_tokens, num_kv_heads, head_dim = key.shape
     meaning = f"[num_blocks, block_size, num_kv_heads={num_kv_heads}, head_dim={head_dim}]"
@@ -77,6 +79,24 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache),
                          ("v_cache", v_cache)):
         _checks.check_inner_contiguous(name, tensor)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write K/V of `num_tokens` new tokens into the paged cache of one layer.
+
+    key, value: [num_tokens, num_kv_heads, head_dim], the cache dtype
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (strided views of the
+        cross-layer cache; `head_dim` must have stride 1)
+    slot_mapping: [num_tokens] int64 on the same device, `block_id * block_size + offset`;
+        -1 skips the token. Slots are not range-checked (that would need a device sync).
+
+    Runs asynchronously on the current stream. Raises ValueError on a wrong device, dtype,
+    shape or stride.
+    """
+    if not _looks_valid(key, value, k_cache, v_cache, slot_mapping):
+        _check_args(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     dim_tile = triton.next_power_of_2(head_dim)

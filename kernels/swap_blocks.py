@@ -28,6 +28,9 @@ from kernels.copy_blocks import launch_block_copy
 SWAP_METHODS = ("auto", "triton", "dma")
 #: What "auto" runs; chosen from the side-by-side measurement in docs/KERNELS.md.
 AUTO_METHOD = "dma"
+#: Programs of the "triton" method per SM: a few PCIe requests in flight per SM saturate the
+#: link, and the rest of the GPU stays with the model (and a swap the other way).
+_SWAP_PROGRAMS_PER_SM = 1
 
 
 def coalesce_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
@@ -135,6 +138,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             scope.enter_context(torch.cuda.stream(stream))
         if method == "triton":
             mapping = block_mapping.to(gpu.device, non_blocking=True).contiguous()
-            launch_block_copy(src, dst, mapping)
+            num_sms = torch.cuda.get_device_properties(gpu.device).multi_processor_count
+            launch_block_copy(src, dst, mapping, _SWAP_PROGRAMS_PER_SM * num_sms)
         else:
             _swap_dma(src, dst, block_mapping.tolist(), use_batch=True)

@@ -7,6 +7,7 @@ import torch
 
 import kernel_cases as cases
 from kernels import copy_blocks, reference, swap_blocks
+from kernels.copy_blocks import launch_block_copy
 from kernels.swap_blocks import coalesce_runs
 
 # [num_layers, 2, block_size, kv_heads, head_dim] with an odd element count, so float16
@@ -49,6 +50,20 @@ def test_swap_blocks_on_cpu_matches_reference(block_shape: tuple, method: str) -
     # Rows 1..3 form one run; the others are scattered.
     mapping = torch.tensor([[6, 0], [1, 4], [2, 5], [3, 6], [0, 8]])
     swap_blocks(src, dst, mapping, method=method)
+    reference.swap_blocks(src, expected, mapping)
+    assert torch.equal(dst.nan_to_num(9.0), expected.nan_to_num(9.0))
+
+
+@cases.needs_interpreter
+@pytest.mark.parametrize("max_programs", [1, 3])
+def test_capped_grid_strides_over_every_chunk(max_programs: int) -> None:
+    # Blocks of 3 chunks (the last one partial): 2 or 3 programs each copy several chunks.
+    block_shape = (2 * 4096 * 3 - 100,)
+    src = random_blocks(4, block_shape, torch.float32, seed=6)
+    dst = torch.full((5, *block_shape), float("nan"))
+    mapping = torch.tensor([[3, 0], [0, 4], [2, 2]])
+    launch_block_copy(src, dst, mapping, max_programs=max_programs)
+    expected = torch.full_like(dst, float("nan"))
     reference.swap_blocks(src, expected, mapping)
     assert torch.equal(dst.nan_to_num(9.0), expected.nan_to_num(9.0))
 
