@@ -17,6 +17,7 @@ import typer
 from cli import cache
 from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
+from cli.bench import tiers as bench_tiers
 from cli.common import KvtierGroup, print_json, print_table
 
 #: Distributions whose versions `kvtier info` reports, in this order.
@@ -126,6 +127,9 @@ def _register() -> None:
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
     bench_app.command("serve")(bench_commands.serve)
+    bench_app.command("kernels")(bench_commands.kernels)
+    bench_app.command("swap")(bench_commands.swap)
+    bench_app.command("tiers")(bench_tiers.tiers)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
     for name, command in (("stats", cache.stats), ("inspect", cache.inspect),

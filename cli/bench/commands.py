@@ -13,9 +13,11 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from cli.bench.kernels import run_kernel_bench
 from cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
 from cli.bench.serve import MODES as SERVE_MODES
 from cli.bench.serve import ServeConfig, run_serve_bench
+from cli.bench.swap import run_swap_bench
 from cli.common import print_json, print_table
 from cli.plot import plot_longctx
 
@@ -37,6 +39,16 @@ def _parse_names(text: str, known: tuple[str, ...], option: str) -> tuple[str, .
         raise ValueError(f"{option} takes a comma-separated list of {', '.join(known)}; "
                          f"got {text!r}")
     return names
+
+
+def _parse_ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"{option} takes comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _with_status(message: str, run):
@@ -191,3 +203,76 @@ def serve(
         print_json(result)
     else:
         _print_serve(result)
+
+
+def _print_kernels(result: dict[str, Any]) -> None:
+    print_table(f"paged decode vs torch SDPA on {result['device']} (ms)",
+                ("batch", "context", "paged", "GB/s", "SDPA default", "SDPA best", "ratio",
+                 "ratio best"),
+                [(r["batch"], r["context"], f"{r['paged_ms']:.3f}", f"{r['paged_kv_gbps']:,.0f}",
+                  f"{r['sdpa']['default_ms']:.3f}",
+                  f"{r['sdpa']['best_ms']:.3f} ({r['sdpa']['best_backend']})",
+                  f"{r['ratio_vs_sdpa_default']:.2f}", f"{r['ratio_vs_sdpa_best']:.2f}")
+                 for r in result["decode"]])
+    print_table("paged prefill vs torch SDPA (ms)",
+                ("chunk", "prefix", "paged", "TFLOP/s", "SDPA best", "ratio flash", "ratio best"),
+                [(r["chunk"], r["prefix"], f"{r['paged_ms']:.3f}", f"{r['paged_tflops']:,.0f}",
+                  f"{r['sdpa']['best_ms']:.3f} ({r['sdpa']['best_backend']})",
+                  "-" if r["ratio_vs_sdpa_flash"] is None else f"{r['ratio_vs_sdpa_flash']:.2f}",
+                  f"{r['ratio_vs_sdpa_best']:.2f}") for r in result["prefill"]])
+    print_table("store_kv vs a device-to-device copy",
+                ("tokens", "store GB/s", "copy GB/s", "ratio", "correct"),
+                [(r["num_tokens"], f"{r['store_gbps']:,.0f}", f"{r['d2d_gbps']:,.0f}",
+                  f"{r['ratio_vs_d2d']:.2f}", r["correct"]) for r in result["store_kv"]])
+    print_table("targets", ("target", "met"), list(result["targets"].items()))
+
+
+def kernels(
+    batch: int = typer.Option(32, help="Decode batch size."),
+    context: int = typer.Option(8192, help="Context tokens per sequence in the batched decode."),
+    long_contexts: str = typer.Option("32768,131072", help="Comma-separated contexts of the "
+                                      "batch-1 decodes."),
+    prefill_chunk: int = typer.Option(4096, help="Query tokens of the prefill chunk."),
+    prefix: int = typer.Option(28672, help="Cached tokens before the second prefill chunk."),
+    store_tokens: str = typer.Option("8192,32768", help="Comma-separated token counts of "
+                                     "the store_kv runs."),
+    sweep: bool = typer.Option(False, "--sweep", help="Also time alternative tilings."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """Triton paged attention and store_kv against torch SDPA and device copies (CUDA)."""
+    result = _with_status("bench kernels", lambda update: run_kernel_bench(
+        batch=batch, context=context, long_contexts=_parse_ints(long_contexts, "--long-contexts"),
+        prefill_chunk=prefill_chunk, prefix=prefix,
+        store_tokens=_parse_ints(store_tokens, "--store-tokens"), sweep=sweep))
+    if json_output:
+        print_json(result)
+    else:
+        _print_kernels(result)
+
+
+def _print_swap(result: dict[str, Any]) -> None:
+    ceiling = result["ceiling"]
+    rows = [("pinned copy (ceiling)", f"{ceiling['d2h_gbps']:.1f}", f"{ceiling['h2d_gbps']:.1f}",
+             f"{ceiling['bidir_gbps']:.1f}", "-", "-")]
+    for method, r in result["methods"].items():
+        rows.append((method, f"{r['d2h_gbps']:.1f} ({r['d2h_vs_ceiling']:.2f}x)",
+                     f"{r['h2d_gbps']:.1f} ({r['h2d_vs_ceiling']:.2f}x)",
+                     f"{r['bidir_gbps']:.1f} ({r['bidir_vs_ceiling']:.2f}x)",
+                     f"{r['matmul_slowdown']:.2f}x", r["correct"]))
+    print_table(f"swap_blocks on {result['device']}: {result['num_blocks']} blocks of "
+                f"{result['block_bytes'] / 2**20:.1f} MiB per direction (GB/s)",
+                ("method", "GPU->host", "host->GPU", "both", "matmul slowdown", "correct"), rows)
+
+
+def swap(
+    num_blocks: int = typer.Option(512, help="Blocks copied per direction."),
+    repeats: int = typer.Option(9, help="Timed repeats; figures are medians."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """GPU <-> pinned host block copies per method vs one contiguous copy (CUDA)."""
+    result = _with_status("bench swap", lambda update: run_swap_bench(num_blocks=num_blocks,
+                                                                       repeats=repeats))
+    if json_output:
+        print_json(result)
+    else:
+        _print_swap(result)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -155,3 +156,42 @@ def test_serve_table(runner):
     assert result.exit_code == 0, result.output
     assert "conversations across modes: identical" in result.stdout
     assert "TTFT" in result.stdout and "TPOT" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+@pytest.mark.parametrize("command", [["kernels"], ["swap"]])
+def test_gpu_benches_without_cuda_fail_in_one_line(runner, command):
+    result = runner.invoke(app, ["bench", *command])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"error: kvtier bench {command[0]} needs a CUDA device"
+
+
+@pytest.mark.gpu
+def test_kernels_bench_tiny_json(runner):
+    result = runner.invoke(app, ["bench", "kernels", "--batch", "2", "--context", "256",
+                                 "--long-contexts", "1024", "--prefill-chunk", "128",
+                                 "--prefix", "256", "--store-tokens", "256", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["context"] for r in report["decode"]] == [256, 1024]
+    assert all(r["correct"] for r in report["store_kv"])
+
+
+@pytest.mark.gpu
+def test_swap_bench_tiny_json(runner):
+    result = runner.invoke(app, ["bench", "swap", "--num-blocks", "8", "--repeats", "3",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["num_blocks"] == 8
+    assert all(method["correct"] for method in report["methods"].values())
+
+
+def test_tiers_bench_is_wired(runner, tmp_path):
+    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "4", "--num-layers", "2",
+                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "2",
+                                 "--no-durable", "--tmpdir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["num_blocks"] == 4 and report["repeats"] == 2
+    assert report["lmdb"]["read"]["mb_per_s"] > 0 and report["write_ratio"] > 0
