@@ -322,17 +322,22 @@ def test_a_failed_disk_read_is_a_miss_and_releases_its_slot(tmp_path, managers):
 
 def test_a_record_for_other_tokens_is_never_served(tmp_path, managers):
     layout = small_layout()
-    m, blocks = disk_only(tmp_path, managers, layout, {"a": 1})
-    (meta,), _ = blocks["a"]
+    m, blocks = disk_only(tmp_path, managers, layout, {"ab": 2})
+    (meta_a, meta_b), data = blocks["ab"]
     # Store another block's tokens under A's hash (as a hash collision would).
-    impostor = BlockMeta(meta.block_hash, meta.parent_hash, tuple(t + 1 for t in meta.token_ids))
-    m.disk.delete([meta.block_hash])
+    impostor = BlockMeta(meta_a.block_hash, meta_a.parent_hash,
+                         tuple(t + 1 for t in meta_a.token_ids))
+    m.disk.delete([meta_a.block_hash])
     assert m.disk.put([impostor], [random_blocks(layout, 1, seed=9)[0]]) == 1
-    assert m.lookup([meta.block_hash]).locations == [Tier.DISK]
-    num_ok, targets = load(m, [meta])
-    assert num_ok == 0 and targets[0].block_hash is None
+    assert m.lookup([meta_a.block_hash, meta_b.block_hash]).locations == [Tier.DISK] * 2
+    num_ok, targets = load(m, [meta_a, meta_b])
+    # A is a miss. B arrived intact, but only leading blocks count: B stays uncached too,
+    # since the caller recomputes from A onwards.
+    assert num_ok == 0
+    assert targets[0].block_hash is None and targets[1].block_hash is None
+    assert same_bytes(m.kv_cache[targets[1].block_id], data[1])
     assert m.stats().tiers[Tier.DISK].failures == 1
-    assert m.lookup([meta.block_hash]).num_blocks == 0  # the bad record was deleted
+    assert m.lookup([meta_a.block_hash]).num_blocks == 0  # the bad record was deleted
     m.free(targets)
     check_idle(m)
 
