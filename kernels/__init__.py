@@ -16,6 +16,13 @@ from kernels.store_kv import store_kv
 from kernels.swap_blocks import SWAP_METHODS, swap_blocks
 
 __all__ = [
-    "AttentionConfig", "SWAP_METHODS", "copy_blocks", "flash_available",
-    "flash_paged_attention", "paged_attention", "reference", "store_kv", "swap_blocks",
+    "SWAP_METHODS",
+    "AttentionConfig",
+    "copy_blocks",
+    "flash_available",
+    "flash_paged_attention",
+    "paged_attention",
+    "reference",
+    "store_kv",
+    "swap_blocks",
 ]

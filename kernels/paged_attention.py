@@ -187,7 +187,7 @@ def _looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_table
 
 def _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
     _checks.check_shape("query", query, (None, None, None), "[num_tokens, num_heads, head_dim]")
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     _checks.check_shape("k_cache", k_cache, (None, None, None, head_dim),
                         f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
     _checks.check_shape("v_cache", v_cache, tuple(k_cache.shape),

@@ -93,7 +93,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Raises ValueError when num_heads is not a multiple of num_kv_heads or a request's
     q_len exceeds its seq_len.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of "

@@ -72,7 +72,7 @@ def _best_sdpa(q, k, v, **kwargs) -> dict:
         try:
             with sdpa_kernel(backend):
                 F.scaled_dot_product_attention(q, k, v, **kwargs)
-                times[name] = _median_ms(lambda: _sdpa_call(backend, q, k, v, kwargs))
+                times[name] = _median_ms(lambda b=backend: _sdpa_call(b, q, k, v, kwargs))
         except RuntimeError:
             continue
     assert times, "no SDPA backend accepted the call"
@@ -118,10 +118,10 @@ class PagedSetup:
         generator = torch.Generator(device=self.device).manual_seed(SEED + 1)
         query = torch.randn((starts[-1], NUM_HEADS, HEAD_DIM), generator=generator,
                             device=self.device, dtype=DTYPE)
-        return dict(query=query, k_cache=self.k_cache, v_cache=self.v_cache,
-                    query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
-                    seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                    block_tables=tables, max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        return {"query": query, "k_cache": self.k_cache, "v_cache": self.v_cache,
+                    "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=self.device),
+                    "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                    "block_tables": tables, "max_query_len": max(q_lens), "max_seq_len": max(seq_lens)}
 
     def contiguous_kv(self, meta: dict, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_reqs, kv_heads, seq_len, head_dim] copies of every request's K and V."""
@@ -155,11 +155,11 @@ def bench_decode(setup: PagedSetup, batch: int, context: int, sweep: bool) -> di
     sdpa = _best_sdpa(q, k, v, scale=HEAD_DIM ** -0.5, enable_gqa=True)
     out = paged_attention(**meta, softmax_scale=HEAD_DIM ** -0.5)
     expected = _sdpa_call(_sdpa_backends()[sdpa["best_backend"]], q, k, v,
-                          dict(scale=HEAD_DIM ** -0.5, enable_gqa=True))
+                          {"scale": HEAD_DIM ** -0.5, "enable_gqa": True})
     kv_bytes = 2 * k.numel() * k.element_size()
     graph_out = torch.empty_like(meta["query"])
     best_backend = _sdpa_backends()[sdpa["best_backend"]]
-    sdpa_kwargs = dict(scale=HEAD_DIM ** -0.5, enable_gqa=True)
+    sdpa_kwargs = {"scale": HEAD_DIM ** -0.5, "enable_gqa": True}
     graphs = {
         "paged_ms": _graph_ms(lambda: paged_attention(**meta, softmax_scale=HEAD_DIM ** -0.5,
                                                       out=graph_out)),
@@ -197,9 +197,9 @@ def bench_prefill(setup: PagedSetup, chunk: int, prefix: int, sweep: bool) -> di
     v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
     q = meta["query"].transpose(0, 1).unsqueeze(0)  # [1, heads, chunk, d]
     if prefix == 0:
-        kwargs = dict(is_causal=True, scale=HEAD_DIM ** -0.5)
+        kwargs = {"is_causal": True, "scale": HEAD_DIM ** -0.5}
     else:
-        kwargs = dict(attn_mask=causal_lower_right(chunk, seq_len), scale=HEAD_DIM ** -0.5)
+        kwargs = {"attn_mask": causal_lower_right(chunk, seq_len), "scale": HEAD_DIM ** -0.5}
     config = _auto_config(meta)
     paged = _paged_ms(meta, None)
     sdpa = _best_sdpa(q, k, v, **kwargs)
@@ -261,9 +261,9 @@ def run_kernel_bench(batch: int = 32, context: int = 8192,
     tokens_needed = max(batch * context, *long_contexts, prefix + prefill_chunk)
     setup = PagedSetup(math.ceil(tokens_needed / BLOCK_SIZE) + batch, device)
     results: dict = {"device": torch.cuda.get_device_name(device),
-                     "torch": torch.__version__, "layout": dict(
-                         num_layers=NUM_LAYERS, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
-                         head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=str(DTYPE))}
+                     "torch": torch.__version__, "layout": {
+                         "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                         "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": str(DTYPE)}}
     import triton
 
     results["triton"] = triton.__version__

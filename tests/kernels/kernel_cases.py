@@ -24,9 +24,9 @@ needs_interpreter = pytest.mark.skipif(
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 TOLERANCES = {
-    torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float32: {"atol": 2e-5, "rtol": 2e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import kernel_cases as cases
 import pytest
 import torch
 
-import kernel_cases as cases
 from kernels import copy_blocks, reference, swap_blocks
 from kernels.copy_blocks import launch_block_copy
 from kernels.swap_blocks import coalesce_runs

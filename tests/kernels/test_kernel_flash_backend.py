@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 
+import kernel_cases as cases
 import pytest
 import torch
 
-import kernel_cases as cases
 from kernels import flash_available, flash_paged_attention, reference
 
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None

@@ -6,10 +6,10 @@ with long sequences, every head dim and the split-KV path chosen by the launcher
 
 from __future__ import annotations
 
+import kernel_cases as cases
 import pytest
 import torch
 
-import kernel_cases as cases
 from kernels import AttentionConfig, paged_attention, reference
 
 # Request 0: a whole odd-length prompt; 1: a chunk in the middle of a prompt; 2: a decode;

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import kernel_cases as cases
 import pytest
 import torch
 
 from kernels import reference
-import kernel_cases as cases
 
 
 def naive_attention(case: cases.AttentionCase, scale: float) -> list[torch.Tensor]:

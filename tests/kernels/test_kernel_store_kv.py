@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import kernel_cases as cases
 import pytest
 import torch
 
-import kernel_cases as cases
 from kernels import reference, store_kv
 
 
