@@ -2,7 +2,7 @@
 
 Two kinds of jobs, keyed by the hop they make:
 
-  * `SwapJob` (GPU <-> host): whole blocks copied with `kernels.swap_blocks` on a dedicated
+  * `SwapJob` (GPU <-> host): whole blocks copied by `kernels.swap_blocks` on a dedicated
     CUDA stream. The stream first waits on an event recorded on the submitter's compute
     stream (so a block is copied only after the kernels that wrote it), and a completion event
     is recorded after the copy; `get_finished` polls it with `event.query()` and never
@@ -20,6 +20,7 @@ submit jobs themselves (a worker blocked on a full queue would wait for itself).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, NewType
 
 import torch
 
+from kernels import swap_blocks
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
 
 if TYPE_CHECKING:
@@ -117,25 +119,13 @@ class _CudaJob:
     done: torch.cuda.Event
 
 
-def _swap_function(device: torch.device) -> Callable[..., None]:
-    """The Triton/DMA launcher on CUDA when it is built, else the pure-torch reference."""
-    if device.type == "cuda":
-        try:
-            from kernels.swap_blocks import swap_blocks
-            return swap_blocks
-        except ImportError:
-            pass
-    from kernels.reference import swap_blocks as reference_swap_blocks
-    return reference_swap_blocks
-
-
 class TransferEngine:
     """Runs `SwapJob`s and `IOJob`s and reports `(JobId, ok)` when they finish.
 
     device: where the GPU cache lives; CUDA gets a dedicated copy stream, anything else runs
         swaps synchronously. swap_method: passed to `kernels.swap_blocks`. io_threads /
         max_pending_io: size of the host <-> disk pool and of its queue.
-    Raises ValueError for non-positive pool sizes.
+    Raises ValueError for non-positive pool sizes, or "triton" copies without CUDA.
     """
 
     def __init__(self, device: torch.device | str = "cpu", swap_method: str = "auto",
@@ -144,8 +134,12 @@ class TransferEngine:
             raise ValueError(f"io_threads ({io_threads}) and max_pending_io "
                              f"({max_pending_io}) must be positive")
         self.device = torch.device(device)
+        if self.device.type != "cuda" and swap_method == "triton" \
+                and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("swap_method='triton' needs a CUDA device (or TRITON_INTERPRET=1); "
+                             "use 'auto' or 'dma' on the CPU")
         self.swap_method = swap_method
-        self._swap = _swap_function(self.device)
+        self._swap = swap_blocks  # an attribute, so a test can make copies fail
         self._use_cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._use_cuda else None
         self._lock = threading.Lock()

@@ -511,3 +511,15 @@ def test_config_capacity_in_bytes_or_slots():
     assert TierConfig(4).num_host_slots(layout) == 0 and not TierConfig(4).host_enabled
     with pytest.raises(ValueError, match="smaller than one block"):
         TierConfig(4, host_capacity_bytes=layout.bytes_per_block - 1).num_host_slots(layout)
+
+
+# ---- the round-trip benchmark (cli/bench/roundtrip.py) on tiny sizes -----------------------
+
+def test_roundtrip_bench_smoke_run(tmp_path):
+    from cli.bench.roundtrip import run_roundtrip_bench
+
+    result = run_roundtrip_bench(total_mib=1, repeats=1, num_layers=2, num_kv_heads=2,
+                                 head_dim=16, block_size=4, disk_dir=tmp_path, device="cpu")
+    assert result["num_blocks"] == 1024 and result["bytes_each_way"] == 1 << 20
+    assert result["manager"]["verified"] and result["disk"]["verified"]
+    assert result["manager"]["roundtrip_vs_ceiling"] > 0 and result["disk"]["restore_gbps"] > 0

@@ -194,3 +194,10 @@ def test_cuda_swaps_on_the_copy_stream(dtype):
     assert torch.equal(back.view(torch.uint8), gpu.view(torch.uint8))
     assert engine.stats()[Direction.HOST_TO_GPU].seconds > 0
     engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_triton_copies_need_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TransferEngine("cpu", swap_method="triton")
