@@ -24,3 +24,17 @@ __all__ = [
     "EvictionEvent", "HASH_ALGORITHMS", "KVCacheBlock", "KVLayout", "PoolStats",
     "hash_block", "hash_blocks", "namespace_hash", "__version__",
 ]
+
+# The tiers and the tier manager (GPU pool -> pinned host slab -> LMDB disk).
+from kvtier.config import TierConfig
+from kvtier.manager import LoadId, PrefixHit, TierManager
+from kvtier.stats import Direction, ManagerStats, Tier, TierStats, TransferStats
+from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
+from kvtier.tiers.host import HostTier, SlotId
+from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
+
+__all__ += [
+    "Direction", "EvictionPolicy", "HostTier", "IOJob", "JobId", "LRUPolicy", "LoadId",
+    "ManagerStats", "PrefixHit", "SlotId", "SwapJob", "Tier", "TierConfig", "TierManager",
+    "TierStats", "TransferEngine", "TransferStats",
+]
