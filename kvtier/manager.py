@@ -176,11 +176,12 @@ class TierManager:
         holds onwards, all are misses at once.
 
         The manager holds a reference on every block until `complete_load`, which must be
-        called once per load (also when its request went away). Raises ValueError on a
-        length mismatch or a block that is free or already cached.
+        called once per load (also when its request went away). Raises ValueError unless
+        the blocks are distinct, one per meta, held and not cached.
         """
-        if len(metas) != len(gpu_blocks):
-            raise ValueError(f"{len(metas)} metas but {len(gpu_blocks)} GPU blocks")
+        if len(metas) != len(gpu_blocks) or len({b.block_id for b in gpu_blocks}) != len(metas):
+            raise ValueError(f"{len(metas)} metas but {len(gpu_blocks)} GPU blocks; give one "
+                             "distinct block per meta")
         for block in gpu_blocks:
             if block.ref_cnt == 0 or block.block_hash is not None:
                 raise ValueError(f"{block}: load targets must be allocated by the caller "
@@ -437,8 +438,7 @@ class TierManager:
     # ---- inspection ----------------------------------------------------------------------
 
     def stats(self) -> ManagerStats:
-        """Per-tier hits, misses, failures and rejections (in blocks), transfer bytes and
-        seconds per direction, the pool's stats and the host slab's occupancy."""
+        """Per-tier block counters, transfers per direction, pool and host occupancy."""
         host = self.host if self._host_caches else None
         return ManagerStats(
             tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},

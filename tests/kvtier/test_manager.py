@@ -413,6 +413,8 @@ def test_load_arguments_are_checked(managers):
     held = m.allocate(1)
     with pytest.raises(ValueError, match="metas but"):
         m.prepare_load(metas, held)
+    with pytest.raises(ValueError, match="distinct block"):
+        m.prepare_load(metas, held + held)
     with pytest.raises(ValueError, match="unknown or already completed"):
         m.complete_load(99)
     load_id = m.prepare_load(metas[1:], held)
