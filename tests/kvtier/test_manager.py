@@ -5,6 +5,7 @@ they go through the same jobs, completions and pins as on a GPU. Blocks hold ran
 patterns (NaNs included), so every comparison is byte for byte.
 """
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -148,6 +149,33 @@ def test_round_trip_gpu_host_disk_host_gpu(tmp_path, managers, dtype):
     assert stats.transfers[Direction.DISK_TO_HOST].num_bytes >= 4 * block_bytes
     assert stats.transfers[Direction.HOST_TO_GPU].num_bytes == 6 * block_bytes
     assert stats.tiers[Tier.HOST].failures == stats.tiers[Tier.DISK].failures == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap_method", ["dma", "triton"])
+def test_round_trip_on_cuda(tmp_path, managers, swap_method):
+    if swap_method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the Triton copy kernel is measured compiled, not interpreted")
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                      dtype=torch.bfloat16)
+    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=4, swap_method=swap_method),
+                    "cuda")
+    managers.append(m)
+    assert m.host.slab.is_pinned()
+    metas, data = chain(layout, "cuda", 6), random_blocks(layout, 6, seed=7)
+    for i in range(0, 6, 2):
+        write(m, metas[i:i + 2], data[i:i + 2].cuda())
+        m.flush()
+    evict_gpu(m)
+    assert m.lookup([meta.block_hash for meta in metas]).locations == \
+        [Tier.DISK] * 2 + [Tier.HOST] * 4
+    num_ok, blocks = load(m, metas)  # six blocks through four host slots
+    assert num_ok == 6
+    for block, expected in zip(blocks, data):
+        assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+    m.free(blocks)
+    check_idle(m)
+    assert m.stats().transfers[Direction.HOST_TO_GPU].seconds > 0
 
 
 CHILD = textwrap.dedent("""
