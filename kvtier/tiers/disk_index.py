@@ -56,13 +56,19 @@ class LmdbIndex:
 
         No writemap (a sparse file the size of the map is a surprise on some filesystems);
         with `durable`, data pages are fsynced at commit and the meta page with the next one.
-        Raises lmdb.Error subclasses from LMDB, and FileNotFoundError when a read-only open
-        finds no disk tier databases.
+        Raises OSError when the files are not LMDB's or are damaged (cut short, another
+        LMDB version), lmdb.Error subclasses for other LMDB failures, and FileNotFoundError
+        when a read-only open finds no disk tier databases.
         """
-        env = lmdb.open(os.fspath(path), map_size=map_size, subdir=True, readonly=readonly,
-                        create=not readonly, lock=True, max_dbs=8, max_readers=max_readers,
-                        sync=durable, metasync=False, writemap=False, mode=mode)
         try:
+            env = lmdb.open(os.fspath(path), map_size=map_size, subdir=True,
+                            readonly=readonly, create=not readonly, lock=True, max_dbs=8,
+                            max_readers=max_readers, sync=durable, metasync=False,
+                            writemap=False, mode=mode)
+        except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
+            raise OSError(_damaged_message(path, str(exc))) from exc
+        try:
+            _check_not_truncated(env, path)
             env.reader_check()  # drop reader slots left behind by dead processes
             dbs = [env.open_db(name, create=not readonly)
                    for name in (b"blocks", b"access", b"lru", b"meta")]
@@ -308,6 +314,21 @@ class GuardedEnv:
             if not self.closed:
                 self.closed = True
                 self.env.close()
+
+
+def _damaged_message(path: str | os.PathLike[str], detail: str) -> str:
+    return (f"{path} is not a kvtier disk cache or its files are damaged ({detail}); "
+            "remove the directory (its blocks are only a cache) or choose another one")
+
+
+def _check_not_truncated(env: lmdb.Environment, path: str | os.PathLike[str]) -> None:
+    """LMDB maps the data file and reads its pages in place: a page past the end of a file
+    that was cut short kills the process with SIGBUS. Refuse such a file up front."""
+    needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    size = os.stat(os.path.join(os.fspath(path), "data.mdb")).st_size
+    if size < needed:
+        raise OSError(_damaged_message(path, f"data.mdb has {size} bytes but its pages "
+                                             f"need {needed}: the file was cut short"))
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:
