@@ -256,6 +256,9 @@ class DiskTier:
                 # Another process may have replaced it with a good value meanwhile.
                 if value is not None and not self._is_valid(value, meta):
                     self._index.remove(txn, meta.block_hash)
+            # A value damaged outside kvtier may have changed length, so the byte counter
+            # may have drifted; rejections are rare, so count the values again.
+            self._index.recount_bytes(txn)
 
     def _is_valid(self, value: memoryview, meta: BlockMeta) -> bool:
         try:
@@ -292,7 +295,10 @@ class DiskTier:
         encoded = [(meta, encode_header(meta, self.layout, view.nbytes, payload_checksum(view)),
                     view) for (meta, view), hit in zip(items.values(), present) if not hit]
         touched = [h for h, hit in zip(items, present) if hit]
-        self._put_encoded(encoded, touched, frozenset(items))
+        if encoded:
+            self._put_encoded(encoded, touched, frozenset(items))
+        else:  # all present (another writer may have stored them meanwhile)
+            self.touch(touched)
         # Counted afterwards: another process may have stored or pruned some meanwhile.
         return sum(self.contains(list(items)))
 

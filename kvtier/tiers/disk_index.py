@@ -184,6 +184,13 @@ class LmdbIndex:
         num_removed = sum(self.remove(txn, block_hash) for block_hash in victims)
         return num_removed, freed
 
+    def recount_bytes(self, txn: lmdb.Transaction) -> int:
+        """Set `bytes_used` to the sum of the stored values' lengths (a scan of the blocks
+        database: for repairs) and return it."""
+        total = sum(len(value) for _, value in txn.cursor(db=self.blocks))
+        self.set_counter(txn, "bytes_used", total)
+        return total
+
     def reset(self, txn: lmdb.Transaction) -> None:
         """Delete every block and access entry; keep layout names and the sequence."""
         for db in (self.blocks, self.access, self.lru):
@@ -210,7 +217,11 @@ class LmdbIndex:
 
     def _add_bytes(self, txn: lmdb.Transaction, delta: int) -> None:
         total = self.counter(txn, "bytes_used") + delta
-        assert total >= 0, f"bytes_used would become {total}; the meta counter is corrupt"
+        if total < 0:
+            # Only values changed outside kvtier (another program, a damaged file) make the
+            # counter disagree with them: count them again instead of failing every write.
+            self.recount_bytes(txn)
+            return
         self.set_counter(txn, "bytes_used", total)
 
 
