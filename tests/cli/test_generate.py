@@ -1,0 +1,151 @@
+"""`kvtier generate` on a tiny random Llama with a byte-level tokenizer and a chat template:
+JSON output, prompt files, the disk tier reused by a later run, and one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from typer.testing import CliRunner
+
+from cli.main import app
+from engine import LLM, SamplingParams
+from engine.config import named_config
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
+def save_byte_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level tokenizer without merges: 3 special tokens, then the 256 byte symbols."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-chat-llama")
+    tokenizer = save_byte_tokenizer(directory)
+    config = dataclasses.replace(named_config("tiny-llama"), vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config.to_hf(), dtype=torch.float32)
+    hf.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+def generate_args(model_dir: Path, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model_dir), "--device", "cpu", "--max-tokens", "5",
+            "--gpu-blocks", "64", "--host-cache-gb", "0.01", *extra]
+
+
+def test_json_output_matches_the_library(runner, model_dir) -> None:
+    prompts = ["Where do rivers go?", "Name three stones."]
+    result = runner.invoke(app, generate_args(model_dir, *prompts, "--no-disk-cache",
+                                              "--json"))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(report) == {"model", "outputs", "stats"}
+    assert report["model"].startswith(model_dir.name + "@")
+    assert set(report["stats"]) >= {"gpu", "host", "disk", "transfers"}
+    assert report["stats"]["gpu"]["num_blocks"] == 64
+    with LLM(str(model_dir), device="cpu", gpu_blocks=64, disk_cache=False,
+             host_cache=False) as llm:
+        expected = llm.generate(prompts, SamplingParams(max_tokens=5))
+    assert len(report["outputs"]) == 2
+    for entry, output in zip(report["outputs"], expected):
+        assert entry["prompt_token_ids"] == list(output.prompt_token_ids)
+        assert entry["token_ids"] == list(output.token_ids)
+        assert entry["text"] == output.text
+        assert entry["finish_reason"] in ("stop", "length")
+        assert entry["cached_tokens"] == {"gpu": 0, "host": 0, "disk": 0}
+        assert entry["computed_tokens"] == len(entry["prompt_token_ids"]) \
+            + len(entry["token_ids"]) - 1
+        assert entry["ttft_s"] >= 0
+
+
+def test_prompt_files_raw_prompts_and_the_table(runner, model_dir, tmp_path) -> None:
+    as_json = tmp_path / "prompts.json"
+    as_json.write_text(json.dumps(["first prompt", "second\nprompt"]))
+    as_lines = tmp_path / "prompts.txt"
+    as_lines.write_text("first prompt\n\nthird prompt\n")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for path, texts in ((as_json, ["first prompt", "second\nprompt"]),
+                        (as_lines, ["first prompt", "third prompt"])):
+        result = runner.invoke(app, generate_args(model_dir, "--prompt-file", str(path),
+                                                  "--raw", "--no-disk-cache", "--json"))
+        assert result.exit_code == 0, result.output
+        outputs = json.loads(result.stdout)["outputs"]
+        assert [o["prompt_token_ids"] for o in outputs] == [tokenizer.encode(t) for t in texts]
+    result = runner.invoke(app, generate_args(model_dir, "hello", "--no-disk-cache"))
+    assert result.exit_code == 0, result.output
+    assert "computed" in result.stdout and "--- [0]" in result.stdout
+
+
+def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) -> None:
+    prompt = "A long enough question that spans a few blocks of sixteen bytes each?"
+    args = generate_args(model_dir, prompt, "--disk-cache", str(tmp_path / "kv"), "--json")
+    first = json.loads(runner.invoke(app, args).stdout)["outputs"][0]
+    second = json.loads(runner.invoke(app, args).stdout)["outputs"][0]
+    assert first["cached_tokens"]["disk"] == 0
+    num_full = (len(first["prompt_token_ids"]) - 1) // 16
+    assert num_full >= 4
+    assert second["cached_tokens"] == {"gpu": 0, "host": 0, "disk": num_full * 16}
+    assert second["token_ids"] == first["token_ids"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["hi", "--device", "tpu"], "unknown device"),
+    (["hi", "--dtype", "int8"], "unknown --dtype"),
+    (["hi", "--max-tokens", "-1"], "max_tokens"),
+    (["hi", "--max-tokens", "0"], "at least 1"),
+    (["hi", "--gpu-blocks", "0"], "gpu_blocks"),
+    (["hi", "--host-cache-gb", "-1"], "host_cache_gb"),
+    (["hi", "--temperature", "-0.5"], "temperature"),
+    (["hi", "--disk-cache", "/tmp/x", "--no-disk-cache"], "contradict"),
+    ([], "no prompt given"),
+    (["--prompt-file", "/nonexistent/prompts.txt"], "cannot read prompt file"),
+])
+def test_bad_options_print_one_line_and_fail(runner, model_dir, extra, message) -> None:
+    result = runner.invoke(app, generate_args(model_dir, "--no-disk-cache", *extra))
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], \
+        result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_an_unknown_model_is_one_line_too(runner, tmp_path) -> None:
+    result = runner.invoke(app, ["generate", "hi", "--model", str(tmp_path / "missing"),
+                                 "--device", "cpu", "--no-disk-cache"])
+    assert result.exit_code != 0
+    assert result.stderr.strip().startswith("error:") and "does not exist" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bad_prompt_files_are_rejected(runner, model_dir, tmp_path) -> None:
+    for content, message in (("[1, 2]", "list of strings"), ("[oops", "not valid JSON"),
+                             ("\n\n", "holds no prompt")):
+        path = tmp_path / "bad.txt"
+        path.write_text(content)
+        result = runner.invoke(app, generate_args(model_dir, "--prompt-file", str(path),
+                                                  "--no-disk-cache"))
+        assert result.exit_code != 0 and message in result.stderr, result.stderr
