@@ -40,8 +40,8 @@ Prompt = str | Sequence[int]
 #: memory fraction applies to at most this much of it.
 CPU_KV_LIMIT_BYTES = 4 << 30
 
-#: While only loads are in flight a step has nothing to run; it waits this long (seconds)
-#: instead of spinning.
+#: While only transfers are in flight a step may have nothing to run; it then waits this long
+#: (seconds) instead of spinning.
 _IDLE_WAIT_S = 0.0005
 
 
@@ -263,9 +263,10 @@ class LLM:
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
         finished = self.scheduler.update(plan, sampled)
         if not plan.scheduled and not finished and self.scheduler.has_unfinished():
-            if not self.scheduler.num_loading:
-                raise RuntimeError("the scheduler could not run any request and none is "
-                                   "waiting for a load")
+            # Only transfers can free blocks or finish loads now: wait for them a little.
+            if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
+                raise RuntimeError("the scheduler could not run any request and no transfer "
+                                   "is in flight to make room")
             time.sleep(_IDLE_WAIT_S)
         outputs, self._unclaimed = self._unclaimed, []
         for request in finished:

@@ -15,7 +15,8 @@ to be recomputed (fail closed).
 Out of blocks: the newest holder of blocks is preempted (waiting requests that hold restored
 blocks first, then the newest running request, possibly the one asking). Its full blocks stay
 cached in the pool and were written through to the host tier, so it comes back through the
-lookup / restore path. A request alone in the pool that still cannot grow ends with "length".
+lookup / restore path. A request that holds every block of the pool and still needs one more
+ends with "length".
 """
 
 from __future__ import annotations
@@ -273,8 +274,8 @@ class Scheduler:
             self._preempt(victim, out)
         if request.status is not RequestStatus.RUNNING:
             return False
-        if len(self.running) == 1 and not self._loads:
-            # Alone with every block of the pool and still no room: it cannot ever grow.
+        if len(request.block_table) >= self.manager.pool.num_blocks:
+            # It holds every block of the pool and still has no room: it can never grow.
             self._finish(request, "length")
             out.finished.append(request)
         else:
