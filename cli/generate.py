@@ -129,10 +129,10 @@ def generate(
                             top_k=top_k, seed=seed, ignore_eos=ignore_eos)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
-    options = dict(block_size=block_size, gpu_blocks=gpu_blocks,
-                   host_cache=not no_host_cache, host_cache_gb=host_cache_gb,
-                   disk_cache=not no_disk_cache, disk_cache_dir=disk_cache,
-                   disk_cache_gb=disk_cache_gb)
+    options: dict[str, Any] = {
+        "block_size": block_size, "gpu_blocks": gpu_blocks, "host_cache": not no_host_cache,
+        "host_cache_gb": host_cache_gb, "disk_cache": not no_disk_cache,
+        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb}
     EngineConfig(**options)  # reject bad sizes before the model is loaded
     with LLM(model, device=device, dtype=dtype, **options) as llm:
         outputs = llm.generate(texts, params, raw=raw)

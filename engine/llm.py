@@ -16,7 +16,6 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -199,7 +198,7 @@ class LLM:
                  request_id: str | None, cache_salt: str | None, text: str | None) -> str:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params)}")
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         index = next(self._request_counter)
@@ -342,7 +341,7 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

@@ -118,7 +118,6 @@ class Scheduler:
         out = SchedulerOutput()
         self._finish_loads()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[RequestId] = set()
 
         # Running requests, oldest first; a preempted one leaves `self.running`.
         index = 0
@@ -129,7 +128,6 @@ class Scheduler:
             if not self._grow(request, num_new, out):
                 continue  # `request` left self.running (preempted or finished)
             out.scheduled.append(self._plan(request, num_new))
-            scheduled_ids.add(request.request_id)
             budget -= num_new
             index += 1
 
@@ -151,7 +149,8 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: Sequence[int | None]) -> list[Request]:
+    def update(self, out: SchedulerOutput,
+               sampled_token_ids: Sequence[int | None]) -> list[Request]:
         """Account for a finished model step; return the requests that finished in it.
 
         `sampled_token_ids[i]` is the token sampled for `out.scheduled[i]` (None when it did

@@ -98,8 +98,8 @@ def tiny_llama(tmp_path_factory) -> TinyModel:
 
 
 def tiny_llm(model: TinyModel, **kwargs) -> LLM:
-    options = dict(gpu_blocks=400, host_cache=False, disk_cache=False,
-                   max_num_batched_tokens=256)
+    options = {"gpu_blocks": 400, "host_cache": False, "disk_cache": False,
+               "max_num_batched_tokens": 256}
     options.update(kwargs)
     return LLM(model.loaded, **options)
 

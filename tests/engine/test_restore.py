@@ -123,7 +123,7 @@ def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,
          "--device", "cpu", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
          "--gpu-blocks", "200", "--host-cache-gb", "0.25", "--disk-cache", str(disk_dir),
          "--json"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["model"] == smollm2.model_id

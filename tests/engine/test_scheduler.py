@@ -129,9 +129,7 @@ def test_first_come_first_served_under_the_caps(host_manager: TierManager) -> No
     plan, _ = driver.step()
     assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(a, 1), (b, 2)]
     assert c.status is RequestStatus.WAITING
-    order = []
-    for request in driver.run_until_done():
-        order.append(request)
+    order = driver.run_until_done()
     assert order[-1] is c  # c starts only once a seat is free
     assert [r.finish_reason for r in (a, b, c)] == ["length"] * 3
 
