@@ -14,7 +14,6 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
