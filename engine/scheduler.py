@@ -138,7 +138,9 @@ class Scheduler:
                 break
             if request.status is RequestStatus.WAITING_FOR_LOAD:
                 continue
-            if not request.block_table and not self._lookup(request):
+            # One lookup per admission: after a load, even one that restored nothing, the
+            # request computes the rest (a failing tier cannot keep it waiting forever).
+            if request.request_id not in self._admissions and not self._lookup(request):
                 continue  # a load started
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._grow(request, num_new, out):

@@ -218,7 +218,8 @@ def test_gpu_hits_are_shared_not_recomputed(host_manager: TierManager) -> None:
     assert_kv_matches_tokens(host_manager, second, 9)
 
 
-def test_partial_restore_recomputes_the_rest(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad_block", [2, 0])
+def test_partial_restore_recomputes_the_rest(tmp_path: Path, bad_block: int) -> None:
     # Host tier off, disk on: blocks reach the disk through the staging slab.
     config = TierConfig(num_gpu_blocks=8, disk_path=tmp_path / "kv",
                         disk_budget_bytes=64 * LAYOUT.bytes_per_block)
@@ -228,25 +229,27 @@ def test_partial_restore_recomputes_the_rest(tmp_path: Path) -> None:
         driver.run_until_done()
         manager.flush()  # the write-through reached the disk
         driver.evict_gpu()
-        # Block 2's record now claims other tokens under the same hash (a collision): the
-        # load must reject it, keep blocks 0-1 and leave blocks 2-3 to be recomputed.
+        # The bad block's record now claims other tokens under the same hash (a collision):
+        # the load must reject it, keep the blocks before it and recompute from there on.
         assert manager.disk is not None
         payload = torch.zeros(LAYOUT.bytes_per_block, dtype=torch.uint8)
-        manager.disk.delete([first.block_hashes[2]])
-        manager.disk.put([BlockMeta(first.block_hashes[2], first.block_hashes[1],
-                                    (0, 0, 0, 0))], [payload])
+        manager.disk.delete([first.block_hashes[bad_block]])
+        manager.disk.put([BlockMeta(first.block_hashes[bad_block],
+                                    first.parent_hash(bad_block), (0, 0, 0, 0))], [payload])
         again = driver.add(prompt_of(17), max_tokens=2)
         plan, _ = driver.step()
         assert again.status is RequestStatus.WAITING_FOR_LOAD and not plan.scheduled
         while again.status is RequestStatus.WAITING_FOR_LOAD:
             plan, _ = driver.step()
             time.sleep(0.001)
-        assert plan.scheduled[0].request is again and plan.scheduled[0].start == 8
-        assert again.counters.cached_disk == 8
-        assert len(again.block_table) == 5  # 2 restored + 3 for the recomputed tokens
+        num_restored = bad_block * BS
+        assert plan.scheduled[0].request is again
+        assert plan.scheduled[0].start == num_restored
+        assert again.counters.cached_disk == num_restored
+        assert len(again.block_table) == 5  # restored blocks + those being recomputed
         assert_kv_matches_tokens(manager, again, 17)
         driver.run_until_done()
-        assert again.counters.computed == 9 + 1
+        assert again.counters.computed == 17 - num_restored + 1
         manager.pool.check_invariants()
 
 
