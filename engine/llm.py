@@ -71,16 +71,17 @@ class LLM:
     """An inference engine over one model with tiered KV caching.
 
     model: "smollm2-135m", a Hugging Face directory, a .gguf file, "random:<name>", or an
-    already loaded `LoadedModel` (its device and dtype are used; the model is shared, never
-    modified, so several engines may run one after the other on it).
+    already loaded `LoadedModel` (its device, dtype and attention backend are used; the
+    model is shared, never modified, so several engines may run one after the other on it).
     device: "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on
     CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
     """
 
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", *, device: str | torch.device = "auto",
-                 dtype: str | torch.dtype = "auto", block_size: int = 16,
+    def __init__(self, model: str | LoadedModel = "smollm2-135m", *,
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                 block_size: int = 16,
                  gpu_blocks: int | None = None, gpu_memory_fraction: float = 0.5,
                  host_cache: bool = True, host_cache_gb: float = 1.0,
                  disk_cache: bool = True, disk_cache_dir: str | Path | None = None,

@@ -2,10 +2,9 @@
 
 State machine (the scheduler moves a request along it):
 
-    WAITING ──admit──> RUNNING ──stop / length──> FINISHED
-       │  ^               │
-       │  └─load done─┐   └──out of blocks──> PREEMPTED ──(front of the queue)──> admit again
-       └──tier hit──> WAITING_FOR_LOAD
+    WAITING | PREEMPTED --admitted------------------> RUNNING --stop / length--> FINISHED
+    WAITING | PREEMPTED --prefix hit below the GPU--> WAITING_FOR_LOAD --load done--> WAITING
+    RUNNING --out of blocks--> PREEMPTED (back at the front of the waiting queue)
 
 Invariants:
   * `num_computed_tokens <= num_tokens`; the KV of tokens `[0, num_computed_tokens)` sits in
