@@ -11,19 +11,33 @@ from __future__ import annotations
 import torch
 
 from kvtier.layout import KVLayout
+from kvtier.tiers.host import available_memory_bytes
 
 
 def allocate_kv_cache(layout: KVLayout, num_blocks: int,
                       device: torch.device | str = "cpu") -> torch.Tensor:
     """A zeroed cache of `num_blocks` blocks on `device`.
 
-    Raises ValueError for a non-positive `num_blocks`; torch raises its own error if the
-    device lacks the memory.
+    Raises ValueError for a non-positive `num_blocks` or, on the CPU, a cache larger than
+    the memory the kernel reports as available; OSError when the device cannot allocate it.
+    Both name the size, so the caller can lower the block count at start-up.
     """
     if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
         raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-    return torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype,
-                       device=torch.device(device))
+    device = torch.device(device)
+    num_bytes = num_blocks * layout.bytes_per_block
+    available = available_memory_bytes() if device.type == "cpu" else None
+    if available is not None and num_bytes > available:
+        raise ValueError(f"a KV cache of {num_blocks} blocks needs {num_bytes / 2**30:.2f} GiB "
+                         f"but only {available / 2**30:.2f} GiB of memory are available; "
+                         "lower the number of GPU blocks")
+    try:
+        return torch.zeros((num_blocks, *layout.block_shape), dtype=layout.dtype,
+                           device=device)
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        raise OSError(f"could not allocate a KV cache of {num_blocks} blocks "
+                      f"({num_bytes / 2**30:.2f} GiB) on {device}: {exc}; lower the number "
+                      "of GPU blocks or the memory fraction") from exc
 
 
 def layer_views(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
