@@ -13,7 +13,6 @@ computed them, and the cache directory is private.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import stat
