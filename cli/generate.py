@@ -30,13 +30,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 def read_prompt_file(path: Path) -> list[str]:
     """Prompts from a JSON list of strings, or one prompt per non-empty line.
 
-    Raises OSError when the file cannot be read and ValueError when it holds no prompt or a
-    JSON value that is not a list of strings.
+    Raises OSError when the file cannot be read and ValueError when it is not UTF-8 text,
+    holds no prompt, or a JSON value that is not a list of strings.
     """
     try:
         text = path.expanduser().read_text(encoding="utf-8")
     except OSError as exc:
         raise OSError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {exc.start}: "
+                         f"{exc.reason}); save it as UTF-8") from None
     stripped = text.strip()
     if stripped.startswith("["):
         try:
