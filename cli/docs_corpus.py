@@ -15,12 +15,14 @@ from dataclasses import dataclass
 class Document:
     """One text of the corpus and the questions asked about it, in order."""
 
+    name: str  # a short label for tables
     title: str
     text: str
     questions: tuple[str, ...]
 
 
 LANTERN_MANUAL = Document(
+    name="lantern",
     title="Harrowgate K7 storm lantern: owner's manual",
     text="""\
 Thank you for choosing the Harrowgate K7, a storm lantern built for porches, boats and
@@ -55,6 +57,7 @@ provided the base has not been opened with anything other than a coin.""",
 )
 
 TOWN_HISTORY = Document(
+    name="Velmora",
     title="Velmora: a short history of a river town",
     text="""\
 Velmora grew up where the slow green Ansel river bends twice before reaching the sea. The
@@ -88,6 +91,7 @@ Sevenfold Bridge in memory of the flood.""",
 )
 
 GARDEN_RULES = Document(
+    name="garden",
     title="Brightwell Terrace community garden: rules for members",
     text="""\
 Welcome to the Brightwell Terrace community garden. These rules were agreed by the members'
@@ -125,6 +129,7 @@ shed.""",
 )
 
 MOTH_FIELD_GUIDE = Document(
+    name="moth",
     title="Field notes: the copperwing moth",
     text="""\
 The copperwing moth is a small night-flying moth of the northern heaths, easy to recognise by

@@ -1,0 +1,76 @@
+"""`kvtier demo`: the session plan, and two real runs of `kvtier demo --quick` in a
+subprocess (the default model on the CPU, a private cache directory): the first starts cold
+and matches the tiers-off run; the second starts warm from the disk tier the first left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.demo import FULL_PLAN, QUICK_PLAN, plan_turns
+from cli.docs_corpus import CORPUS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rounds_go_forward_then_backward_through_the_documents():
+    turns = plan_turns(FULL_PLAN)
+    assert len(turns) == FULL_PLAN.num_docs * FULL_PLAN.num_rounds
+    docs = CORPUS[:FULL_PLAN.num_docs]
+    names = [t.document.name for t in turns]
+    n = FULL_PLAN.num_docs
+    assert names[:n] == [d.name for d in docs]
+    assert names[n:2 * n] == [d.name for d in docs[::-1]]
+    # Round r asks question r of each document, and every prompt starts with its document.
+    for index, turn in enumerate(turns):
+        assert turn.question == turn.document.questions[index // n]
+        assert turn.prompt.startswith(f"{turn.document.title}\n\n{turn.document.text}")
+        assert turn.prompt.endswith(turn.question + " Answer in one short sentence.")
+    assert len(plan_turns(QUICK_PLAN)) == QUICK_PLAN.num_docs * QUICK_PLAN.num_rounds
+
+
+def test_corpus_documents_are_long_and_distinct():
+    assert len({d.name for d in CORPUS}) == len(CORPUS)
+    for doc in CORPUS:
+        assert len(doc.text.split()) > 200, doc.name  # a few hundred tokens each
+        assert len(doc.questions) >= FULL_PLAN.num_rounds
+
+
+def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "COLUMNS": "120"}
+    return subprocess.run([sys.executable, "-m", "cli.main", "demo", "--quick", *args],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_demo_quick_cold_then_warm_from_disk(tmp_path):
+    cache_dir = tmp_path / "cache"
+
+    # Run 1: nothing cached yet; the tiered answers match the tiers-off run.
+    first = _run_demo(cache_dir)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "identical" in first.stdout
+    assert "Cold start" in first.stdout
+    disk_dir = cache_dir / "demo-kv"
+    assert (disk_dir / "data.mdb").exists()
+
+    # Run 2: the first turn's document comes back from the disk tier run 1 left behind.
+    second = _run_demo(cache_dir, "--json")
+    assert second.returncode == 0, second.stdout + second.stderr
+    result = json.loads(second.stdout)
+    assert result["identical"] is True and result["mismatched_turns"] == []
+    assert result["warm_start"] is True
+    first_turn = result["turns"][0]
+    assert first_turn["tokens_disk"] > 0
+    assert first_turn["tokens_disk"] + first_turn["tokens_gpu"] + first_turn["tokens_host"] \
+        + first_turn["tokens_prefilled"] == first_turn["num_prompt_tokens"]
+    assert first_turn["bytes_moved"]["disk->host"] > 0
+    assert result["disk_dir"] == str(disk_dir)
+    # Warm, most prompt tokens come back from a tier instead of being prefilled.
+    assert result["tiers"]["prefilled"]["token_share"] < 0.5
+    assert result["tiers"]["disk"]["hits"] > 0
