@@ -90,14 +90,15 @@ def test_tiny_host_tier_spills_to_disk_and_restores_from_it(smollm2, block_promp
     # 8 host slots and 30 GPU blocks: one prompt at a time fits on the GPU, and the host
     # keeps only the latest blocks; the rest is written back to disk before it is evicted.
     with LLM(smollm2, gpu_blocks=30, host_cache_gb=8 * bytes_per_block / 2**30,
-             disk_cache_dir=tmp_path / "kv", max_num_batched_tokens=64) as llm:
+             disk_cache_dir=tmp_path / "kv", max_num_batched_tokens=128) as llm:
         first = [llm.generate([p], params)[0] for p in prompts]
-        again = [llm.generate([p], params)[0] for p in prompts[:2]]
+        again = llm.generate([prompts[0]], params)[0]
         stats = llm.stats()
-    for output, reference in zip(first + again, references + references[:2]):
+    for output, reference in zip([*first, again], [*references, references[0]]):
         assert list(output.token_ids) == reference
     assert all(o.metrics.cached_tokens == 0 for o in first)
-    assert sum(o.metrics.cached_tokens_disk for o in again) > 0
+    # The first prompt's blocks left the GPU and the host; its prefix came back from disk.
+    assert again.metrics.cached_tokens_disk > 0
     assert stats.tiers[Tier.DISK].hits > 0
 
 
