@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from cli import cache, demo
+from cli import cache
 from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
 from cli.bench import tiers as bench_tiers
@@ -123,7 +123,6 @@ def info(
 def _register() -> None:
     """Attach every command to the app: the single place where commands are added."""
     app.command("info")(info)
-    app.command("demo")(demo.demo)
     app.command("generate")(importlib.import_module("cli.generate").generate)
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
@@ -131,6 +130,7 @@ def _register() -> None:
     bench_app.command("kernels")(bench_commands.kernels)
     bench_app.command("swap")(bench_commands.swap)
     bench_app.command("tiers")(bench_tiers.tiers)
+    bench_app.command("soak")(importlib.import_module("cli.bench.soak").soak)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
     for name, command in (("stats", cache.stats), ("inspect", cache.inspect),
