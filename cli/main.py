@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from cli import cache
+from cli import cache, demo
 from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
 from cli.bench import tiers as bench_tiers
@@ -123,6 +123,7 @@ def info(
 def _register() -> None:
     """Attach every command to the app: the single place where commands are added."""
     app.command("info")(info)
+    app.command("demo")(demo.demo)
     app.command("generate")(importlib.import_module("cli.generate").generate)
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
