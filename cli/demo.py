@@ -56,7 +56,7 @@ class DemoPlan:
 
 # Sized so the full session takes about a minute on a 2-core CPU: decoding dominates there.
 FULL_PLAN = DemoPlan(num_docs=4, num_rounds=2, max_tokens=16)
-QUICK_PLAN = DemoPlan(num_docs=2, num_rounds=2, max_tokens=8, host_fraction=0.75)
+QUICK_PLAN = DemoPlan(num_docs=2, num_rounds=2, max_tokens=6, host_fraction=0.75)
 
 
 @dataclass(frozen=True, slots=True)

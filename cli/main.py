@@ -17,6 +17,7 @@ import typer
 from cli import cache, demo
 from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
+from cli.bench import roundtrip as bench_roundtrip
 from cli.bench import tiers as bench_tiers
 from cli.common import KvtierGroup, print_json, print_table
 
@@ -131,6 +132,7 @@ def _register() -> None:
     bench_app.command("kernels")(bench_commands.kernels)
     bench_app.command("swap")(bench_commands.swap)
     bench_app.command("tiers")(bench_tiers.tiers)
+    bench_app.command("roundtrip")(bench_roundtrip.roundtrip)
     bench_app.command("soak")(importlib.import_module("cli.bench.soak").soak)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)

@@ -100,11 +100,11 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
                                    max_num_batched_tokens=config.max_batched_tokens,
                                    host_cache=mode != "off", disk_cache=mode == "host_disk")
     if mode == "host":
-        options["host_cache_gb"] = 2 * everything / GIB
+        options["host_cache_gb"] = 5 * everything / 4 / GIB
     elif mode == "host_disk":
         # The host tier holds a third of the conversations; the rest must go to disk.
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
-        options["disk_cache_gb"] = 2 * everything / GIB
+        options["disk_cache_gb"] = 5 * everything / 4 / GIB
     return options
 
 

@@ -195,3 +195,12 @@ def test_tiers_bench_is_wired(runner, tmp_path):
     report = json.loads(result.stdout)
     assert report["num_blocks"] == 4 and report["repeats"] == 2
     assert report["lmdb"]["read"]["mb_per_s"] > 0 and report["write_ratio"] > 0
+
+
+def test_roundtrip_bench_is_wired(runner, tmp_path):
+    result = runner.invoke(app, ["bench", "roundtrip", "--total-mib", "4", "--repeats", "1",
+                                 "--device", "cpu", "--disk-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["num_blocks"] == 2
+    assert report["manager"]["verified"] and report["disk"]["verified"]
