@@ -105,8 +105,9 @@ def longctx(
                                            "(prefill chunk size)."),
     strategies: str = typer.Option(",".join(STRATEGIES), help="Comma-separated strategies "
                                    "to compare; recompute is the baseline and required."),
-    disk_dir: Path | None = typer.Option(None, help="Directory of the disk strategy's tier "
-                                         "(default: a temporary directory, removed after)."),
+    disk_dir: Path | None = typer.Option(None, help="Where the disk strategy keeps its "
+                                         "temporary tier (default: the system temporary "
+                                         "directory); it is removed afterwards."),
     seed: int = typer.Option(0, help="Seed of the documents' token ids."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
                                      "TTFT comparison to this PNG file (needs matplotlib)."),

@@ -260,8 +260,10 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
                          f"exceed the model's context ({context} tokens); shorten them")
     docs, first, second = make_documents(config, loaded.config.vocab_size)
     strategies: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvtier-longctx-") as scratch:
-        disk_dir = Path(config.disk_dir) if config.disk_dir else Path(scratch) / "kv"
+    # A fresh directory every run (inside `disk_dir` when given), so nothing from an earlier
+    # run can be hit in round one.
+    with tempfile.TemporaryDirectory(prefix="kvtier-longctx-", dir=config.disk_dir) as scratch:
+        disk_dir = Path(scratch) / "kv"
         for strategy in config.strategies:
             strategies[strategy] = _run_strategy(strategy, loaded, config, docs, first, second,
                                                  disk_dir, report)

@@ -33,15 +33,17 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def longctx_run(runner, tmp_path_factory) -> tuple[dict, Path]:
+def longctx_run(runner, tmp_path_factory) -> tuple[dict, Path, Path]:
     plot = tmp_path_factory.mktemp("plot") / "longctx.png"
-    result = runner.invoke(app, [*LONGCTX, "--plot", str(plot), "--json"])
+    disk_dir = tmp_path_factory.mktemp("longctx-disk")
+    result = runner.invoke(app, [*LONGCTX, "--plot", str(plot), "--disk-dir", str(disk_dir),
+                                 "--json"])
     assert result.exit_code == 0, result.output
-    return json.loads(result.stdout), plot
+    return json.loads(result.stdout), plot, disk_dir
 
 
 def test_longctx_strategies_restore_from_their_tier_and_agree(longctx_run):
-    result, _ = longctx_run
+    result, _, _ = longctx_run
     assert result["outputs_identical"] is True
     strategies = result["strategies"]
     assert list(strategies) == ["recompute", "host", "disk"]
@@ -76,7 +78,7 @@ def test_longctx_strategies_restore_from_their_tier_and_agree(longctx_run):
 
 
 def test_longctx_timeline_samples_every_step(longctx_run):
-    result, _ = longctx_run
+    result, _, _ = longctx_run
     for name, figures in result["strategies"].items():
         timeline = figures["timeline"]
         assert [s["step"] for s in timeline] == list(range(len(timeline)))
@@ -95,10 +97,11 @@ def test_longctx_timeline_samples_every_step(longctx_run):
             assert first_round2["disk_blocks"] > 0
 
 
-def test_longctx_plot_is_a_png(longctx_run):
-    result, plot = longctx_run
+def test_longctx_plot_is_a_png_and_the_disk_tier_is_removed(longctx_run):
+    result, plot, disk_dir = longctx_run
     assert result["plot"] == str(plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(disk_dir.iterdir()) == []  # the disk strategy's tier lived in a temporary dir
 
 
 def test_longctx_table_reports_the_ratio(runner):
