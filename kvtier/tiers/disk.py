@@ -418,10 +418,26 @@ class DiskTier:
         return hashes
 
     def _flush_touches(self) -> None:
+        """Write pending access-order updates. They are advisory: when the map is full and
+        cannot grow, or the disk refuses the commit, they are dropped (logged) rather than
+        failing the read or close that triggered them."""
         hashes = self._take_touches()
-        if hashes:
-            with self._map.txn(write=True) as txn:
-                self._touch_in(txn, hashes)
+        if not hashes:
+            return
+        for _ in range(2):
+            try:
+                with self._map.txn(write=True) as txn:
+                    self._touch_in(txn, hashes)
+                return
+            except lmdb.MapFullError:
+                if not self._map.grow(len(hashes) * 256, full=True):
+                    break
+            except lmdb.Error as exc:
+                if not is_disk_full(exc):
+                    raise
+                break
+        logger.info("disk cache %s: no room to record %d accesses; dropped them",
+                    self.path, len(hashes))
 
     def _touch_in(self, txn: lmdb.Transaction, block_hashes: list[BlockHash]) -> None:
         self._index.touch(txn, [h for h in block_hashes if self._index.has(txn, h)])

@@ -533,3 +533,22 @@ def test_matches_an_lru_model(tmp_path_factory, ops, capacity):
         assert stats.bytes_used == len(model.order) * record_size(SMALL, metas[0])
     finally:
         tier.close()
+
+
+def test_reads_and_close_survive_a_map_with_no_room_for_access_order(tmp_path):
+    # Fill a map that cannot grow until stores must prune: recording accesses then has
+    # little or no room either. Reads still return the committed bytes and close does not raise; only the
+    # (advisory) access order is not updated.
+    metas, payloads = make_blocks(LARGE, seed=9, num_blocks=64)
+    tier = DiskTier(tmp_path, LARGE, BIG_BUDGET, max_map_bytes=1 << 20,
+                    initial_map_bytes=1 << 20, touch_flush_every=1)
+    for start in range(0, 64, 8):
+        tier.put(metas[start:start + 8], payloads[start:start + 8])
+    assert tier.stats().pruned > 0
+    present = [m for m, ok in zip(metas, tier.contains([m.block_hash for m in metas])) if ok]
+    assert present
+    by_hash = {m.block_hash: p for m, p in zip(metas, payloads)}
+    for meta in present:
+        got = read_back(tier, meta)
+        assert got is not None and same_bytes(got, by_hash[meta.block_hash])
+    tier.close()

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Every GPU test and the tier/engine benchmarks, for the lent GPU machine.
+#   bash scripts/gpu_suite.sh [OUT_DIR]        (default: $OUT, else ./out)
+# STAGES picks stages (default: all): tests roundtrip swap longctx serve.
+# SMOKE=1 shrinks every size (a quick check that each stage runs).
+# lmdb is not installed there: carry its wheel in .whl/ (see docs/BENCHMARKS.md).
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-out}}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY=${PY:-$(command -v python3 || command -v python)}
+if ! $PY -c "import lmdb" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+STAGES=${STAGES:-"tests roundtrip swap longctx serve"}
+SMOKE=${SMOKE:-0}
+KV="$PY -m cli.main"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT_DIR/env.log"
+$PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT_DIR/env.log"
+
+stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+
+if stage tests; then
+    echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
+    timeout "${TEST_TIMEOUT:-240}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
+        tests 2>&1 | tail -n 60 | tee -a "$OUT_DIR/gpu_tests.log"
+fi
+if stage roundtrip; then
+    MIB=1024; [ "$SMOKE" = 1 ] && MIB=64
+    echo "== roundtrip" | tee "$OUT_DIR/roundtrip.log"
+    timeout 150 $PY -m cli.bench.roundtrip --total-mib $MIB --json > "$OUT_DIR/roundtrip.json" \
+        2>>"$OUT_DIR/roundtrip.log"; tail -c 1500 "$OUT_DIR/roundtrip.json"
+fi
+if stage swap; then
+    echo "== swap" | tee "$OUT_DIR/swap.log"
+    timeout 90 $KV bench swap --json > "$OUT_DIR/swap.json" 2>>"$OUT_DIR/swap.log"; tail -c 1500 "$OUT_DIR/swap.json"
+fi
+if stage longctx; then
+    if [ "$SMOKE" = 1 ]; then ARGS="--model random:llama3-1b --num-docs 2 --doc-tokens 4096"
+    else ARGS="--model random:llama3-8b --num-docs 3 --doc-tokens 32768 --max-batched-tokens 8192"; fi
+    echo "== longctx $ARGS" | tee "$OUT_DIR/longctx.log"
+    timeout "${LONGCTX_TIMEOUT:-300}" $KV bench longctx $ARGS --device cuda --max-tokens 2 \
+        --plot "$OUT_DIR/longctx.png" --json > "$OUT_DIR/longctx.json" 2>>"$OUT_DIR/longctx.log"
+    echo "rc=$?" >> "$OUT_DIR/longctx.log"; tail -n 5 "$OUT_DIR/longctx.log"
+    $PY - "$OUT_DIR/longctx.json" <<'PYEOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as exc:
+    print("longctx: no JSON:", exc); raise SystemExit
+print("longctx headline:", json.dumps(r.get("headline")), "identical:", r.get("outputs_identical"))
+for name, s in r.get("strategies", {}).items():
+    print(f"  {name}: ttft p50 {s['ttft_s']['p50']:.4f}s speedup {s.get('speedup_vs_recompute', 0):.2f}x")
+PYEOF
+fi
+if stage serve; then
+    if [ "$SMOKE" = 1 ]; then ARGS="--model random:llama3-1b --hf-batch 8 --num-conversations 4"
+    else ARGS="--model random:llama3-8b --hf-batch 64 --hf-prompt-tokens 512 --hf-new-tokens 64 --num-conversations 16 --num-rounds 3 --system-tokens 2048"; fi
+    echo "== serve $ARGS" | tee "$OUT_DIR/serve.log"
+    timeout "${SERVE_TIMEOUT:-300}" $KV bench serve $ARGS --device cuda --compare-hf --json \
+        > "$OUT_DIR/serve.json" 2>>"$OUT_DIR/serve.log"
+    echo "rc=$?" >> "$OUT_DIR/serve.log"; tail -n 5 "$OUT_DIR/serve.log"; tail -c 2500 "$OUT_DIR/serve.json"
+fi
