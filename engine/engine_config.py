@@ -34,6 +34,8 @@ class EngineConfig:
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
     attn_backend: "auto", "torch", "triton" or "flash".
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
+    cuda_graphs: replay recorded CUDA graphs for pure-decode steps (used only on CUDA with
+        the triton attention backend; ignored elsewhere).
 
     Raises ValueError naming the field and the accepted range when a value is out of range.
     """
@@ -51,6 +53,7 @@ class EngineConfig:
     hash_algorithm: str = "xxh3_128"
     attn_backend: str = "auto"
     seed: int | None = 0
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -72,6 +75,8 @@ class EngineConfig:
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.cuda_graphs is not True and self.cuda_graphs is not False:
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 
     @property
     def host_cache_bytes(self) -> int:

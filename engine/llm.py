@@ -87,14 +87,15 @@ class LLM:
                  disk_cache: bool = True, disk_cache_dir: str | Path | None = None,
                  disk_cache_gb: float = 10.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, hash_algorithm: str = "xxh3_128",
-                 attn_backend: str = "auto", seed: int | None = 0) -> None:
+                 attn_backend: str = "auto", seed: int | None = 0,
+                 cuda_graphs: bool = True) -> None:
         self.config = EngineConfig(
             block_size=block_size, gpu_blocks=gpu_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, host_cache=host_cache,
             host_cache_gb=host_cache_gb, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
             disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm,
-            attn_backend=attn_backend, seed=seed)
+            attn_backend=attn_backend, seed=seed, cuda_graphs=cuda_graphs)
         if isinstance(model, LoadedModel):
             loaded = model
             self.device, self.dtype = _check_loaded(loaded, device, dtype)
@@ -112,6 +113,11 @@ class LLM:
         self.manager = TierManager(self.layout, self._tier_config(self.layout), self.device)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
+        if (self.config.cuda_graphs and self.device.type == "cuda"
+                and getattr(self.model, "attn_backend", None) == "triton"):
+            # Recorded at start (a few seconds at most), not inside the first decode steps.
+            self.runner.enable_cuda_graphs(
+                max_num_seqs, min(self.max_model_len, self.num_gpu_blocks * block_size))
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
@@ -333,6 +339,7 @@ class LLM:
         """Wait for in-flight transfers, flush the host tier to disk and close it."""
         if not self._closed:
             self._closed = True
+            self.runner.graphs = None  # the graphs' memory pool goes with them
             self.manager.close()
 
     def _check_open(self) -> None:

@@ -6,6 +6,9 @@ the device once (from pinned memory, non-blocking, on CUDA). The attention metad
 passed to the model's forward as an argument. Logits are computed only for the last token
 of each request that samples in this step (a prefill chunk that stops short of the end of
 the prompt does not sample).
+
+With `enable_cuda_graphs`, pure-decode steps replay a recorded graph instead
+(`engine.cuda_graphs`); prefill and mixed steps stay eager.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.scheduler import ScheduledRequest
 
 
@@ -47,6 +51,20 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sample_fn = sample_fn
         self._pin = self.device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
+        """Record decode graphs for batches up to `max_num_seqs` requests and sequences up
+        to `max_model_len` tokens; later pure-decode steps replay them. Needs the cache on
+        CUDA and a capture-safe attention backend (triton). Raises ValueError otherwise."""
+        backend = getattr(self.model, "attn_backend", None)
+        if backend != "triton":
+            raise ValueError(f"CUDA graphs need the triton attention backend, got {backend!r}")
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_num_seqs,
+                              max_model_len)
+        graphs.capture_all()
+        self.graphs = graphs
+        return graphs
 
     def prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> ModelInputs:
         """The step's tensors, built on the CPU and copied once per field."""
@@ -103,6 +121,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[int | None]:
         """Run one step; return the sampled token per scheduled request (None: no sample)."""
+        if self.graphs is not None and self.graphs.can_run(scheduled):
+            hidden = self.graphs.run(scheduled)  # [num_reqs, hidden_size]
+            logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
+            token_ids = self.sample_fn(logits, [s.request for s in scheduled])
+            return [int(token_id) for token_id in token_ids.tolist()]
         inputs = self.prepare_inputs(scheduled)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.attn_metadata)  # [num_tokens, hidden_size]
