@@ -25,6 +25,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.loader import LoadedModel, load_model
+from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.stats import Tier
 from kvtier.tiers.disk import DiskTier
 
@@ -97,9 +98,17 @@ def check_idle(llm: LLM) -> None:
 
 
 def warm(model: LoadedModel, disk_dir: Path, prompts: list[list[int]]) -> None:
-    with tiny_llm(model, disk_dir) as llm:
+    """Fill the disk tier with every full block of `prompts` (a roomy host tier: no
+    write-through is skipped for want of a slot)."""
+    with tiny_llm(model, disk_dir, host_cache_gb=slots_gb(model, 64)) as llm:
         run(llm, prompts)
-    # close() flushed every host block: the disk holds every full prompt block.
+    # close() flushed every host block to disk.
+
+
+def block_hashes(model: LoadedModel, prompt: list[int]) -> list[bytes]:
+    """The disk keys of a prompt's full blocks (default salt and hash algorithm)."""
+    layout = model.config.kv_layout(16, torch.float32)
+    return hash_blocks(namespace_hash(model.model_id, layout), prompt, 16)
 
 
 # ---- a killed process ----------------------------------------------------------------------
@@ -162,17 +171,14 @@ def test_a_warm_directory_left_by_a_killed_engine_gives_the_same_answers(tiny, t
 
 # ---- damaged disk values -------------------------------------------------------------------
 
-def damage_values(disk_dir: Path) -> int:
-    """Damage every stored value but one in three, in turn: a payload byte, a header byte,
-    a cut, and another block's record under this key. Returns how many were damaged."""
+def damage_values(disk_dir: Path, keys: list[bytes]) -> None:
+    """Damage the values under `keys`, in turn: a payload byte flipped, a header byte
+    flipped, the value cut to a third, another block's well-formed record put in its place."""
     env = lmdb.open(str(disk_dir), max_dbs=8, map_size=1 << 30)
     try:
-        blocks = env.open_db(b"blocks")
-        with env.begin(write=True, db=blocks) as txn:
-            items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-            assert len(items) > 6, "test setup: the disk holds too few blocks"
-            damaged = 0
-            for index, (key, value) in enumerate(items):
+        with env.begin(write=True, db=env.open_db(b"blocks")) as txn:
+            values = [bytes(txn.get(key)) for key in keys]
+            for index, (key, value) in enumerate(zip(keys, values)):
                 kind = index % 4
                 if kind == 0:
                     value = value[:-3] + bytes([value[-3] ^ 0x40]) + value[-2:]
@@ -181,15 +187,10 @@ def damage_values(disk_dir: Path) -> int:
                 elif kind == 2:
                     value = value[:len(value) // 3]
                 else:
-                    continue  # intact
+                    value = values[index - 1]
                 txn.put(key, value)
-                damaged += 1
-            # A well-formed record of another block, under the first intact key.
-            txn.put(items[3][0], items[7 if len(items) > 7 else 5][1])
-            damaged += 1
     finally:
         env.close()
-    return damaged
 
 
 @pytest.mark.timeout(300)
@@ -198,13 +199,16 @@ def test_damaged_disk_values_are_recomputed_and_counted(tiny, tmp_path):
     expected = tiers_off(tiny, prompts)
     disk_dir = tmp_path / "kv"
     warm(tiny, disk_dir, prompts)
-    num_damaged = damage_values(disk_dir)
+    # Each prompt's second block is damaged; its first stays intact and is served.
+    damaged = list(dict.fromkeys(block_hashes(tiny, p)[1] for p in prompts))
+    damage_values(disk_dir, damaged)
+    num_damaged = len(damaged)
     with tiny_llm(tiny, disk_dir) as llm:
         outputs = run(llm, prompts)
         stats = llm.stats()
         check_idle(llm)
     assert [o.token_ids for o in outputs] == expected
-    assert 0 < stats.disk.rejected <= num_damaged
+    assert stats.disk.rejected == num_damaged == len(prompts) // 2
     assert stats.tiers[Tier.DISK].failures == stats.disk.rejected
     assert sum(o.metrics.cached_tokens_disk for o in outputs) > 0, "intact blocks are served"
     # The rejected values were removed: a third engine finds only whole blocks.
