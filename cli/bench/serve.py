@@ -262,8 +262,8 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     """Run every mode of `config` on one loaded model; return a JSON-ready dict.
 
     `modes[name]` has throughput (generated tokens/s), TTFT and TPOT p50/p90/p99, where
-    prompt tokens came from, bytes moved; `ratios_vs_off` compares each mode with the tiers
-    off; `outputs_identical` says whether every mode produced the same conversations.
+    prompt tokens came from, bytes moved; `ratios_vs_baseline` compares each mode with the
+    first one (`baseline`, normally the tiers off); `outputs_identical` says whether every mode produced the same conversations.
     Raises ValueError for bad sizes and the loader's errors for a model it cannot load.
     """
     report = progress or (lambda message: None)
@@ -280,6 +280,13 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     system = rng.integers(16, vocab, config.system_tokens).tolist()
     questions = [[rng.integers(16, vocab, config.user_tokens).tolist()
                   for _ in range(config.num_rounds)] for _ in range(config.num_conversations)]
+    # One-time costs (kernel compilation, allocator growth) must not land on the first mode.
+    report("warming up")
+    with LLM(loaded, gpu_blocks=2 * config.request_blocks, block_size=config.block_size,
+             host_cache=False, disk_cache=False) as llm:
+        llm.generate([system + questions[0][0]],
+                     SamplingParams(max_tokens=min(config.max_tokens, 4), ignore_eos=True))
+    del llm
     modes: dict[str, dict[str, Any]] = {}
     for mode in config.modes:
         report(f"mode {mode}: {config.num_conversations} conversations x "
