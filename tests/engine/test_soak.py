@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from cli.bench.soak import SoakConfig, run_soak
 from cli.main import app
 from kvtier.manager import TierManager
+from kvtier.transfer import TransferEngine
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,13 @@ def test_the_soak_catches_a_leaked_block(monkeypatch):
     monkeypatch.setattr(TierManager, "free", leaky_free)
     result = run_soak(20, seed=1, config=SoakConfig(num_phases=1, num_checked=0))
     assert dropped and not result["checks"]["blocks_free_and_unpinned"] and not result["ok"]
+
+
+def test_the_soak_catches_io_threads_left_running(monkeypatch):
+    """A transfer engine that never stops its I/O threads: the soak reports them."""
+    monkeypatch.setattr(TransferEngine, "close", lambda self: None)
+    result = run_soak(20, seed=2, config=SoakConfig(num_phases=1, num_checked=0))
+    assert not result["checks"]["threads_joined"] and not result["ok"]
 
 
 def test_the_command_prints_json_and_fails_on_bad_options():
