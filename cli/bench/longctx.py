@@ -180,13 +180,13 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
     # Room for every request's blocks in the host tier (and on disk), plus a quarter: at 32K
     # tokens of an 8B model a document is 4 GiB, so the slack is kept small.
     tier_bytes = (5 * config.num_docs * config.request_blocks // 4 + 4) * layout.bytes_per_block
-    options: dict[str, Any] = dict(gpu_blocks=config.num_gpu_blocks,
-                                   block_size=config.block_size,
-                                   max_num_batched_tokens=config.max_batched_tokens,
-                                   host_cache=strategy != "recompute",
-                                   host_cache_gb=tier_bytes / GIB,
-                                   disk_cache=strategy == "disk",
-                                   disk_cache_gb=tier_bytes / GIB)
+    options: dict[str, Any] = {"gpu_blocks": config.num_gpu_blocks,
+                               "block_size": config.block_size,
+                               "max_num_batched_tokens": config.max_batched_tokens,
+                               "host_cache": strategy != "recompute",
+                               "host_cache_gb": tier_bytes / GIB,
+                               "disk_cache": strategy == "disk",
+                               "disk_cache_gb": tier_bytes / GIB}
     if strategy == "disk":
         options["disk_cache_dir"] = disk_dir
     return options

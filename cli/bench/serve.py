@@ -95,10 +95,11 @@ class ServeConfig:
 
 def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[str, Any]:
     everything = config.num_conversations * config.request_blocks * bytes_per_block
-    options: dict[str, Any] = dict(gpu_blocks=config.num_gpu_blocks, block_size=config.block_size,
-                                   max_num_seqs=config.num_conversations,
-                                   max_num_batched_tokens=config.max_batched_tokens,
-                                   host_cache=mode != "off", disk_cache=mode == "host_disk")
+    options: dict[str, Any] = {"gpu_blocks": config.num_gpu_blocks,
+                               "block_size": config.block_size,
+                               "max_num_seqs": config.num_conversations,
+                               "max_num_batched_tokens": config.max_batched_tokens,
+                               "host_cache": mode != "off", "disk_cache": mode == "host_disk"}
     if mode == "host":
         options["host_cache_gb"] = 5 * everything / 4 / GIB
     elif mode == "host_disk":

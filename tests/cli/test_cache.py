@@ -65,7 +65,7 @@ def _assert_one_line_error(result, *fragments: str) -> None:
 
 
 def test_stats_counts_blocks_bytes_and_layout(runner, written):
-    path, metas, _ = written
+    path, _, _ = written
     stats = _invoke_json(runner, "cache", "stats", "--dir", str(path))
     assert stats["num_blocks"] == NUM_BLOCKS
     assert stats["bytes_used"] > NUM_BLOCKS * LAYOUT.bytes_per_block  # headers on top

@@ -44,7 +44,8 @@ def test_corpus_documents_are_long_and_distinct():
 def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "COLUMNS": "120"}
     return subprocess.run([sys.executable, "-m", "cli.main", "demo", "--quick", *args],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
+                          check=False)
 
 
 @pytest.mark.slow
