@@ -254,8 +254,8 @@ def _print_report(result: dict[str, Any]) -> None:
 
 
 def demo(
-    quick: bool = typer.Option(False, "--quick", help="A smaller session: 2 documents, "
-                               "2 rounds, shorter answers."),
+    quick: bool = typer.Option(False, "--quick", help="A smaller session (2 documents, "
+                               "shorter answers), for tests and a first look."),
     fresh: bool = typer.Option(False, "--fresh", help="Clear the demo's disk tier first."),
     cache_dir_option: Path | None = typer.Option(
         None, "--cache-dir", help="Directory of the demo's disk tier (default: "

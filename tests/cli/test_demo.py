@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from cli.demo import FULL_PLAN, QUICK_PLAN, plan_turns
 from cli.docs_corpus import CORPUS
+from cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +41,18 @@ def test_corpus_documents_are_long_and_distinct():
     for doc in CORPUS:
         assert len(doc.text.split()) > 200, doc.name  # a few hundred tokens each
         assert len(doc.questions) >= FULL_PLAN.num_rounds
+
+
+def test_a_model_without_tokenizer_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["demo", "--quick", "--model", "random:tiny-llama",
+                                      "--device", "cpu"])
+    assert result.exit_code == 1
+    # stderr also carries the progress display; the error is its last line, alone.
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "tokenizer" in lines[-1]
+    assert sum(line.startswith("error: ") for line in lines) == 1
+    assert "Traceback" not in result.output
 
 
 def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
