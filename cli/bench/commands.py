@@ -144,7 +144,7 @@ def _print_serve(result: dict[str, Any]) -> None:
     print_table(f"bench serve: {config['num_conversations']} conversations x "
                 f"{config['num_rounds']} rounds, {result['model_id']} on {result['device']} "
                 f"({result['dtype']}), GPU budget {result['gpu_blocks']} of "
-                f"{result['blocks_needed_by_all']} blocks; TTFT and TPOT in ms",
+                f"a {result['working_set_blocks']}-block working set; TTFT and TPOT in ms",
                 ("mode", "tok/s", f"vs {result['baseline']}", "TTFT p50", "p90", "p99",
                  "TPOT p50", "p90", "p99"), rows)
     print_table("Where prompt tokens came from",

@@ -128,7 +128,7 @@ def test_serve_modes_agree_and_tiers_serve_history(runner):
     assert report["baseline"] == "off"
     modes = report["modes"]
     assert list(modes) == ["off", "host", "host_disk"]
-    assert report["gpu_blocks"] < report["blocks_needed_by_all"]  # memory pressure
+    assert report["gpu_blocks"] < report["working_set_blocks"]  # memory pressure
     for name, figures in modes.items():
         assert figures["num_requests"] == 4 * 3
         assert figures["generated_tokens"] == 4 * 3 * 4
