@@ -60,7 +60,7 @@ PYEOF
 fi
 if stage serve; then
     if [ "$SMOKE" = 1 ]; then ARGS="--model random:llama3-1b --hf-batch 8 --num-conversations 4"
-    else ARGS="--model random:llama3-8b --hf-batch 64 --hf-prompt-tokens 512 --hf-new-tokens 64 --num-conversations 16 --num-rounds 3 --system-tokens 2048"; fi
+    else ARGS="--model random:llama3-8b --hf-batch 64 --hf-prompt-tokens 512 --hf-new-tokens 64 --num-conversations 16 --num-rounds 3 --system-tokens 512 --user-tokens 512"; fi
     echo "== serve $ARGS" | tee "$OUT_DIR/serve.log"
     timeout "${SERVE_TIMEOUT:-300}" $KV bench serve $ARGS --device cuda --compare-hf --json \
         > "$OUT_DIR/serve.json" 2>>"$OUT_DIR/serve.log"
