@@ -9,7 +9,6 @@ context); one case runs `python -m cli.main` in a real subprocess.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import subprocess
@@ -19,25 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from typer.testing import CliRunner
 
 from cli.main import app
 from engine import LLM, SamplingParams
-from engine.config import named_config
 from engine.loader import load_model
 from kvtier.config import TierConfig
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.record import BlockMeta
+from tests.cli.chat_model import save_chat_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def private_cache_dir(tmp_path_factory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("kvtier-cache")
@@ -49,22 +42,7 @@ def private_cache_dir(tmp_path_factory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """tiny-llama (1024-token context) with random weights and a byte-level tokenizer."""
-    directory = tmp_path_factory.mktemp("tiny-chat")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    config = dataclasses.replace(named_config("tiny-llama"), vocab_size=len(tokenizer))
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config.to_hf(), dtype=torch.float32) \
-        .save_pretrained(directory)
-    return directory
+    return save_chat_model(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")

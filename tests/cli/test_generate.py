@@ -3,48 +3,20 @@ JSON output, prompt files, the disk tier reused by a later run, and one-line err
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from typer.testing import CliRunner
 
 from cli.main import app
 from engine import LLM, SamplingParams
-from engine.config import named_config
-
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-
-
-def save_byte_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
-    """A byte-level tokenizer without merges: 3 special tokens, then the 256 byte symbols."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[symbol] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return tokenizer
-
+from tests.cli.chat_model import save_chat_model
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-chat-llama")
-    tokenizer = save_byte_tokenizer(directory)
-    config = dataclasses.replace(named_config("tiny-llama"), vocab_size=len(tokenizer))
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config.to_hf(), dtype=torch.float32)
-    hf.save_pretrained(directory)
-    return directory
+    return save_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))
 
 
 @pytest.fixture
