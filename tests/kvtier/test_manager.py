@@ -1,8 +1,11 @@
-"""TierManager scenarios on tiny capacities, with a real LMDB disk tier in a temp directory.
+"""TierManager scenarios on tiny capacities, with a real LMDB disk tier in a temp directory:
+the round trip through every tier, pins, write-back and backpressure, and failing closed.
 
 On the CPU the "GPU" cache is a CPU tensor and GPU <-> host copies run synchronously, but
 they go through the same jobs, completions and pins as on a GPU. Blocks hold random bit
-patterns (NaNs included), so every comparison is byte for byte.
+patterns (NaNs included), so every comparison is byte for byte. Tier combinations and the
+argument and config checks live in test_manager_tiers.py, the shared builders in
+manager_cases.py.
 """
 
 import os
@@ -10,89 +13,29 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from manager_cases import (
+    DTYPES,
+    REPO_ROOT,
+    chain,
+    check_idle,
+    config,
+    disk_only,
+    evict_gpu,
+    load,
+    random_blocks,
+    same_bytes,
+    small_layout,
+    write,
+)
 
-from kvtier.config import TierConfig
-from kvtier.free_queue import KVCacheBlock
-from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.stats import Direction, Tier
-from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import SlotState
-from kvtier.tiers.record import BlockMeta, metas_for
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def small_layout(dtype: torch.dtype = torch.float16) -> KVLayout:
-    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
-
-
-def chain(layout: KVLayout, name: str, num_blocks: int) -> list[BlockMeta]:
-    """Metas of `num_blocks` chained blocks of a sequence named `name`."""
-    root = namespace_hash(name, layout)
-    offset = sum(map(ord, name))  # stable across processes, unlike hash()
-    token_ids = [offset + i for i in range(num_blocks * layout.block_size)]
-    return metas_for(root, hash_blocks(root, token_ids, layout.block_size), token_ids,
-                     layout.block_size)
-
-
-def random_blocks(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
-    """[num_blocks, *block_shape] of random bit patterns."""
-    generator = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (num_blocks * layout.bytes_per_block,), dtype=torch.uint8,
-                        generator=generator)
-    return raw.view(layout.dtype).view(num_blocks, *layout.block_shape)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def write(m: TierManager, metas: list[BlockMeta], data: torch.Tensor) -> list[KVCacheBlock]:
-    """Compute blocks (copy `data` into fresh GPU blocks), cache them and free them."""
-    blocks = m.allocate(len(metas))
-    assert blocks is not None, "test setup: not enough free GPU blocks"
-    for block, block_data in zip(blocks, data):
-        m.kv_cache[block.block_id] = block_data
-    m.cache_full_blocks(blocks, metas)
-    m.free(blocks)
-    m.poll()
-    return blocks
-
-
-def evict_gpu(m: TierManager) -> None:
-    """Reuse every GPU block once, so nothing stays cached on the GPU."""
-    m.flush()
-    blocks = m.allocate(m.pool.num_blocks)
-    assert blocks is not None, "test setup: a GPU block is still held"
-    m.free(blocks)
-    assert m.stats().pool.num_cached == 0
-
-
-def load(m: TierManager, metas: list[BlockMeta]) -> tuple[int, list[KVCacheBlock]]:
-    blocks = m.allocate(len(metas))
-    assert blocks is not None
-    return m.complete_load(m.prepare_load(metas, blocks)), blocks
-
-
-def check_idle(m: TierManager) -> None:
-    """Pool and host invariants; nothing in flight, so no slot may be pinned or reserved."""
-    m.pool.check_invariants()
-    stats = m.stats()
-    assert stats.num_jobs_in_flight == 0 and stats.num_loads_in_flight == 0
-    if m.host is not None:
-        m.host.check_invariants(idle=True)
-
-
-def config(layout: KVLayout, tmp_path: Path | None, gpu: int, host: int, **kwargs) -> TierConfig:
-    disk = {} if tmp_path is None else {"disk_path": tmp_path / "disk", "num_disk_blocks": 64}
-    return TierConfig.from_slots(layout, gpu, host, **disk, **kwargs)
+from kvtier.tiers.record import BlockMeta
 
 
 @pytest.fixture
@@ -181,7 +124,7 @@ def test_round_trip_on_cuda(tmp_path, managers, swap_method):
 CHILD = textwrap.dedent("""
     import sys
     import torch
-    from tests.kvtier.test_manager import chain, config, random_blocks, small_layout, write
+    from tests.kvtier.manager_cases import chain, config, random_blocks, small_layout, write
     from kvtier.manager import TierManager
     from pathlib import Path
 
@@ -311,20 +254,6 @@ def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
 
 # ---- fail closed ---------------------------------------------------------------------------
 
-def disk_only(tmp_path: Path, managers: list, layout: KVLayout, names: dict[str, int],
-              **kwargs) -> tuple[TierManager, dict[str, tuple[list[BlockMeta], torch.Tensor]]]:
-    """A manager with the host tier off (staging only) whose blocks are on disk only."""
-    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=0, **kwargs))
-    managers.append(m)
-    blocks = {}
-    for seed, (name, num_blocks) in enumerate(names.items()):
-        blocks[name] = (chain(layout, name, num_blocks), random_blocks(layout, num_blocks, seed))
-        write(m, *blocks[name])
-        m.flush()
-    evict_gpu(m)
-    return m, blocks
-
-
 def test_a_failed_disk_read_is_a_miss_and_releases_its_slot(tmp_path, managers):
     layout = small_layout()
     m, blocks = disk_only(tmp_path, managers, layout, {"a": 2})
@@ -428,128 +357,3 @@ def test_a_block_freed_before_complete_load_is_not_cached(managers):
     assert targets[0].block_hash is None and targets[0].ref_cnt == 0
     assert m.lookup([metas[0].block_hash]).locations == [Tier.HOST]
     check_idle(m)
-
-
-def test_load_arguments_are_checked(managers):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, None, gpu=4, host=2))
-    managers.append(m)
-    metas = chain(layout, "a", 2)
-    blocks = write(m, metas[:1], random_blocks(layout, 1, seed=1))
-    with pytest.raises(ValueError, match="allocated by the caller"):
-        m.prepare_load(metas[:1], blocks)  # free (and cached)
-    held = m.allocate(1)
-    with pytest.raises(ValueError, match="metas but"):
-        m.prepare_load(metas, held)
-    with pytest.raises(ValueError, match="distinct block"):
-        m.prepare_load(metas, held + held)
-    with pytest.raises(ValueError, match="unknown or already completed"):
-        m.complete_load(99)
-    load_id = m.prepare_load(metas[1:], held)
-    assert m.is_load_ready(load_id) and m.complete_load(load_id) == 0
-    with pytest.raises(ValueError, match="unknown or already completed"):
-        m.is_load_ready(load_id)
-
-
-# ---- tier combinations ---------------------------------------------------------------------
-
-def test_with_every_tier_off_the_manager_is_the_pool(managers):
-    layout = small_layout()
-    m = TierManager(layout, TierConfig(num_gpu_blocks=4))
-    managers.append(m)
-    assert m.host is None and m.disk is None
-    metas = chain(layout, "a", 2)
-    write(m, metas, random_blocks(layout, 2, seed=1))
-    hashes = [meta.block_hash for meta in metas]
-    assert m.lookup(hashes).locations == [Tier.GPU, Tier.GPU]
-    evict_gpu(m)
-    assert m.lookup(hashes).num_blocks == 0
-    stats = m.stats()
-    assert all(t.num_jobs == 0 for t in stats.transfers.values())
-    assert stats.tiers[Tier.GPU].misses == 1 and stats.host_slots == 0 and stats.disk is None
-
-
-def test_host_tier_without_disk_evicts_least_recently_used(managers):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, None, gpu=8, host=2))
-    managers.append(m)
-    metas = {name: chain(layout, name, 1) for name in "abc"}
-    for seed, name in enumerate("abc"):
-        write(m, metas[name], random_blocks(layout, 1, seed=seed))
-    evict_gpu(m)
-    found = {name: m.lookup([metas[name][0].block_hash]).locations for name in "abc"}
-    assert found == {"a": [], "b": [Tier.HOST], "c": [Tier.HOST]}
-    assert m.stats().host_cached == 2
-
-
-def test_disk_without_host_tier_loads_in_waves_through_staging(tmp_path, managers):
-    layout = small_layout(torch.float32)
-    m, blocks = disk_only(tmp_path, managers, layout, {"long": 2, "more": 2, "most": 2},
-                          staging_slots=2)
-    metas = [meta for name in ("long", "more", "most") for meta in blocks[name][0]]
-    data = torch.cat([blocks[name][1] for name in ("long", "more", "most")])
-    assert m.stats().host_slots == 0
-    # Six disk blocks through two staging slots: three waves, no block lost.
-    for name in ("long", "more", "most"):
-        hashes = [meta.block_hash for meta in blocks[name][0]]
-        assert m.lookup(hashes).locations == [Tier.DISK, Tier.DISK]
-    num_ok, targets = load(m, metas)
-    assert num_ok == 6
-    for target, expected in zip(targets, data):
-        assert same_bytes(m.kv_cache[target.block_id], expected)
-    m.free(targets)
-    check_idle(m)
-
-
-def test_close_writes_dirty_host_blocks_to_disk(tmp_path):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=4, host=8))
-    metas = chain(layout, "a", 3)
-    write(m, metas, random_blocks(layout, 3, seed=1))
-    assert m.stats().host_dirty == 3
-    m.close()
-    m.close()  # idempotent
-    with DiskTier(tmp_path / "disk", layout, 1 << 20) as disk:
-        assert disk.contains([meta.block_hash for meta in metas]) == [True] * 3
-
-
-# ---- config ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_gpu_blocks": 0}, "num_gpu_blocks"),
-    ({"num_gpu_blocks": 4, "host_capacity_bytes": -1}, "host_capacity_bytes"),
-    ({"num_gpu_blocks": 4, "disk_path": "/tmp/x"}, "disk_budget_bytes is required"),
-    ({"num_gpu_blocks": 4, "disk_budget_bytes": 100}, "disk_path is None"),
-    ({"num_gpu_blocks": 4, "disk_path": "/tmp/x", "disk_budget_bytes": 0}, "positive"),
-    ({"num_gpu_blocks": 4, "swap_method": "magic"}, "swap_method"),
-    ({"num_gpu_blocks": 4, "io_threads": 0}, "io_threads"),
-    ({"num_gpu_blocks": 4, "max_pending_io": 0}, "max_pending_io"),
-])
-def test_config_rejects_bad_values(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        TierConfig(**kwargs)
-
-
-def test_config_capacity_in_bytes_or_slots():
-    layout = small_layout()
-    by_slots = TierConfig.from_slots(layout, 4, num_host_slots=3, disk_path="/tmp/x",
-                                     num_disk_blocks=10)
-    assert by_slots.host_capacity_bytes == 3 * layout.bytes_per_block
-    assert by_slots.num_host_slots(layout) == 3 and by_slots.disk_enabled
-    rounded = TierConfig(4, host_capacity_bytes=3 * layout.bytes_per_block + 1)
-    assert rounded.num_host_slots(layout) == 3
-    assert TierConfig(4).num_host_slots(layout) == 0 and not TierConfig(4).host_enabled
-    with pytest.raises(ValueError, match="smaller than one block"):
-        TierConfig(4, host_capacity_bytes=layout.bytes_per_block - 1).num_host_slots(layout)
-
-
-# ---- the round-trip benchmark (cli/bench/roundtrip.py) on tiny sizes -----------------------
-
-def test_roundtrip_bench_smoke_run(tmp_path):
-    from cli.bench.roundtrip import run_roundtrip_bench
-
-    result = run_roundtrip_bench(total_mib=1, repeats=1, num_layers=2, num_kv_heads=2,
-                                 head_dim=16, block_size=4, disk_dir=tmp_path, device="cpu")
-    assert result["num_blocks"] == 1024 and result["bytes_each_way"] == 1 << 20
-    assert result["manager"]["verified"] and result["disk"]["verified"]
-    assert result["manager"]["roundtrip_vs_ceiling"] > 0 and result["disk"]["restore_gbps"] > 0
