@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/kvtier demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 clean:

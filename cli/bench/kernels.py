@@ -121,7 +121,8 @@ class PagedSetup:
         return {"query": query, "k_cache": self.k_cache, "v_cache": self.v_cache,
                     "query_start_loc": torch.tensor(starts, dtype=torch.int32, device=self.device),
                     "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-                    "block_tables": tables, "max_query_len": max(q_lens), "max_seq_len": max(seq_lens)}
+                    "block_tables": tables, "max_query_len": max(q_lens),
+                    "max_seq_len": max(seq_lens)}
 
     def contiguous_kv(self, meta: dict, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_reqs, kv_heads, seq_len, head_dim] copies of every request's K and V."""
@@ -262,7 +263,8 @@ def run_kernel_bench(batch: int = 32, context: int = 8192,
     setup = PagedSetup(math.ceil(tokens_needed / BLOCK_SIZE) + batch, device)
     results: dict = {"device": torch.cuda.get_device_name(device),
                      "torch": torch.__version__, "layout": {
-                         "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                         "num_layers": NUM_LAYERS, "num_heads": NUM_HEADS,
+                         "num_kv_heads": NUM_KV_HEADS,
                          "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": str(DTYPE)}}
     import triton
 

@@ -272,7 +272,8 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
 
     `modes[name]` has throughput (generated tokens/s), TTFT and TPOT p50/p90/p99, where
     prompt tokens came from, bytes moved; `ratios_vs_baseline` compares each mode with the
-    first one (`baseline`, normally the tiers off); `outputs_identical` says whether every mode produced the same conversations.
+    first one (`baseline`, normally the tiers off); `outputs_identical` says whether every
+    mode produced the same conversations.
     Raises ValueError for bad sizes and the loader's errors for a model it cannot load.
     """
     report = progress or (lambda message: None)

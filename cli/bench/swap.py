@@ -197,7 +197,7 @@ class MatmulWorkload:
             torch.cuda.synchronize()
             gate = torch.cuda.Event()
             gate.record(main)
-            for stream, fn in work.items():
+            for stream in work:
                 stream.wait_event(gate)
             for _ in range(rounds):
                 for fn in work.values():

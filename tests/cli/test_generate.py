@@ -14,6 +14,7 @@ from cli.main import app
 from engine import LLM, SamplingParams
 from tests.cli.chat_model import save_chat_model
 
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))

@@ -205,8 +205,8 @@ def test_matches_an_lru_model(tmp_path_factory, ops, capacity):
 
 def test_reads_and_close_survive_a_map_with_no_room_for_access_order(tmp_path):
     # Fill a map that cannot grow until stores must prune: recording accesses then has
-    # little or no room either. Reads still return the committed bytes and close does not raise; only the
-    # (advisory) access order is not updated.
+    # little or no room either. Reads still return the committed bytes and close does not
+    # raise; only the (advisory) access order is not updated.
     metas, payloads = make_blocks(LARGE, seed=9, num_blocks=64)
     tier = DiskTier(tmp_path, LARGE, BIG_BUDGET, max_map_bytes=1 << 20,
                     initial_map_bytes=1 << 20, touch_flush_every=1)
