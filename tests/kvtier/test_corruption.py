@@ -21,9 +21,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from manager_cases import check_idle, load
 
 from kvtier.config import TierConfig
-from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
@@ -313,19 +313,6 @@ def test_a_data_file_cut_after_its_meta_pages_does_not_kill_the_process(tmp_path
 
 
 # ---- the tier manager --------------------------------------------------------------------
-
-def load(m: TierManager, metas: list[BlockMeta]) -> tuple[int, list[KVCacheBlock]]:
-    blocks = m.allocate(len(metas))
-    assert blocks is not None
-    return m.complete_load(m.prepare_load(metas, blocks)), blocks
-
-
-def check_idle(m: TierManager) -> None:
-    m.pool.check_invariants()
-    stats = m.stats()
-    assert stats.num_jobs_in_flight == 0 and stats.num_loads_in_flight == 0
-    if m.host is not None:
-        m.host.check_invariants(idle=True)
 
 
 @pytest.mark.parametrize("damage", ["header", "payload", "cut", "other model"])

@@ -23,16 +23,6 @@ from kvtier.manager import TierManager
 from kvtier.stats import Tier
 from kvtier.tiers.disk import DiskTier
 
-
-@pytest.fixture
-def managers():
-    """Managers made by a test, closed at its end even when it fails."""
-    made: list[TierManager] = []
-    yield made
-    for m in made:
-        m.close()
-
-
 # ---- tier combinations ---------------------------------------------------------------------
 
 def test_with_every_tier_off_the_manager_is_the_pool(managers):
