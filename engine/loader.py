@@ -110,7 +110,8 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
 
     It is built on the meta device; `weights` (transformers' names) then become its
     parameters without an intermediate copy. Without `weights` the parameters are allocated
-    uninitialised (see `init_random_weights`). Raises ValueError like `load_weights`.
+    uninitialised (see `init_random_weights`). The q/k/v and gate/up projections are then
+    packed (`LlamaForCausalLM.pack_projections`). Raises ValueError like `load_weights`.
     """
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attn_backend)
@@ -118,6 +119,7 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
         model = model.to(dtype=dtype).to_empty(device=device)
     else:
         model.load_weights(weights, device, dtype)
+    model.pack_projections()
     model.reset_buffers(device, dtype)
     return model.eval()
 
