@@ -10,6 +10,7 @@ from kernels import reference
 from kernels.copy_blocks import copy_blocks
 from kernels.flash_backend import flash_available
 from kernels.flash_backend import paged_attention as flash_paged_attention
+from kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
 from kernels.paged_attention import paged_attention
 from kernels.paged_decode import AttentionConfig
 from kernels.store_kv import store_kv
@@ -23,6 +24,9 @@ __all__ = [
     "flash_paged_attention",
     "paged_attention",
     "reference",
+    "rms_norm",
+    "rotary_embedding_",
+    "silu_and_mul",
     "store_kv",
     "swap_blocks",
 ]

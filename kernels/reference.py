@@ -152,3 +152,46 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     with torch.cuda.stream(stream):
         dst.index_copy_(0, mapping[:, 1].to(dst.device),
                         src.index_select(0, mapping[:, 0].to(src.device)).to(dst.device))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None,
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of each row of x [num_tokens, hidden] with weight [hidden] (one dtype).
+
+    The operations of the model's RMSNorm: h in float32, `h * rsqrt(mean(h^2) + eps)`
+    rounded to the dtype, then multiplied by `weight` (rounded). With `residual`
+    [num_tokens, hidden], h = x + residual (rounded to the dtype) is first written into
+    `residual`, and (out, residual) is returned; otherwise out [num_tokens, hidden].
+    """
+    if residual is not None:
+        residual.add_(x)  # [num_tokens, hidden]
+        x = residual
+    h = x.to(torch.float32)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)  # [num_tokens, hidden]
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, 2 * d] (gate | up) -> silu(gate) * up [num_tokens, d], in x's dtype."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotary_embedding_(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor) -> None:
+    """Rotate halves of query [num_tokens, num_heads, head_dim] and key [num_tokens,
+    num_kv_heads, head_dim] in place (strided views are written through their strides).
+
+    positions: [num_tokens] int64; cos_sin_cache: [max_position, head_dim], cos | sin.
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32, rounded once to the dtype.
+    """
+    half = query.shape[-1] // 2
+    table = cos_sin_cache[positions].to(torch.float32)  # [num_tokens, head_dim]
+    cos = table[:, None, :half]  # [num_tokens, 1, head_dim // 2]
+    sin = table[:, None, half:]
+    for x in (query, key):
+        x32 = x.to(torch.float32)
+        x1, x2 = x32[..., :half], x32[..., half:]
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
