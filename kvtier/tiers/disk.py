@@ -37,6 +37,7 @@ from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
     check_payload_len,
+    copy_checksummed,
     decode_header,
     decode_record,
     dest_array,
@@ -202,22 +203,14 @@ class DiskTier:
         if self._stale:
             self._count(misses=len(metas))
             return [False] * len(metas)
-        checksums: list[int | None] = []
+        results: list[bool] = []
         rejects: list[BlockMeta] = []
         with self._map.txn() as txn:
             for meta, array in zip(metas, arrays):
-                checksum, rejected = self._read_into(txn, meta, array)
-                checksums.append(checksum)
+                ok, rejected = self._read_into(txn, meta, array)
+                results.append(ok)
                 if rejected:
                     rejects.append(meta)
-        results = []
-        for meta, array, expected in zip(metas, arrays, checksums):
-            # The checksum is taken over what the caller will use, after the copy.
-            ok = expected is not None and payload_checksum(array) == expected
-            results.append(ok)
-            if expected is not None and not ok:
-                logger.info("disk cache: rejecting %s (bad checksum)", meta.block_hash.hex())
-                rejects.append(meta)
         num_hits = sum(results)
         self._count(hits=num_hits, misses=len(metas) - num_hits)
         if rejects:
@@ -228,23 +221,24 @@ class DiskTier:
         return results
 
     def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta,
-                   array: np.ndarray) -> tuple[int | None, bool]:
-        """Copy a value's payload into `array`. Returns (the payload checksum to expect, or
-        None for a miss; whether the value failed its header checks)."""
+                   array: np.ndarray) -> tuple[bool, bool]:
+        """Copy a value's payload into `array`. Returns (whether it is a verified hit,
+        whether the value failed a check and should be deleted)."""
         value = self._index.get(txn, meta.block_hash)
         if value is None:
-            return None, False
+            return False, False
         try:
             header, offset = decode_header(value, self._fingerprint)
             check_payload_len(header, len(value) - offset, array.nbytes)
             if not header.matches(meta):
                 raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
+            # The checksum is taken over the copy, the bytes the caller will use.
+            if copy_checksummed(value[offset:], array) != header.payload_checksum:
+                raise CorruptRecord("bad checksum")
         except CorruptRecord as exc:
             logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
-            return None, True
-        np.copyto(array, np.frombuffer(value, dtype=np.uint8, count=array.nbytes,
-                                       offset=offset))
-        return header.payload_checksum, False
+            return False, True
+        return True, False
 
     def _reject(self, metas: list[BlockMeta]) -> None:
         self._count(rejected=len(metas))

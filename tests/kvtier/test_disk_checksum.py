@@ -1,0 +1,56 @@
+"""The chunked copy-and-checksum of the disk tier's read path: the same checksum as one pass
+over the bytes, and damage anywhere in a block of several chunks is a miss."""
+
+from __future__ import annotations
+
+import lmdb
+import numpy as np
+import pytest
+import torch
+from disk_cases import make_blocks, read_back, same_bytes
+
+from kvtier.layout import KVLayout
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.record import CHECKSUM_CHUNK_BYTES, copy_checksummed, payload_checksum
+
+# 640 KiB blocks: two and a half checksum chunks.
+MULTI_CHUNK = KVLayout(num_layers=10, num_kv_heads=2, head_dim=64, block_size=128,
+                       dtype=torch.float16)
+
+
+@pytest.mark.parametrize("num_bytes", [0, 1, CHECKSUM_CHUNK_BYTES - 1, CHECKSUM_CHUNK_BYTES,
+                                       2 * CHECKSUM_CHUNK_BYTES + 17])
+def test_copy_checksummed_copies_and_matches_one_pass(num_bytes):
+    src = np.random.default_rng(num_bytes).integers(0, 256, num_bytes, dtype=np.uint8)
+    dest = np.zeros(num_bytes, dtype=np.uint8)
+    assert copy_checksummed(src, dest) == payload_checksum(src.tobytes())
+    assert np.array_equal(dest, src)
+
+
+def test_copy_checksummed_refuses_other_lengths():
+    with pytest.raises(ValueError, match="cannot copy 10 bytes into 9"):
+        copy_checksummed(bytes(10), bytearray(9))
+
+
+def test_damage_in_any_chunk_of_a_block_is_a_miss(tmp_path):
+    assert MULTI_CHUNK.bytes_per_block > 2 * CHECKSUM_CHUNK_BYTES
+    metas, payloads = make_blocks(MULTI_CHUNK, seed=3, num_blocks=5)
+    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+        assert tier.put(metas, payloads) == 5
+    # Flip one payload byte (counted from the value's end) in the first chunk, at the start
+    # of the second, and in the short last chunk; blocks 3 and 4 stay intact.
+    last = MULTI_CHUNK.bytes_per_block - 1
+    from_end = [last, last - CHECKSUM_CHUNK_BYTES, 0]
+    env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 28)
+    blocks = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        for meta, offset in zip(metas, from_end):
+            value = bytearray(txn.get(meta.block_hash, db=blocks))
+            value[len(value) - 1 - offset] ^= 0x04
+            txn.put(meta.block_hash, bytes(value), db=blocks)
+    env.close()
+    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+        assert [read_back(tier, meta) is not None for meta in metas] == [False] * 3 + [True] * 2
+        assert same_bytes(read_back(tier, metas[4]), payloads[4])
+        assert tier.stats().rejected == 3
+        assert tier.contains([m.block_hash for m in metas]) == [False] * 3 + [True] * 2
