@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 from kernels import reference, rms_norm, rotary_embedding_, silu_and_mul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -85,8 +84,9 @@ def test_rms_norm_wide_rows() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rms_norm_matches_model_layers(dtype: torch.dtype) -> None:
     # What DecoderLayer does: hidden = hidden + attn_out, then post_attention_layernorm.
+    llama = model_layers()
     generator = torch.Generator().manual_seed(11)
-    norm = RMSNorm(96, EPS)
+    norm = llama.RMSNorm(96, EPS)
     norm.weight.data = torch.randn(96, generator=generator).to(dtype)
     hidden = torch.randn(4, 96, generator=generator).to(dtype)
     attn_out = torch.randn(4, 96, generator=generator).to(dtype)
@@ -134,11 +134,18 @@ def packed_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int
     return qkv, query, key
 
 
-def rope_table(head_dim: int, max_position: int, dtype: torch.dtype, device: str,
-               ) -> RotaryEmbedding:
-    rotary = RotaryEmbedding(head_dim, max_position, 500000.0, None)
-    rotary.reset_cache(torch.device(device), dtype)
-    return rotary
+def model_layers():
+    """engine.models.llama, imported only where compared against: the GPU test run has the
+    kernels' dependencies (torch, triton) but maybe not the engine's (lmdb, xxhash)."""
+    return pytest.importorskip("engine.models.llama")
+
+
+def rope_cache(head_dim: int, max_position: int, dtype: torch.dtype, device: str,
+               ) -> torch.Tensor:
+    """[max_position, head_dim] cos | sin of position * theta^(-2i / head_dim), theta 5e5."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] / (500000.0 ** exponents)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype).to(device)
 
 
 def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -147,7 +154,7 @@ def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: i
     qkv, query, key = packed_qkv(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device,
                                  generator)
     max_position = 4 * num_tokens + 8
-    cache = rope_table(head_dim, max_position, dtype, device).cos_sin_cache
+    cache = rope_cache(head_dim, max_position, dtype, device)
     positions = torch.randint(0, max_position, (num_tokens,), generator=generator)
     positions[-1] = positions[0]  # a repeated position
     positions = positions.to(device)
@@ -180,12 +187,15 @@ def test_rotary_loops_over_head_tiles() -> None:
 @cases.needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rotary_matches_model_apply_rope(dtype: torch.dtype) -> None:
+    llama = model_layers()
     generator = torch.Generator().manual_seed(3)
     _, query, key = packed_qkv(6, 4, 2, 64, dtype, "cpu", generator)
-    rotary = rope_table(64, 128, dtype, "cpu")
+    rotary = llama.RotaryEmbedding(64, 128, 500000.0, None)
+    rotary.reset_cache(torch.device("cpu"), dtype)
     positions = torch.tensor([0, 1, 2, 17, 100, 127])
     cos, sin = rotary(positions)
-    expected_query, expected_key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+    expected_query = llama.apply_rope(query, cos, sin)
+    expected_key = llama.apply_rope(key, cos, sin)
     rotary_embedding_(query, key, positions, rotary.cos_sin_cache)
     # apply_rope rounds each product to the dtype, the kernel only the result.
     tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else \
@@ -292,7 +302,7 @@ def test_gpu_layer_ops_replay_in_cuda_graph() -> None:
     dtype, device = torch.bfloat16, "cuda"
     generator = torch.Generator().manual_seed(9)
     qkv, query, key = packed_qkv(64, 32, 8, 128, dtype, device, generator)
-    cache = rope_table(128, 4096, dtype, device).cos_sin_cache
+    cache = rope_cache(128, 4096, dtype, device)
     positions = torch.zeros(64, dtype=torch.int64, device=device)
     x = torch.zeros(64, 4096, dtype=dtype, device=device)
     residual = torch.zeros_like(x)
