@@ -19,29 +19,42 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.config import ModelConfig, RopeScaling
 from kvtier.device_cache import layer_views
 
 
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dim, computed in float32 and cast back first."""
+def layer_ops(attn_backend: str) -> ModuleType:
+    """Where a layer's elementwise pieces (rms_norm, silu_and_mul, rotary_embedding_) come
+    from: the fused Triton kernels for the GPU backends, their torch references for "torch"
+    (the CPU path, which rounds exactly where transformers does)."""
+    return kernels.reference if attn_backend == "torch" else kernels
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in float32 and cast back first.
+
+    `forward(x, residual)` first adds x into the residual stream in place and normalises the
+    sum, returning (normed, residual): the pre-norm layer's "add, then norm" as one step.
+    `ops` is a `layer_ops` choice; only the torch one takes inputs of more than two dims.
+    """
+
+    def __init__(self, dim: int, eps: float, ops: ModuleType = kernels.reference) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
@@ -67,7 +80,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed table indexed by absolute position.
+    """The table of rotary position embedding, indexed by absolute position (the rotation
+    itself is `rotary_embedding_` of `layer_ops`, applied in place to q and k).
 
     `cos_sin_cache` [max_position, head_dim] holds cos in the first half of the last dim and
     sin in the second, computed in float32 on the module's device (then cast to the model
@@ -93,24 +107,6 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table in float32 on `device`, stored in `dtype` (needed after
         building on the meta device)."""
         self.cos_sin_cache = self._table(device).to(dtype)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int64 -> (cos, sin), each [num_tokens, 1, head_dim // 2]."""
-        table = self.cos_sin_cache[positions]  # [num_tokens, head_dim]
-        cos, sin = table.unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of x [num_tokens, heads, head_dim]: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
-
-    Bitwise the same as transformers' `x * cos + rotate_half(x) * sin` with duplicated tables.
-    """
-    cos = cos.to(x.dtype)
-    sin = sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 def pack_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack the weights (and biases) of linears that read the same input into one matrix.
@@ -139,6 +135,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
+        self.ops = layer_ops(attn_backend)
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -164,7 +161,7 @@ class Attention(nn.Module):
         """Pack q/k/v into `qkv_weight` (see `pack_linears`)."""
         self.qkv_weight, self.qkv_bias = pack_linears((self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         assert self.qkv_weight is not None, "call pack_projections() after loading weights"
         num_tokens = hidden.shape[0]
@@ -178,8 +175,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)  # [num_tokens, num_heads, head_dim]
-        k = apply_rope(k, cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        self.ops.rotary_embedding_(q, k, positions, cos_sin_cache)  # in place
         k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
         out = self.attn(q, k, v, k_cache, v_cache, attn_metadata)  # [num_tokens, heads, dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -188,8 +184,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
         super().__init__()
+        self.ops = ops
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -201,24 +198,35 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call pack_projections() after loading weights"
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [n, intermediate] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = F.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream travels beside the hidden states between layers,
+    so each residual add is fused into the next norm."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, attn_backend: str) -> None:
         super().__init__()
+        ops = layer_ops(attn_backend)
         self.self_attn = Attention(config, layer_idx, attn_backend)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
-                                  attn_metadata)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                positions: torch.Tensor, cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: this layer's input, or the last layer's output when `residual` (the stream
+        before it) is given; both [num_tokens, hidden_size]. Returns (output, residual)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, cos_sin_cache, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -229,17 +237,20 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, attn_backend)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, layer_ops(attn_backend))
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, 1, head_dim // 2] each
+        cos_sin_cache = self.rotary_emb.cos_sin_cache  # [max_position, head_dim]
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, cos_sin_cache, kv_cache,
+                                     attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,5 +1,5 @@
 """The fused layer kernels (rms_norm, silu_and_mul, rotary_embedding_) against
-kernels.reference and against the model's own torch code in engine/models/llama.py.
+kernels.reference and against transformers' RMSNorm and rotary embedding.
 
 16-bit results are compared in ulps of the dtype (bit patterns as ordered integers), so
 "within one ulp" means exactly that, at any magnitude.
@@ -82,11 +82,11 @@ def test_rms_norm_wide_rows() -> None:
 
 @cases.needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rms_norm_matches_model_layers(dtype: torch.dtype) -> None:
-    # What DecoderLayer does: hidden = hidden + attn_out, then post_attention_layernorm.
-    llama = model_layers()
+def test_rms_norm_matches_transformers(dtype: torch.dtype) -> None:
+    # transformers' decoder layer: hidden = hidden + attn_out, then post_attention_layernorm.
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     generator = torch.Generator().manual_seed(11)
-    norm = llama.RMSNorm(96, EPS)
+    norm = modeling.LlamaRMSNorm(96, EPS)
     norm.weight.data = torch.randn(96, generator=generator).to(dtype)
     hidden = torch.randn(4, 96, generator=generator).to(dtype)
     attn_out = torch.randn(4, 96, generator=generator).to(dtype)
@@ -186,18 +186,20 @@ def test_rotary_loops_over_head_tiles() -> None:
 
 @cases.needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rotary_matches_model_apply_rope(dtype: torch.dtype) -> None:
+def test_rotary_matches_transformers(dtype: torch.dtype) -> None:
     llama = model_layers()
+    modeling = pytest.importorskip("transformers.models.llama.modeling_llama")
     generator = torch.Generator().manual_seed(3)
     _, query, key = packed_qkv(6, 4, 2, 64, dtype, "cpu", generator)
     rotary = llama.RotaryEmbedding(64, 128, 500000.0, None)
     rotary.reset_cache(torch.device("cpu"), dtype)
     positions = torch.tensor([0, 1, 2, 17, 100, 127])
-    cos, sin = rotary(positions)
-    expected_query = llama.apply_rope(query, cos, sin)
-    expected_key = llama.apply_rope(key, cos, sin)
+    # transformers' tables repeat each half: [num_tokens, head_dim]; heads are its dim 1.
+    cos, sin = rotary.cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    expected_query, expected_key = modeling.apply_rotary_pos_emb(query, key, cos, sin)
     rotary_embedding_(query, key, positions, rotary.cos_sin_cache)
-    # apply_rope rounds each product to the dtype, the kernel only the result.
+    # transformers rounds each product to the dtype, the kernel only the result.
     tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else \
         {"atol": 2e-2, "rtol": 1e-2}
     torch.testing.assert_close(query, expected_query, **tolerance)
