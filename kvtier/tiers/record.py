@@ -45,8 +45,8 @@ _MAX_HASH_LEN = 64
 # Far above any block size; bounds what a corrupt header can make us read.
 _MAX_TOKENS = 1 << 20
 #: Bytes `copy_checksummed` copies and hashes at a time: a chunk is still in the CPU cache
-#: when it is hashed, and the per-chunk overhead stays small (256 KiB measured fastest for
-#: 2 MiB blocks; 64 KiB and 1 MiB were 5-10 % slower).
+#: when it is hashed, and the per-chunk overhead stays small (64 to 512 KiB measured alike
+#: on 2 MiB blocks; 1 MiB was slower, a whole block slower still).
 CHECKSUM_CHUNK_BYTES = 256 * 1024
 
 
@@ -153,6 +153,37 @@ def encode_header(meta: BlockMeta, layout: KVLayout, payload_len: int, checksum:
         token_bytes,
     ))
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def record_size(meta: BlockMeta, payload_len: int) -> int:
+    """Bytes of the record of `meta` with a payload of `payload_len` bytes (header included).
+
+    Raises ValueError like `encode_header`.
+    """
+    num_tokens = len(encode_token_ids(meta.token_ids)) // 4
+    if num_tokens > _MAX_TOKENS:
+        raise ValueError(f"a block holds at most {_MAX_TOKENS} tokens, got {num_tokens}")
+    return _FIXED.size + len(meta.parent_hash) + 4 * num_tokens + _CHECKSUM.size + payload_len
+
+
+def assemble_record(meta: BlockMeta, layout: KVLayout, payload, out) -> memoryview:
+    """Write the record of `meta` and `payload` (bytes-like) into the front of `out`, a
+    writable buffer of at least `record_size` bytes; return the view of `out` it fills.
+
+    The payload is copied and checksummed in one pass (`copy_checksummed`); the header,
+    which holds that checksum, is written in front of it afterwards. Raises ValueError
+    like `encode_header`, or when `out` is too small.
+    """
+    src = memoryview(payload).cast("B")
+    size = record_size(meta, src.nbytes)
+    record = memoryview(out).cast("B")
+    if record.nbytes < size:
+        raise ValueError(f"a record of {size} bytes does not fit in {record.nbytes}")
+    record = record[:size]
+    payload_at = size - src.nbytes
+    checksum = copy_checksummed(src, record[payload_at:])
+    record[:payload_at] = encode_header(meta, layout, src.nbytes, checksum)
+    return record
 
 
 def encode_record(meta: BlockMeta, layout: KVLayout, payload) -> bytes:

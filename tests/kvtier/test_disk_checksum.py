@@ -1,5 +1,7 @@
-"""The chunked copy-and-checksum of the disk tier's read path: the same checksum as one pass
-over the bytes, and damage anywhere in a block of several chunks is a miss."""
+"""The disk tier's one-pass copy-and-checksum: on reads (`copy_checksummed` into the caller's
+tensor) the same checksum as one pass over the bytes, and damage anywhere in a block of
+several chunks is a miss; on writes (`assemble_record`) exactly the record `encode_record`
+gives, so the on-disk format is unchanged."""
 
 from __future__ import annotations
 
@@ -11,7 +13,15 @@ from disk_cases import make_blocks, read_back, same_bytes
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.record import CHECKSUM_CHUNK_BYTES, copy_checksummed, payload_checksum
+from kvtier.tiers.record import (
+    CHECKSUM_CHUNK_BYTES,
+    BlockMeta,
+    assemble_record,
+    copy_checksummed,
+    encode_record,
+    payload_checksum,
+    record_size,
+)
 
 # 640 KiB blocks: two and a half checksum chunks.
 MULTI_CHUNK = KVLayout(num_layers=10, num_kv_heads=2, head_dim=64, block_size=128,
@@ -54,3 +64,28 @@ def test_damage_in_any_chunk_of_a_block_is_a_miss(tmp_path):
         assert same_bytes(read_back(tier, metas[4]), payloads[4])
         assert tier.stats().rejected == 3
         assert tier.contains([m.block_hash for m in metas]) == [False] * 3 + [True] * 2
+
+
+def test_assembled_records_are_the_encoded_format():
+    metas, payloads = make_blocks(MULTI_CHUNK, seed=4, num_blocks=2)
+    out = bytearray(MULTI_CHUNK.bytes_per_block + 4096)  # larger than a record: reused scratch
+    for meta, payload in zip(metas, payloads):
+        record = assemble_record(meta, MULTI_CHUNK, payload.view(torch.uint8).numpy(), out)
+        expected = encode_record(meta, MULTI_CHUNK, payload.view(torch.uint8).numpy())
+        assert len(record) == record_size(meta, MULTI_CHUNK.bytes_per_block) == len(expected)
+        assert bytes(record) == expected
+
+
+def test_assembly_refuses_a_small_buffer_and_bad_token_ids(tmp_path):
+    metas, payloads = make_blocks(MULTI_CHUNK, seed=5, num_blocks=1)
+    payload = payloads[0].view(torch.uint8).numpy()
+    with pytest.raises(ValueError, match="does not fit"):
+        assemble_record(metas[0], MULTI_CHUNK, payload, bytearray(MULTI_CHUNK.bytes_per_block))
+    bad = BlockMeta(b"x" * 16, metas[0].block_hash, (-1,) * MULTI_CHUNK.block_size)
+    with pytest.raises(ValueError, match="token ids"):
+        record_size(bad, MULTI_CHUNK.bytes_per_block)
+    # The tier checks token ids before its write transaction: nothing is stored.
+    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+        with pytest.raises(ValueError, match="token ids"):
+            tier.put([metas[0], bad], [payloads[0], payloads[0]])
+        assert tier.stats().num_blocks == 0
