@@ -15,6 +15,7 @@ from typing import Any
 import typer
 
 from cli import cache, demo
+from cli.allocator import tune_malloc
 from cli.bench import commands as bench_commands
 from cli.bench import pool as bench_pool
 from cli.bench import roundtrip as bench_roundtrip
@@ -57,6 +58,7 @@ def main(
                                help="Show the full traceback when a command fails."),
 ) -> None:
     """kvtier: KV-cache tiers for LLM inference."""
+    tune_malloc()
     # Both options act elsewhere: --version in its callback, --debug in KvtierGroup.invoke,
     # which reads it from the root context's params under the name DEBUG_PARAM ("debug").
 
