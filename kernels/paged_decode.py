@@ -8,7 +8,9 @@ and `_reduce_splits_kernel` merges them per (token, head):
 
     out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M),   M = max_s lse_s
 
-An empty range has lse = -inf and weight 0.
+An empty range has lse = -inf and weight 0. A prefill chunk of a few tokens after a long
+context (a question asked of a restored 32K-token document) is as short of programs as a
+decode batch and splits the same way.
 """
 
 from __future__ import annotations
@@ -58,28 +60,32 @@ class AttentionConfig:
 def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_reqs: int,
                 num_kv_heads: int, group: int, head_dim: int, max_query_len: int,
                 max_seq_len: int) -> AttentionConfig:
-    """A tiling for the batch: decode-shaped (short query tiles, split-KV when programs are
-    scarce) when every request has at most a few queries, prefill-shaped otherwise."""
+    """A tiling for the batch: decode-shaped (short query tiles) when every request has at
+    most a few queries, prefill-shaped otherwise; either splits the keys (split-KV) when its
+    programs would leave the GPU's SMs idle and the sequences are long enough, e.g. a decode
+    batch, or a question of a few tokens asked after a long restored context."""
     group_pad = triton.next_power_of_2(group)
     decode_block_m = max(16, group_pad)
-    if max_query_len <= decode_block_m // group_pad:
-        block_q = decode_block_m // group_pad
-        num_splits = 1
-        if device.type == "cuda":
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            programs = (num_tokens // block_q + num_reqs) * num_kv_heads
-            wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-            num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
-        return AttentionConfig(block_q=block_q, tile_n=64, num_splits=num_splits,
-                               num_warps=4, num_stages=2)
-    if dtype == torch.float32:
+    decode_shaped = max_query_len <= decode_block_m // group_pad
+    if decode_shaped:
+        block_q, tile_n, num_warps, num_stages = decode_block_m // group_pad, 64, 4, 2
+    elif dtype == torch.float32:
         # Exact float32 dots run on CUDA cores, not tensor cores: big tiles only spill.
-        block_m = max(16, group_pad)
-        return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,
-                               num_warps=4, num_stages=2)
-    block_m = max(128 if head_dim <= 128 else 64, group_pad)
-    return AttentionConfig(block_q=max(1, block_m // group_pad), tile_n=64, num_splits=1,
-                           num_warps=8, num_stages=3 if head_dim <= 128 else 2)
+        block_q, tile_n, num_warps, num_stages = max(1, decode_block_m // group_pad), 64, 4, 2
+    else:
+        block_m = max(128 if head_dim <= 128 else 64, group_pad)
+        block_q, tile_n = max(1, block_m // group_pad), 64
+        num_warps, num_stages = 8, 3 if head_dim <= 128 else 2
+    num_splits = 1
+    # A prefill chunk splits only when it is short next to its context (a few new tokens
+    # after a long cached or restored prefix); a fresh prompt keeps one pass over its keys.
+    if device.type == "cuda" and (decode_shaped or max_seq_len >= 4 * max_query_len):
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = (num_tokens // block_q + num_reqs) * num_kv_heads
+        wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+        num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    return AttentionConfig(block_q=block_q, tile_n=tile_n, num_splits=num_splits,
+                           num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import AttentionConfig, paged_attention, reference
+from kernels.paged_decode import pick_config
 
 # Request 0: a whole odd-length prompt; 1: a chunk in the middle of a prompt; 2: a decode;
 # 3: padding; 4: a decode of a sequence that ends exactly on a block boundary.
@@ -150,3 +151,20 @@ def test_gpu_long_decodes_use_split_kv(dtype: torch.dtype) -> None:
     forced = AttentionConfig(block_q=4, tile_n=64, num_splits=7, num_stages=3)
     check_against_reference(case, 128 ** -0.5, forced)
 
+
+
+@pytest.mark.gpu
+@cases.requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_short_question_after_long_context_uses_split_kv(dtype: torch.dtype) -> None:
+    # A 17-token question after a 20K-token restored document: 8 programs without splits.
+    seq_lens, q_lens = [20017], [17]
+    config = pick_config(torch.device("cuda"), dtype, sum(q_lens), len(q_lens), 8, 4, 128,
+                         max(q_lens), max(seq_lens))
+    assert config.num_splits > 1
+    case = cases.build_attention_case(seq_lens, q_lens, num_kv_heads=8, group=4,
+                                      head_dim=128, block_size=16, dtype=dtype,
+                                      device="cuda", seed=5)
+    check_against_reference(case, 128 ** -0.5)
+    fresh = pick_config(torch.device("cuda"), dtype, 2048, 1, 8, 4, 128, 2048, 2048)
+    assert fresh.num_splits == 1, "a fresh prompt keeps one pass over its keys"
