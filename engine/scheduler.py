@@ -206,29 +206,38 @@ class Scheduler:
             return True
         metas = [self._meta(request, i) for i in load_positions]
         load_id = self.manager.prepare_load(metas, [table[i] for i in load_positions])
+        pending = _PendingLoad(request, load_id, load_positions, tiers)
+        # Host hits on CUDA: the copies are queued on the GPU already, and complete_load
+        # orders this step's compute after them, so the request runs now. Anything that
+        # needs a poll (disk reads, the CPU's copies) is picked up by a later step.
+        if self.manager.is_load_ready(load_id, advance=False):
+            self._complete_load(pending)
+            return True
         request.status = RequestStatus.WAITING_FOR_LOAD
-        self._loads[request.request_id] = _PendingLoad(request, load_id, load_positions, tiers)
+        self._loads[request.request_id] = pending
         return False
 
     def _finish_loads(self) -> None:
         """Advance transfers; requests whose loads are complete become schedulable."""
         self.manager.poll()
         for request_id, pending in list(self._loads.items()):
-            if not self.manager.is_load_ready(pending.load_id):
-                continue
-            del self._loads[request_id]
-            num_loaded = self.manager.complete_load(pending.load_id)
-            assert 0 <= num_loaded <= len(pending.loaded_positions), "bad complete_load count"
-            # The prefix ends at the first block that was not restored.
-            num_ok = len(pending.request.block_table)
-            if num_loaded < len(pending.loaded_positions):
-                num_ok = pending.loaded_positions[num_loaded]
-            request = pending.request
-            dropped = request.block_table[num_ok:]
-            del request.block_table[num_ok:]
-            self.manager.free(dropped)
-            request.status = RequestStatus.WAITING
-            self._set_prefix(request, num_ok, pending.tiers)
+            if self.manager.is_load_ready(pending.load_id):
+                del self._loads[request_id]
+                self._complete_load(pending)
+
+    def _complete_load(self, pending: _PendingLoad) -> None:
+        num_loaded = self.manager.complete_load(pending.load_id)
+        assert 0 <= num_loaded <= len(pending.loaded_positions), "bad complete_load count"
+        # The prefix ends at the first block that was not restored.
+        request = pending.request
+        num_ok = len(request.block_table)
+        if num_loaded < len(pending.loaded_positions):
+            num_ok = pending.loaded_positions[num_loaded]
+        dropped = request.block_table[num_ok:]
+        del request.block_table[num_ok:]
+        self.manager.free(dropped)
+        request.status = RequestStatus.WAITING
+        self._set_prefix(request, num_ok, pending.tiers)
 
     def _set_prefix(self, request: Request, num_blocks: int, tiers: Sequence[Tier]) -> None:
         """The first `num_blocks` blocks of the table hold valid, cached KV."""

@@ -10,7 +10,9 @@ It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
     a slot is evicted only once its block is clean (its disk write committed). When no slot
     can be had, the write-through of that block is skipped and counted, never waited for.
   * Loads: host hits are pinned and copied to the GPU; disk hits are read into host slots (in
-    waves when slots are short), then copied. `poll` advances the chains.
+    waves when slots are short), then copied. `poll` advances the chains. A load whose
+    copies are all queued on the GPU can complete at once: the compute stream then waits
+    for them, so the request runs while its bytes are still crossing the bus.
 
 Fail closed (DESIGN decision 3): a failed transfer or an invalid record makes its block a
 miss; pins and slots are released and the failure is counted.
@@ -19,10 +21,7 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NewType
 
 import torch
 
@@ -32,51 +31,17 @@ from kvtier.device_cache import allocate_kv_cache
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
+from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, disk_write_job
 
-LoadId = NewType("LoadId", int)
-
 _DISK_WRITE_BATCH = 32  # blocks per LMDB write transaction
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """The longest prefix of the looked-up hashes that some tier holds.
-
-    `locations[i]` is the fastest tier holding block i; `gpu_blocks[i]` is its pool block for
-    GPU hits and None otherwise. Both lists have the prefix's length (0: nothing hit).
-    """
-
-    locations: list[Tier]
-    gpu_blocks: list[KVCacheBlock | None]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.locations)
-
-
-@dataclass(slots=True)
-class _LoadBlock:
-    meta: BlockMeta
-    gpu_block: KVCacheBlock
-    slot: SlotId | None = None
-    done: bool = False
-    ok: bool = False
-
-
-@dataclass(slots=True)
-class _Load:
-    blocks: list[_LoadBlock]
-    waiting: deque[_LoadBlock] = field(default_factory=deque)  # disk hits without a slot
-    job_ids: set[JobId] = field(default_factory=set)
-
-    @property
-    def is_ready(self) -> bool:
-        return all(lb.done for lb in self.blocks)
+#: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
+#: prefix are still being looked up and pinned.
+_LOAD_COPY_CHUNK = 256
 
 
 def _chunks(items: list, size: int) -> list[list]:
@@ -111,8 +76,8 @@ class TierManager:
                                         config.max_pending_io)
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
             + [Tier.DISK] * (self.disk is not None)
-        self._on_done: dict[JobId, tuple[_Load | None, Callable[[bool], None]]] = {}
-        self._loads: dict[LoadId, _Load] = {}
+        self._on_done: dict[JobId, tuple[Load | None, Callable[[bool], None]]] = {}
+        self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._storing: set[BlockHash] = set()  # write-through in flight
         self._num_writing_back = 0
@@ -186,17 +151,20 @@ class TierManager:
             if block.ref_cnt == 0 or block.block_hash is not None:
                 raise ValueError(f"{block}: load targets must be allocated by the caller "
                                  "and not cached")
-        load = _Load([_LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)])
+        load = Load([LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)])
         load_id = LoadId(next(self._load_ids))
         self._loads[load_id] = load
         self.pool.touch(gpu_blocks)
-        from_host: list[_LoadBlock] = []
+        from_host: list[LoadBlock] = []
         on_disk: list[bool] = []
         for i, lb in enumerate(load.blocks):
             lb.slot = self._host.lookup(lb.meta.block_hash) if self._host_caches else None
             if lb.slot is not None:
                 self._host.pin(lb.slot)
                 from_host.append(lb)
+                if len(from_host) == _LOAD_COPY_CHUNK:
+                    self._copy_to_gpu(load, from_host)
+                    from_host = []
                 continue
             if self.disk is not None:
                 if not on_disk:
@@ -213,10 +181,10 @@ class TierManager:
         self._feed_load(load)
         return load_id
 
-    def _feed_load(self, load: _Load) -> None:
+    def _feed_load(self, load: Load) -> None:
         """Give host slots to the load's waiting disk hits, in order, and start reading them
         (split over the I/O threads)."""
-        ready: list[_LoadBlock] = []
+        ready: list[LoadBlock] = []
         while load.waiting:
             slot = self._host.allocate_slot(load.waiting[0].meta)
             if slot is None:  # SlotId 0 is falsy: compare with None
@@ -230,7 +198,7 @@ class TierManager:
             self._submit(job, lambda ok, c=chunk, r=results: self._finish_disk_read(load, c, r),
                          load)
 
-    def _finish_disk_read(self, load: _Load, items: list[_LoadBlock],
+    def _finish_disk_read(self, load: Load, items: list[LoadBlock],
                           results: list[bool]) -> None:
         landed = []
         for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
@@ -246,7 +214,7 @@ class TierManager:
         if landed:
             self._copy_to_gpu(load, landed)
 
-    def _copy_to_gpu(self, load: _Load, items: list[_LoadBlock]) -> None:
+    def _copy_to_gpu(self, load: Load, items: list[LoadBlock]) -> None:
         mapping = torch.tensor([[lb.slot, lb.gpu_block.block_id] for lb in items],
                                dtype=torch.int64)  # [n, 2] (slot, gpu block)
 
@@ -257,17 +225,25 @@ class TierManager:
                 lb.slot, lb.done, lb.ok = None, True, ok
             self._tiers[Tier.HOST].failures += 0 if ok else len(items)
 
-        self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache, mapping),
-                     finish, load)
+        job_id = self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache,
+                                      mapping), finish, load)
+        for lb in items:
+            lb.copy_job = job_id
 
-    def is_load_ready(self, load_id: LoadId) -> bool:
-        """Whether every block of the load arrived or failed (advances transfers first).
-        Raises ValueError for an unknown or completed load."""
+    def is_load_ready(self, load_id: LoadId, advance: bool = True) -> bool:
+        """Whether `complete_load` would not wait: every block arrived or failed, or is
+        being copied on the GPU's transfer stream. `advance` polls transfers first. Raises
+        ValueError for an unknown or completed load."""
         load = self._get_load(load_id)
-        self.poll()
-        return load.is_ready
+        if advance:
+            self.poll()
+        return self._is_usable(load)
 
-    def _get_load(self, load_id: LoadId) -> _Load:
+    def _is_usable(self, load: Load) -> bool:
+        return all(lb.done or (lb.copy_job is not None and self.transfers.is_on_stream(
+            lb.copy_job)) for lb in load.blocks)
+
+    def _get_load(self, load_id: LoadId) -> Load:
         if load_id not in self._loads:
             raise ValueError(f"load {load_id} is unknown or already completed")
         return self._loads[load_id]
@@ -275,17 +251,21 @@ class TierManager:
     def complete_load(self, load_id: LoadId) -> int:
         """Finish a load, waiting for it if needed; returns how many LEADING blocks arrived
         intact. Those are now cached in the pool; the others stay allocated, uncached, and
-        the caller recomputes them. Raises ValueError for an unknown or completed load."""
+        the caller recomputes them. Blocks still being copied on the GPU count as arrived:
+        the current CUDA stream is made to wait for their copies, so the forward queued
+        next reads them whole. Raises ValueError for an unknown or completed load."""
         load = self._get_load(load_id)
         self.poll()
-        while not load.is_ready:
+        while not self._is_usable(load):
             # Blocks waiting for a host slot wait for whatever is in flight to free one.
             pending = list(load.job_ids or self._on_done)
             assert pending, "poll() leaves a load unready only while transfers are in flight"
             self.transfers.wait(pending)
             self.poll()
         del self._loads[load_id]
-        num_ok = next((i for i, lb in enumerate(load.blocks) if not lb.ok), len(load.blocks))
+        self.transfers.order_after(lb.copy_job for lb in load.blocks if not lb.done)
+        num_ok = next((i for i, lb in enumerate(load.blocks) if lb.done and not lb.ok),
+                      len(load.blocks))
         # ref_cnt 1 is our own reference alone: the caller freed the block, so it is not
         # cached (a later owner would overwrite its bytes).
         held = [lb for lb in load.blocks[:num_ok] if lb.gpu_block.ref_cnt > 1]
@@ -385,11 +365,12 @@ class TierManager:
     # ---- progress ------------------------------------------------------------------------
 
     def _submit(self, job: SwapJob | IOJob, on_done: Callable[[bool], None],
-                load: _Load | None = None) -> None:
+                load: Load | None = None) -> JobId:
         job_id = self.transfers.submit(job)
         self._on_done[job_id] = (load, on_done)
         if load is not None:
             load.job_ids.add(job_id)
+        return job_id
 
     def poll(self) -> None:
         """Advance transfers without blocking: run the next step of every finished job

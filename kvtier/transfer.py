@@ -287,6 +287,20 @@ class TransferEngine:
                     continue  # another thread reaped it first
             self._finish(job_id, cuda_job.direction, cuda_job.num_bytes, seconds, ok)
 
+    def is_on_stream(self, job_id: JobId) -> bool:
+        """Whether `job_id` is a GPU copy launched on the transfer stream and not reaped yet
+        (a launched copy completes: a CUDA fault would poison the whole context anyway)."""
+        with self._lock:
+            return job_id in self._cuda_jobs
+
+    def order_after(self, job_ids: Iterable[JobId]) -> None:
+        """Make the current CUDA stream wait for those of `job_ids` still on the transfer
+        stream: work queued on it afterwards (the model's forward) sees their bytes."""
+        with self._lock:
+            events = [self._cuda_jobs[j].done for j in job_ids if j in self._cuda_jobs]
+        for event in events:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
     # ---- state ---------------------------------------------------------------------------
 
     @property

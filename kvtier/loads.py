@@ -1,0 +1,52 @@
+"""The records of prefix lookups and loads in progress, shared by the tier manager's methods."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kvtier.free_queue import KVCacheBlock
+from kvtier.stats import Tier
+from kvtier.tiers.host import SlotId
+from kvtier.tiers.record import BlockMeta
+from kvtier.transfer import JobId
+
+LoadId = NewType("LoadId", int)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest prefix of the looked-up hashes that some tier holds.
+
+    `locations[i]` is the fastest tier holding block i; `gpu_blocks[i]` is its pool block for
+    GPU hits and None otherwise. Both lists have the prefix's length (0: nothing hit).
+    """
+
+    locations: list[Tier]
+    gpu_blocks: list[KVCacheBlock | None]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
+
+
+@dataclass(slots=True)
+class LoadBlock:
+    """One block of a load: where it goes, the host slot carrying it, and how it fared."""
+
+    meta: BlockMeta
+    gpu_block: KVCacheBlock
+    slot: SlotId | None = None
+    done: bool = False
+    ok: bool = False
+    copy_job: JobId | None = None  # its host -> GPU copy, once submitted
+
+
+@dataclass(slots=True)
+class Load:
+    """A load in progress: its blocks in prefix order and the transfer jobs it waits on."""
+
+    blocks: list[LoadBlock]
+    waiting: deque[LoadBlock] = field(default_factory=deque)  # disk hits without a slot
+    job_ids: set[JobId] = field(default_factory=set)
