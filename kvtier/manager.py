@@ -290,12 +290,16 @@ class TierManager:
         meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
         self._schedule_writebacks(len(newly))
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
+        polled = False
         for block, meta in ((block, meta_of[block.block_id]) for block in newly):
             # (Staging: the disk write itself skips blocks already on disk.)
             if meta.block_hash in self._storing or (
                     self._host_caches and self._host.contains(meta.block_hash)):
                 continue
             slot = self._host.allocate_slot(meta)
+            if slot is None and not polled:  # finished copies may still pin slots
+                self.poll()
+                polled, slot = True, self._host.allocate_slot(meta)
             if slot is None:  # skipped, not waited for
                 self._tiers[Tier.HOST].rejected += 1
                 continue

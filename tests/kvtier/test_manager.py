@@ -112,6 +112,30 @@ def test_round_trip_on_cuda(tmp_path, managers, swap_method):
     assert m.stats().transfers[Direction.HOST_TO_GPU].seconds > 0
 
 
+@pytest.mark.gpu
+def test_loads_completed_early_on_cuda_free_their_slots_for_the_next_store(managers):
+    # On CUDA complete_load returns while the copies may still run (the compute stream waits
+    # for them); their host slots stay pinned until the copies are reaped. A full host tier
+    # must still take the next write-through once they finished.
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                      dtype=torch.bfloat16)
+    m = TierManager(layout, config(layout, None, gpu=8, host=4), "cuda")
+    managers.append(m)
+    for name in ("first", "second"):
+        metas, data = chain(layout, name, 4), random_blocks(layout, 4, seed=len(name))
+        write(m, metas, data.cuda())
+        assert m.stats().tiers[Tier.HOST].rejected == 0, "the write-through found no slot"
+        evict_gpu(m)
+        num_ok, blocks = load(m, metas)
+        assert num_ok == 4
+        torch.cuda.synchronize()
+        for block, expected in zip(blocks, data):
+            assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+        m.free(blocks)
+    m.flush()
+    check_idle(m)
+
+
 CHILD = textwrap.dedent("""
     import sys
     import torch
