@@ -253,7 +253,8 @@ class TierManager:
         intact. Those are now cached in the pool; the others stay allocated, uncached, and
         the caller recomputes them. Blocks still being copied on the GPU count as arrived:
         the current CUDA stream is made to wait for their copies, so the forward queued
-        next reads them whole. Raises ValueError for an unknown or completed load."""
+        next reads them whole; their host slots stay pinned until a `poll` after the copies
+        finished. Raises ValueError for an unknown or completed load."""
         load = self._get_load(load_id)
         self.poll()
         while not self._is_usable(load):
@@ -290,16 +291,12 @@ class TierManager:
         meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
         self._schedule_writebacks(len(newly))
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        polled = False
         for block, meta in ((block, meta_of[block.block_id]) for block in newly):
             # (Staging: the disk write itself skips blocks already on disk.)
             if meta.block_hash in self._storing or (
                     self._host_caches and self._host.contains(meta.block_hash)):
                 continue
             slot = self._host.allocate_slot(meta)
-            if slot is None and not polled:  # finished copies may still pin slots
-                self.poll()
-                polled, slot = True, self._host.allocate_slot(meta)
             if slot is None:  # skipped, not waited for
                 self._tiers[Tier.HOST].rejected += 1
                 continue

@@ -116,6 +116,7 @@ def _host_round_trips(layout: KVLayout, device: torch.device, num_blocks: int, r
             assert targets is not None
             seconds, num_ok = _timed(device, _load, m, metas, targets)
             load_s.append(seconds)
+            m.poll()  # reap the finished copies: their host slots take the next store
             src = torch.tensor([b.block_id for b in blocks], device=device)
             dst = torch.tensor([b.block_id for b in targets], device=device)
             verified &= num_ok == num_blocks and torch.equal(

@@ -115,8 +115,8 @@ def test_round_trip_on_cuda(tmp_path, managers, swap_method):
 @pytest.mark.gpu
 def test_loads_completed_early_on_cuda_free_their_slots_for_the_next_store(managers):
     # On CUDA complete_load returns while the copies may still run (the compute stream waits
-    # for them); their host slots stay pinned until the copies are reaped. A full host tier
-    # must still take the next write-through once they finished.
+    # for them); their host slots stay pinned until a poll reaps the copies. A full host
+    # tier then takes the next write-through, and every byte arrived.
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
                       dtype=torch.bfloat16)
     m = TierManager(layout, config(layout, None, gpu=8, host=4), "cuda")
@@ -128,9 +128,10 @@ def test_loads_completed_early_on_cuda_free_their_slots_for_the_next_store(manag
         evict_gpu(m)
         num_ok, blocks = load(m, metas)
         assert num_ok == 4
-        torch.cuda.synchronize()
-        for block, expected in zip(blocks, data):
+        for block, expected in zip(blocks, data):  # .cpu() runs after the copies
             assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+        torch.cuda.synchronize()
+        m.poll()
         m.free(blocks)
     m.flush()
     check_idle(m)
