@@ -70,8 +70,7 @@ class LmdbIndex:
         try:
             _check_not_truncated(env, path)
             env.reader_check()  # drop reader slots left behind by dead processes
-            dbs = [env.open_db(name, create=not readonly)
-                   for name in (b"blocks", b"access", b"lru", b"meta")]
+            dbs = _open_dbs(env, readonly)
         except lmdb.NotFoundError as exc:
             env.close()
             raise FileNotFoundError(f"{path} is an LMDB environment without kvtier's "
@@ -348,3 +347,15 @@ def is_disk_full(exc: lmdb.Error) -> bool:
     code = exc.args[1] if len(exc.args) > 1 else None
     return code in _DISK_FULL_ERRNOS or any(os.strerror(e) in str(exc)
                                             for e in _DISK_FULL_ERRNOS)
+
+
+def _open_dbs(env: lmdb.Environment, readonly: bool) -> list:
+    """kvtier's named databases. Another process may grow the map between our open and
+    this first transaction (MDB_MAP_RESIZED): adopt its size and try again."""
+    for _ in range(8):
+        try:
+            return [env.open_db(name, create=not readonly)
+                    for name in (b"blocks", b"access", b"lru", b"meta")]
+        except lmdb.MapResizedError:
+            env.set_mapsize(0)
+    raise OSError("the LMDB map keeps being resized by another process; retry later")
