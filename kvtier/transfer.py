@@ -10,7 +10,8 @@ Two kinds of jobs, keyed by the hop they make:
     `submit`, and still reports through `get_finished`, so the whole path is exercised on CPU.
   * `IOJob` (host <-> disk): a callable run on a small pool of threads fed by a bounded
     queue. A full queue blocks the submitter (backpressure), so queued work and the memory it
-    pins never grow without bound.
+    pins never grow without bound. Queued reads go before queued writes (a restore has a
+    request waiting on it; a write-back runs ahead of demand), each in submission order.
 
 A job that raises reports `ok=False`; cleaning up after it (pins, slots) is the submitter's
 business. `submit`, `get_finished` and `wait` may be called from many threads. Jobs must not
@@ -43,6 +44,8 @@ JobId = NewType("JobId", int)
 
 _SWAP_DIRECTIONS = (Direction.GPU_TO_HOST, Direction.HOST_TO_GPU)
 _IO_DIRECTIONS = (Direction.HOST_TO_DISK, Direction.DISK_TO_HOST)
+#: Queue order of I/O jobs (lower first): restores before write-backs.
+_IO_URGENCY = {Direction.DISK_TO_HOST: 0, Direction.HOST_TO_DISK: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,9 @@ class TransferEngine:
         self._cuda_jobs: dict[JobId, _CudaJob] = {}
         self._counters: dict[Direction, TransferCounters] = new_transfer_counters()
         self._closed = False
-        self._queue: queue.Queue[tuple[JobId, IOJob] | None] = queue.Queue(max_pending_io)
+        # (urgency, job id, job): reads first, then by submission; job None stops a worker.
+        self._queue: queue.PriorityQueue[tuple[int, JobId, IOJob | None]] = \
+            queue.PriorityQueue(max_pending_io)
         self._workers = [threading.Thread(target=self._work, name=f"kvtier-io-{i}", daemon=True)
                          for i in range(io_threads)]
         for worker in self._workers:
@@ -174,7 +179,7 @@ class TransferEngine:
             self._next_job_id += 1
             self._in_flight.add(job_id)
         if isinstance(job, IOJob):
-            self._queue.put((job_id, job))
+            self._queue.put((_IO_URGENCY[job.direction], job_id, job))
         elif self._use_cuda:
             self._launch_cuda(job_id, job)
         else:
@@ -213,10 +218,9 @@ class TransferEngine:
 
     def _work(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            _, job_id, job = self._queue.get()
+            if job is None:
                 return
-            job_id, job = item
             started = time.perf_counter()
             num_bytes, ok = 0, True
             try:
@@ -320,7 +324,7 @@ class TransferEngine:
                 return
             self._closed = True
         self.wait_all()
-        for _ in self._workers:
-            self._queue.put(None)
+        for i, _ in enumerate(self._workers):
+            self._queue.put((len(_IO_URGENCY), JobId(-1 - i), None))
         for worker in self._workers:
             worker.join()

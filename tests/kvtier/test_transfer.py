@@ -174,6 +174,31 @@ def test_a_full_io_queue_blocks_the_submitter():
         engine.submit(IOJob(Direction.HOST_TO_DISK, lambda: 0))
 
 
+def test_queued_reads_run_before_queued_writes():
+    engine = TransferEngine("cpu", io_threads=1, max_pending_io=8)
+    running, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def blocked() -> int:
+        running.set()
+        release.wait()
+        return 0
+
+    def job(name: str):
+        return lambda: order.append(name) or 0
+
+    engine.submit(IOJob(Direction.HOST_TO_DISK, blocked))
+    running.wait()  # the only worker is busy: everything below queues
+    for name in ("write 1", "write 2", "read 1", "write 3", "read 2"):
+        direction = Direction.DISK_TO_HOST if name.startswith("read") else \
+            Direction.HOST_TO_DISK
+        engine.submit(IOJob(direction, job(name)))
+    release.set()
+    engine.close()
+    # A restore has a request waiting on it; write-backs run ahead of demand.
+    assert order == ["read 1", "read 2", "write 1", "write 2", "write 3"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_swaps_on_the_copy_stream(dtype):
