@@ -9,33 +9,15 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from disk_cases import SMALL, make_blocks, read_back
 
-from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.tiers import disk_admin
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.record import BlockMeta, encode_header, metas_for
+from kvtier.tiers.record import BlockMeta, encode_header
 
-SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
 WIDE = KVLayout(num_layers=1, num_kv_heads=4, head_dim=32, block_size=8, dtype=torch.float32)
 BUDGET = 1 << 30
-
-
-def make_blocks(layout: KVLayout, seed: int, num_blocks: int
-                ) -> tuple[list[BlockMeta], list[torch.Tensor]]:
-    """`num_blocks` chained blocks of one sequence with seeded random K/V, `[*block_shape]`."""
-    parent = namespace_hash(f"model-{seed}", layout)
-    token_ids = [(seed * 7919 + 31 * i) % 50_000 for i in range(num_blocks * layout.block_size)]
-    metas = metas_for(parent, hash_blocks(parent, token_ids, layout.block_size), token_ids,
-                      layout.block_size)
-    generator = torch.Generator().manual_seed(seed)
-    return metas, [torch.randn(layout.block_shape, generator=generator).to(layout.dtype)
-                   for _ in metas]
-
-
-def read_back(tier: DiskTier, meta: BlockMeta) -> torch.Tensor | None:
-    dest = torch.empty(tier.layout.block_shape, dtype=tier.layout.dtype)
-    return dest if tier.get_into(meta, dest) else None
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
