@@ -240,8 +240,8 @@ class TierManager:
         return self._is_usable(load)
 
     def _is_usable(self, load: Load) -> bool:
-        return all(lb.done or (lb.copy_job is not None and self.transfers.is_on_stream(
-            lb.copy_job)) for lb in load.blocks)
+        copies = {lb.copy_job for lb in load.blocks if not lb.done}  # one job, many blocks
+        return None not in copies and all(self.transfers.is_on_stream(j) for j in copies)
 
     def _get_load(self, load_id: LoadId) -> Load:
         if load_id not in self._loads:
@@ -264,7 +264,7 @@ class TierManager:
             self.transfers.wait(pending)
             self.poll()
         del self._loads[load_id]
-        self.transfers.order_after(lb.copy_job for lb in load.blocks if not lb.done)
+        self.transfers.order_after({lb.copy_job for lb in load.blocks if not lb.done})
         num_ok = next((i for i, lb in enumerate(load.blocks) if lb.done and not lb.ok),
                       len(load.blocks))
         # ref_cnt 1 is our own reference alone: the caller freed the block, so it is not
