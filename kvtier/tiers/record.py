@@ -125,14 +125,15 @@ def copy_checksummed(src, dest) -> int:
     full pass to hash. The checksum is taken over `dest` (what the caller will use), not
     over `src`. Raises ValueError when the lengths differ.
     """
-    src_view = memoryview(src).cast("B")
-    dest_view = memoryview(dest).cast("B")
-    if src_view.nbytes != dest_view.nbytes:
-        raise ValueError(f"cannot copy {src_view.nbytes} bytes into {dest_view.nbytes}")
+    # numpy's copy and xxhash both release the GIL, so other threads run meanwhile.
+    source = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
+    target = np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)
+    if source.nbytes != target.nbytes:
+        raise ValueError(f"cannot copy {source.nbytes} bytes into {target.nbytes}")
     hasher = xxhash.xxh3_64()
-    for start in range(0, dest_view.nbytes, CHECKSUM_CHUNK_BYTES):
-        chunk = dest_view[start:start + CHECKSUM_CHUNK_BYTES]
-        chunk[:] = src_view[start:start + CHECKSUM_CHUNK_BYTES]
+    for start in range(0, target.nbytes, CHECKSUM_CHUNK_BYTES):
+        chunk = target[start:start + CHECKSUM_CHUNK_BYTES]
+        np.copyto(chunk, source[start:start + CHECKSUM_CHUNK_BYTES])
         hasher.update(chunk)
     return hasher.intdigest()
 
