@@ -16,6 +16,8 @@ SWAP_METHODS = ("auto", "dma", "triton")
 #: Slots of the staging slab used for disk traffic when the host tier is off but the disk
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
 DEFAULT_STAGING_SLOTS = 16
+#: Threads running host <-> disk jobs unless TierConfig says otherwise.
+DEFAULT_IO_THREADS = 2
 
 
 def _is_int(value: object) -> bool:
@@ -45,7 +47,7 @@ class TierConfig:
     disk_path: str | Path | None = None
     disk_budget_bytes: int | None = None
     swap_method: str = "auto"
-    io_threads: int = 2
+    io_threads: int = DEFAULT_IO_THREADS
     max_pending_io: int = 64
     staging_slots: int = DEFAULT_STAGING_SLOTS
 

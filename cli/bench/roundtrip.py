@@ -29,7 +29,7 @@ import torch
 import typer
 
 from cli.common import print_json, print_table
-from kvtier.config import TierConfig
+from kvtier.config import DEFAULT_IO_THREADS, TierConfig
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout, parse_dtype
 from kvtier.manager import TierManager
@@ -130,7 +130,7 @@ def _host_round_trips(layout: KVLayout, device: torch.device, num_blocks: int, r
 
 
 def _disk_restores(layout: KVLayout, device: torch.device, num_blocks: int, repeats: int,
-                   swap_method: str, disk_dir: Path, seed: int) -> dict:
+                   swap_method: str, disk_dir: Path, seed: int, io_threads: int) -> dict:
     budget = num_blocks * (layout.bytes_per_block + _DISK_SLACK_PER_BLOCK)
     metas = _metas(layout, 1 << 20, num_blocks)
     writer = TierManager(layout, TierConfig(
@@ -148,7 +148,8 @@ def _disk_restores(layout: KVLayout, device: torch.device, num_blocks: int, repe
         writer.close()  # writes every host block back to disk
     reader = TierManager(layout, TierConfig(
         num_gpu_blocks=num_blocks, disk_path=disk_dir, disk_budget_bytes=budget,
-        swap_method=swap_method, staging_slots=min(_STAGING_SLOTS, num_blocks)), device)
+        swap_method=swap_method, staging_slots=min(_STAGING_SLOTS, num_blocks),
+        io_threads=io_threads), device)
     try:
         restore_s, verified = [], True
         for run in range(repeats + 1):  # the first run only warms the page cache
@@ -173,13 +174,13 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
                         num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                         dtype: str = "bfloat16", swap_method: str = "auto", disk: bool = True,
                         disk_dir: str | Path | None = None, device: str | None = None,
-                        seed: int = 0) -> dict:
+                        io_threads: int = DEFAULT_IO_THREADS, seed: int = 0) -> dict:
     """Measure the manager's round trip and disk restore; returns a JSON-ready dict.
 
     `total_mib` of blocks move each way per repeat (rounded down to whole blocks); `device`
     defaults to CUDA when available. `disk_dir` (default: a temporary directory, removed
-    afterwards) holds the LMDB files. Raises ValueError for sizes that hold no block or
-    non-positive repeats.
+    afterwards) holds the LMDB files; `io_threads` read it during restores. Raises
+    ValueError for sizes that hold no block or non-positive repeats.
     """
     if repeats <= 0:
         raise ValueError(f"--repeats must be positive, got {repeats}")
@@ -215,11 +216,12 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
         path = Path(tempfile.mkdtemp(prefix="kvtier-roundtrip-")) if own_dir else Path(disk_dir)
         try:
             restored = _disk_restores(layout, resolved, num_blocks, repeats, swap_method,
-                                      path / "lmdb", seed)
+                                      path / "lmdb", seed, io_threads)
         finally:
             if own_dir:
                 shutil.rmtree(path, ignore_errors=True)
-        result["disk"] = {"restore_gbps": num_bytes / restored["restore_s"] / 1e9,
+        result["disk"] = {"io_threads": io_threads,
+                          "restore_gbps": num_bytes / restored["restore_s"] / 1e9,
                           "restore_vs_h2d_ceiling": ceiling["h2d_s"] / restored["restore_s"],
                           **restored}
     return result
@@ -233,11 +235,14 @@ def roundtrip(
     disk_dir: str | None = typer.Option(None, help="Directory for the LMDB files "
                                         "(default: a temporary one)."),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda if present)."),
+    io_threads: int = typer.Option(DEFAULT_IO_THREADS,
+                                   help="I/O threads reading the disk during restores."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Tier-manager GPU -> host -> GPU round trip and disk restore vs the pinned-copy ceiling."""
     result = run_roundtrip_bench(total_mib=total_mib, repeats=repeats, swap_method=swap_method,
-                                 disk=disk, disk_dir=disk_dir, device=device)
+                                 disk=disk, disk_dir=disk_dir, device=device,
+                                 io_threads=io_threads)
     if json_output:
         print_json(result)
         return
@@ -253,7 +258,8 @@ def roundtrip(
         ("bytes verified", str(manager["verified"])),
     ]
     if result["disk"] is not None:
-        rows += [("restore disk -> GPU, warm (GB/s)", f"{result['disk']['restore_gbps']:.1f}"),
+        rows += [(f"restore disk -> GPU, warm, {result['disk']['io_threads']} I/O threads (GB/s)",
+                  f"{result['disk']['restore_gbps']:.1f}"),
                  ("restore vs H2D ceiling", f"{result['disk']['restore_vs_h2d_ceiling']:.2f}"),
                  ("restored bytes verified", str(result["disk"]["verified"]))]
     print_table(f"bench roundtrip: {result['num_blocks']} blocks of "
