@@ -20,6 +20,8 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -56,26 +58,34 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _new_times() -> dict[str, list[float]]:
+    return {"write": [], "read": [], "write_faults": [], "read_faults": []}
+
+
+@contextmanager
+def _measured(times: dict[str, list[float]], op: str) -> Iterator[None]:
+    """Append the block's seconds to `times[op]` and the process's minor page faults
+    meanwhile to `times[op + "_faults"]` (read outside the timed region)."""
+    faults = _minor_faults()
+    start = time.perf_counter()
+    yield
+    times[op].append(time.perf_counter() - start)
+    times[f"{op}_faults"].append(_minor_faults() - faults)
+
+
 def _lmdb_pass(root: Path, layout: KVLayout, metas: list[BlockMeta], slab: torch.Tensor,
                batches: list[slice], durable: bool) -> dict[str, list[float]]:
     budget = len(metas) * (layout.bytes_per_block + 4096) * 2
-    times: dict[str, list[float]] = {"write": [], "read": [], "write_faults": [],
-                                     "read_faults": []}
+    times = _new_times()
     with DiskTier(root, layout, budget, durable=durable) as tier:
         for batch in batches:
-            faults = _minor_faults()
-            start = time.perf_counter()
-            stored = tier.put(metas[batch], list(slab[batch]))
-            times["write"].append(time.perf_counter() - start)
-            times["write_faults"].append(_minor_faults() - faults)
+            with _measured(times, "write"):
+                stored = tier.put(metas[batch], list(slab[batch]))
             assert stored == batch.stop - batch.start, "the bench budget must hold every block"
         slab.zero_()
         for batch in batches:
-            faults = _minor_faults()
-            start = time.perf_counter()
-            found = tier.get_many_into(metas[batch], list(slab[batch]))
-            times["read"].append(time.perf_counter() - start)
-            times["read_faults"].append(_minor_faults() - faults)
+            with _measured(times, "read"):
+                found = tier.get_many_into(metas[batch], list(slab[batch]))
             assert all(found), "a block written by the bench was not read back"
     return times
 
@@ -84,29 +94,22 @@ def _file_pass(root: Path, slab: torch.Tensor, batches: list[slice],
                durable: bool) -> dict[str, list[float]]:
     path = root / "blocks.bin"
     array = slab.numpy()  # [num_blocks, bytes_per_block]
-    times: dict[str, list[float]] = {"write": [], "read": [], "write_faults": [],
-                                     "read_faults": []}
+    times = _new_times()
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "r+b", buffering=0, closefd=False) as out:
             for batch in batches:
-                faults = _minor_faults()
-                start = time.perf_counter()
-                for row in array[batch]:
-                    out.write(row)
-                if durable:
-                    os.fdatasync(fd)
-                times["write"].append(time.perf_counter() - start)
-                times["write_faults"].append(_minor_faults() - faults)
+                with _measured(times, "write"):
+                    for row in array[batch]:
+                        out.write(row)
+                    if durable:
+                        os.fdatasync(fd)
             slab.zero_()
             out.seek(0)
             for batch in batches:
-                faults = _minor_faults()
-                start = time.perf_counter()
-                for row in array[batch]:
-                    out.readinto(row)
-                times["read"].append(time.perf_counter() - start)
-                times["read_faults"].append(_minor_faults() - faults)
+                with _measured(times, "read"):
+                    for row in array[batch]:
+                        out.readinto(row)
     finally:
         os.close(fd)
     return times
@@ -142,7 +145,7 @@ def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike
     totals: dict[str, dict[str, list[float]]] = {
         path: {"write": [], "read": []} for path in ("lmdb", "file")}
     pooled: dict[str, dict[str, list[float]]] = {
-        path: {"write": [], "read": [], "write_faults": [], "read_faults": []}
+        path: _new_times()
         for path in ("lmdb", "file")}
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=tmpdir))
     try:
