@@ -144,9 +144,7 @@ def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike
     num_bytes = num_blocks * layout.bytes_per_block
     totals: dict[str, dict[str, list[float]]] = {
         path: {"write": [], "read": []} for path in ("lmdb", "file")}
-    pooled: dict[str, dict[str, list[float]]] = {
-        path: _new_times()
-        for path in ("lmdb", "file")}
+    pooled = {path: _new_times() for path in ("lmdb", "file")}
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=tmpdir))
     try:
         for repeat in range(repeats):

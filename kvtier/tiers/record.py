@@ -143,10 +143,8 @@ def encode_header(meta: BlockMeta, layout: KVLayout, payload_len: int, checksum:
 
     Raises ValueError for token ids outside [0, 2**32) or too many tokens.
     """
-    token_bytes = encode_token_ids(meta.token_ids)
+    token_bytes = _token_bytes(meta)
     num_tokens = len(token_bytes) // 4
-    if num_tokens > _MAX_TOKENS:
-        raise ValueError(f"a block holds at most {_MAX_TOKENS} tokens, got {num_tokens}")
     head = b"".join((
         _FIXED.pack(MAGIC, RECORD_VERSION, layout.fingerprint(), len(meta.parent_hash), 0,
                     num_tokens, payload_len, checksum),
@@ -161,10 +159,17 @@ def record_size(meta: BlockMeta, payload_len: int) -> int:
 
     Raises ValueError like `encode_header`.
     """
-    num_tokens = len(encode_token_ids(meta.token_ids)) // 4
-    if num_tokens > _MAX_TOKENS:
-        raise ValueError(f"a block holds at most {_MAX_TOKENS} tokens, got {num_tokens}")
-    return _FIXED.size + len(meta.parent_hash) + 4 * num_tokens + _CHECKSUM.size + payload_len
+    return (_FIXED.size + len(meta.parent_hash) + len(_token_bytes(meta)) + _CHECKSUM.size
+            + payload_len)
+
+
+def _token_bytes(meta: BlockMeta) -> bytes:
+    """`meta`'s token ids as LE uint32; ValueError for ids outside [0, 2**32) or too many."""
+    token_bytes = encode_token_ids(meta.token_ids)
+    if len(token_bytes) // 4 > _MAX_TOKENS:
+        raise ValueError(f"a block holds at most {_MAX_TOKENS} tokens, "
+                         f"got {len(token_bytes) // 4}")
+    return token_bytes
 
 
 def assemble_record(meta: BlockMeta, layout: KVLayout, payload, out) -> memoryview:
