@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from kvtier.cli.common import print_json, print_table
+from kvtier.engine.engine_config import default_disk_cache_dir
 
-from cli.common import print_json, print_table
-from engine.engine_config import default_disk_cache_dir
 from kvtier.tiers import disk_admin
 
 GIB = 1 << 30

@@ -21,17 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from kvtier.cli.common import print_json, print_table
+from kvtier.cli.docs_corpus import CORPUS, Document
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.llm import resolve_device
+from kvtier.engine.loader import load_model
+from kvtier.engine.paths import cache_dir
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli.common import print_json, print_table
-from cli.docs_corpus import CORPUS, Document
-from engine import LLM, SamplingParams
-from engine.llm import resolve_device
-from engine.loader import load_model
-from engine.paths import cache_dir
 from kvtier.stats import Direction, ManagerStats, Tier
 from kvtier.tiers import disk_admin
 

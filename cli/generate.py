@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from kvtier.cli.common import print_json, print_table
+from kvtier.engine.engine_config import EngineConfig
+from kvtier.engine.llm import LLM, resolve_device
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.sampler import SamplingParams
 
-from cli.common import print_json, print_table
-from engine.engine_config import EngineConfig
-from engine.llm import LLM, resolve_device
-from engine.outputs import RequestOutput
-from engine.sampler import SamplingParams
 from kvtier.layout import parse_dtype
 from kvtier.stats import ManagerStats
 

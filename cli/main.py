@@ -13,14 +13,13 @@ import platform
 from typing import Any
 
 import typer
-
-from cli import cache, demo
-from cli.allocator import tune_malloc
-from cli.bench import commands as bench_commands
-from cli.bench import pool as bench_pool
-from cli.bench import roundtrip as bench_roundtrip
-from cli.bench import tiers as bench_tiers
-from cli.common import KvtierGroup, print_json, print_table
+from kvtier.cli import cache, demo
+from kvtier.cli.allocator import tune_malloc
+from kvtier.cli.bench import commands as bench_commands
+from kvtier.cli.bench import pool as bench_pool
+from kvtier.cli.bench import roundtrip as bench_roundtrip
+from kvtier.cli.bench import tiers as bench_tiers
+from kvtier.cli.common import KvtierGroup, print_json, print_table
 
 #: Distributions whose versions `kvtier info` reports, in this order.
 _REPORTED_PACKAGES = ("torch", "triton", "transformers", "lmdb", "xxhash")
@@ -81,8 +80,7 @@ def _flash_attn_status() -> dict[str, Any]:
 def collect_info() -> dict[str, Any]:
     """Versions, CUDA devices, optional backends and the default cache directory."""
     import torch
-
-    from engine.paths import cache_dir  # the engine's own resolution, so both always agree
+    from kvtier.engine.paths import cache_dir  # the engine's own resolution, so both always agree
 
     devices = []
     if torch.cuda.is_available():
@@ -127,7 +125,7 @@ def _register() -> None:
     """Attach every command to the app: the single place where commands are added."""
     app.command("info")(info)
     app.command("demo")(demo.demo)
-    app.command("generate")(importlib.import_module("cli.generate").generate)
+    app.command("generate")(importlib.import_module("kvtier.cli.generate").generate)
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
     bench_app.command("serve")(bench_commands.serve)
@@ -135,7 +133,7 @@ def _register() -> None:
     bench_app.command("swap")(bench_commands.swap)
     bench_app.command("tiers")(bench_tiers.tiers)
     bench_app.command("roundtrip")(bench_roundtrip.roundtrip)
-    bench_app.command("soak")(importlib.import_module("cli.bench.soak").soak)
+    bench_app.command("soak")(importlib.import_module("kvtier.cli.bench.soak").soak)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
     for name, command in (("stats", cache.stats), ("inspect", cache.inspect),

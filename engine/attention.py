@@ -96,15 +96,15 @@ def select_backend(device: torch.device | str, block_size: int, requested: str =
 def _backend_functions(backend: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
     """(store_kv, paged_attention) of a backend, imported on first use."""
     if backend == "torch":
-        reference = importlib.import_module("kernels.reference")
+        reference = importlib.import_module("kvtier.kernels.reference")
         return reference.store_kv, reference.paged_attention
     if backend == "triton":
-        store = importlib.import_module("kernels.store_kv")
-        attend = importlib.import_module("kernels.paged_attention")
+        store = importlib.import_module("kvtier.kernels.store_kv")
+        attend = importlib.import_module("kvtier.kernels.paged_attention")
         return store.store_kv, attend.paged_attention
     if backend == "flash":
-        store = importlib.import_module("kernels.store_kv")
-        flash = importlib.import_module("kernels.flash_backend")
+        store = importlib.import_module("kvtier.kernels.store_kv")
+        flash = importlib.import_module("kvtier.kernels.flash_backend")
         return store.store_kv, flash.paged_attention
     raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTN_BACKENDS}")
 

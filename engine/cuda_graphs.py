@@ -24,9 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-from engine.attention import AttentionMetadata
-from engine.scheduler import ScheduledRequest
+from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.scheduler import ScheduledRequest
 
 #: Batch sizes a graph is recorded for; a decode batch is padded to the next one.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -10,8 +10,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import paths
-from engine.attention import ATTN_BACKENDS as _BACKENDS
+from kvtier.engine import paths
+from kvtier.engine.attention import ATTN_BACKENDS as _BACKENDS
+
 from kvtier.hashing import HASH_ALGORITHMS
 
 ATTN_BACKENDS = ("auto", *_BACKENDS)

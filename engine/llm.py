@@ -1,6 +1,6 @@
 """The library API: `LLM(model=...)`, `generate(prompts, params)`, and a step-wise interface.
 
-    from engine import LLM, SamplingParams
+    from kvtier.engine import LLM, SamplingParams
     with LLM("smollm2-135m", device="cpu", disk_cache=False) as llm:
         outputs = llm.generate(["Hello!"], SamplingParams(max_tokens=16))
 
@@ -18,15 +18,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from kvtier.engine.attention import select_backend
+from kvtier.engine.engine_config import EngineConfig, default_disk_cache_dir
+from kvtier.engine.loader import LoadedModel, load_model, resolve_device_dtype
+from kvtier.engine.model_runner import ModelRunner
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.request import Request, RequestId, check_token_ids
+from kvtier.engine.sampler import SamplingParams, sample
+from kvtier.engine.scheduler import Scheduler
 
-from engine.attention import select_backend
-from engine.engine_config import EngineConfig, default_disk_cache_dir
-from engine.loader import LoadedModel, load_model, resolve_device_dtype
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestId, check_token_ids
-from engine.sampler import SamplingParams, sample
-from engine.scheduler import Scheduler
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.layout import KVLayout

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 import xxhash
+from kvtier.engine import paths
+from kvtier.engine.attention import select_backend
+from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, named_config
+from kvtier.engine.models.llama import LlamaForCausalLM
 
-from engine import paths
-from engine.attention import select_backend
-from engine.config import NAMED_CONFIGS, ModelConfig, named_config
-from engine.models.llama import LlamaForCausalLM
 from kvtier.layout import dtype_name, parse_dtype
 
 SMOLLM2_ALIAS = "smollm2-135m"

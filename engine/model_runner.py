@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from engine.attention import AttentionMetadata
-from engine.cuda_graphs import DecodeGraphs
-from engine.scheduler import ScheduledRequest
+from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.cuda_graphs import DecodeGraphs
+from kvtier.engine.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True, slots=True)

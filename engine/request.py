@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from engine.outputs import RequestMetrics
+from kvtier.engine.outputs import RequestMetrics
+
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash, BlockHasher
 

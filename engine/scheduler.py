@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import Request, RequestId, RequestStatus
+from kvtier.engine.request import Request, RequestId, RequestStatus
+
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
 from kvtier.tiers.record import BlockMeta

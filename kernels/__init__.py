@@ -6,15 +6,15 @@ version in `kernels.reference`, which is the CPU path and the ground truth in te
 Only torch and triton are imported.
 """
 
-from kernels import reference
-from kernels.copy_blocks import copy_blocks
-from kernels.flash_backend import flash_available
-from kernels.flash_backend import paged_attention as flash_paged_attention
-from kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
-from kernels.paged_attention import paged_attention
-from kernels.paged_decode import AttentionConfig
-from kernels.store_kv import store_kv
-from kernels.swap_blocks import SWAP_METHODS, swap_blocks
+from kvtier.kernels import reference
+from kvtier.kernels.copy_blocks import copy_blocks
+from kvtier.kernels.flash_backend import flash_available
+from kvtier.kernels.flash_backend import paged_attention as flash_paged_attention
+from kvtier.kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
+from kvtier.kernels.paged_attention import paged_attention
+from kvtier.kernels.paged_decode import AttentionConfig
+from kvtier.kernels.store_kv import store_kv
+from kvtier.kernels.swap_blocks import SWAP_METHODS, swap_blocks
 
 __all__ = [
     "SWAP_METHODS",

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels import _checks
+from kvtier.kernels import _checks
 
 #: Words one program copies per inner step (8 KiB of int64), and per program in total.
 TILE_WORDS = 1024

@@ -11,8 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
-from kernels import _checks
+from kvtier.kernels import _checks
 
 #: flash-attn 2 pages must hold a multiple of this many tokens.
 FLASH_BLOCK_MULTIPLE = 256

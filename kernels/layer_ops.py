@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels import _checks
+from kvtier.kernels import _checks
 
 #: Largest hidden size one rms_norm program holds in registers (a whole row per program).
 _MAX_HIDDEN = 32768

@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels import _checks
-from kernels.paged_decode import AttentionConfig, pick_config, reduce_splits
+from kvtier.kernels import _checks
+from kvtier.kernels.paged_decode import AttentionConfig, pick_config, reduce_splits
 
 _LOG2E = 1.4426950408889634
 

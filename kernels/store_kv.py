@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels import _checks
+from kvtier.kernels import _checks
 
 #: Elements of one program's K (and of its V) tile; beyond this the heads are split over
 #: more programs so each stays a few KiB.

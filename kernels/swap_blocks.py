@@ -20,10 +20,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from kernels import _checks
-from kernels._memcpy_batch import memcpy_batch
-from kernels.copy_blocks import launch_block_copy
+from kvtier.kernels import _checks
+from kvtier.kernels._memcpy_batch import memcpy_batch
+from kvtier.kernels.copy_blocks import launch_block_copy
 
 SWAP_METHODS = ("auto", "triton", "dma")
 #: What "auto" runs; chosen from the side-by-side measurement in docs/KERNELS.md.

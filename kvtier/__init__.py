@@ -2,39 +2,60 @@
 
 A block's bytes live on the GPU (`BlockPool`), in a pinned host slab and in an LMDB disk
 tier; block hashes chain their parents so equal hashes mean equal prefixes.
+
+Everything a user imports lives under this one name: the tiering library here, the
+embedded engine as `kvtier.engine`, the Triton kernels as `kvtier.kernels` and the command
+as `kvtier.cli`. The names below are imported on first use, so `import kvtier` (and
+`kvtier --version`) does not import torch.
 """
 
-from kvtier.block_pool import BlockPool, EvictionEvent, PoolStats
-from kvtier.free_queue import BlockId, KVCacheBlock
-from kvtier.hashing import (
-    DEFAULT_HASH_ALGORITHM,
-    HASH_ALGORITHMS,
-    BlockHash,
-    BlockHasher,
-    hash_block,
-    hash_blocks,
-    namespace_hash,
-)
-from kvtier.layout import KVLayout
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-__all__ = [
-    "BlockHash", "BlockHasher", "BlockId", "BlockPool", "DEFAULT_HASH_ALGORITHM",
-    "EvictionEvent", "HASH_ALGORITHMS", "KVCacheBlock", "KVLayout", "PoolStats",
-    "hash_block", "hash_blocks", "namespace_hash", "__version__",
-]
+# In a source checkout engine/, kernels/ and cli/ sit beside this folder; an installed wheel
+# places them inside it (pyproject's package-dir). Searching the checkout's root as well lets
+# a bare checkout run (`PYTHONPATH=. python -m kvtier.cli.main`) where no editable install
+# can be made, such as a machine without a package index.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_CHECKOUT, "engine", "__init__.py")) and _CHECKOUT not in __path__:
+    __path__.append(_CHECKOUT)
 
-# The tiers and the tier manager (GPU pool -> pinned host slab -> LMDB disk).
-from kvtier.config import TierConfig
-from kvtier.manager import LoadId, PrefixHit, TierManager
-from kvtier.stats import Direction, ManagerStats, Tier, TierStats, TransferStats
-from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
-from kvtier.tiers.host import HostTier, SlotId
-from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
+try:
+    __version__ = version("kvtier")
+except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+    __version__ = "0.0.0+source"
 
-__all__ += [
-    "Direction", "EvictionPolicy", "HostTier", "IOJob", "JobId", "LRUPolicy", "LoadId",
-    "ManagerStats", "PrefixHit", "SlotId", "SwapJob", "Tier", "TierConfig", "TierManager",
-    "TierStats", "TransferEngine", "TransferStats",
-]
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "BlockPool": "kvtier.block_pool", "EvictionEvent": "kvtier.block_pool",
+    "PoolStats": "kvtier.block_pool",
+    "BlockId": "kvtier.free_queue", "KVCacheBlock": "kvtier.free_queue",
+    "DEFAULT_HASH_ALGORITHM": "kvtier.hashing", "HASH_ALGORITHMS": "kvtier.hashing",
+    "BlockHash": "kvtier.hashing", "BlockHasher": "kvtier.hashing",
+    "hash_block": "kvtier.hashing", "hash_blocks": "kvtier.hashing",
+    "namespace_hash": "kvtier.hashing",
+    "KVLayout": "kvtier.layout",
+    "TierConfig": "kvtier.config",
+    "LoadId": "kvtier.manager", "PrefixHit": "kvtier.manager", "TierManager": "kvtier.manager",
+    "Direction": "kvtier.stats", "ManagerStats": "kvtier.stats", "Tier": "kvtier.stats",
+    "TierStats": "kvtier.stats", "TransferStats": "kvtier.stats",
+    "EvictionPolicy": "kvtier.tiers.eviction", "LRUPolicy": "kvtier.tiers.eviction",
+    "HostTier": "kvtier.tiers.host", "SlotId": "kvtier.tiers.host",
+    "IOJob": "kvtier.transfer", "JobId": "kvtier.transfer", "SwapJob": "kvtier.transfer",
+    "TransferEngine": "kvtier.transfer",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

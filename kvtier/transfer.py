@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NewType
 
 import torch
 
-from kernels import swap_blocks
+from kvtier.kernels import swap_blocks
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
 
 if TYPE_CHECKING:

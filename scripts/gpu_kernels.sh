@@ -18,7 +18,7 @@ fi
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     $PY -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-    $PY -c "from kernels._memcpy_batch import memcpy_batch; import torch; torch.zeros(1, device='cuda'); b = memcpy_batch(); print('cudaMemcpyBatchAsync runtime:', b and b.runtime_version)"
+    $PY -c "from kvtier.kernels._memcpy_batch import memcpy_batch; import torch; torch.zeros(1, device='cuda'); b = memcpy_batch(); print('cudaMemcpyBatchAsync runtime:', b and b.runtime_version)"
 } 2>&1 | tee "$OUT_DIR/env.log"
 
 echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
@@ -29,11 +29,11 @@ timeout "${TEST_TIMEOUT:-140}" $PY -m pytest -q -p no:cacheprovider --noconftest
     --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee -a "$OUT_DIR/gpu_tests.log"
 
 echo "== swap benchmark" | tee "$OUT_DIR/bench_swap.log"
-timeout "${SWAP_BENCH_TIMEOUT:-55}" $PY -m cli.bench.swap --json "$OUT_DIR/bench_swap.json" 2>&1 \
+timeout "${SWAP_BENCH_TIMEOUT:-55}" $PY -m kvtier.cli.bench.swap --json "$OUT_DIR/bench_swap.json" 2>&1 \
     | tee -a "$OUT_DIR/bench_swap.log"
 
 echo "== kernel benchmarks" | tee "$OUT_DIR/bench_kernels.log"
 SWEEP_FLAG=""
 if [ "${SWEEP:-0}" != "0" ]; then SWEEP_FLAG="--sweep"; fi
-timeout "${KERNEL_BENCH_TIMEOUT:-140}" $PY -m cli.bench.kernels --json "$OUT_DIR/bench_kernels.json" \
+timeout "${KERNEL_BENCH_TIMEOUT:-140}" $PY -m kvtier.cli.bench.kernels --json "$OUT_DIR/bench_kernels.json" \
     $SWEEP_FLAG 2>&1 | tee -a "$OUT_DIR/bench_kernels.log"

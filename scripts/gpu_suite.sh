@@ -18,7 +18,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES=${STAGES:-"tests roundtrip swap longctx serve"}
 SMOKE=${SMOKE:-0}
-KV="$PY -m cli.main"
+KV="$PY -m kvtier.cli.main"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT_DIR/env.log"
 $PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT_DIR/env.log"
@@ -33,7 +33,7 @@ fi
 if stage roundtrip; then
     MIB=1024; [ "$SMOKE" = 1 ] && MIB=64
     echo "== roundtrip" | tee "$OUT_DIR/roundtrip.log"
-    timeout 150 $PY -m cli.bench.roundtrip --total-mib $MIB --json > "$OUT_DIR/roundtrip.json" \
+    timeout 150 $PY -m kvtier.cli.bench.roundtrip --total-mib $MIB --json > "$OUT_DIR/roundtrip.json" \
         2>>"$OUT_DIR/roundtrip.log"; tail -c 1500 "$OUT_DIR/roundtrip.json"
 fi
 if stage swap; then

@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from kvtier.cli.bench.kernels import run_kernel_bench
+from kvtier.cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
+from kvtier.cli.bench.serve import MODES as SERVE_MODES
+from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
+from kvtier.cli.bench.swap import run_swap_bench
+from kvtier.cli.common import print_json, print_table
+from kvtier.cli.plot import plot_longctx
 from rich.console import Console
-
-from cli.bench.kernels import run_kernel_bench
-from cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
-from cli.bench.serve import MODES as SERVE_MODES
-from cli.bench.serve import ServeConfig, run_serve_bench
-from cli.bench.swap import run_swap_bench
-from cli.common import print_json, print_table
-from cli.plot import plot_longctx
 
 _JSON_HELP = "Print the result as one JSON object instead of a table."
 

@@ -8,7 +8,7 @@ contiguous KV (reported against SDPA's default dispatch and its fastest backend,
 replayed from CUDA graphs), paged prefill <= 1.5x SDPA's flash backend (and the fastest),
 store_kv >= 0.8x the bandwidth of a device-to-device copy of the bytes it writes.
 
-    python -m cli.bench.kernels [--json out.json] [--sweep] [--quick]
+    python -m kvtier.cli.bench.kernels [--json out.json] [--sweep] [--quick]
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-
-from kernels import AttentionConfig, paged_attention, store_kv
-from kernels.paged_decode import pick_config
+from kvtier.kernels import AttentionConfig, paged_attention, store_kv
+from kvtier.kernels.paged_decode import pick_config
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 8, 128, 16
 DTYPE = torch.bfloat16

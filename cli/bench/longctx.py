@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvtier.engine import LLM, RequestOutput, SamplingParams
+from kvtier.engine.llm import resolve_device
+from kvtier.engine.loader import LoadedModel, load_model
 
-from engine import LLM, RequestOutput, SamplingParams
-from engine.llm import resolve_device
-from engine.loader import LoadedModel, load_model
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction, ManagerStats
 

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import typer
+from kvtier.cli.common import print_json, print_table
 
-from cli.common import print_json, print_table
 from kvtier.block_pool import BlockPool
 from kvtier.hashing import HASH_ALGORITHMS, BlockHash, hash_blocks, namespace_hash
 from kvtier.layout import KVLayout

@@ -13,7 +13,7 @@ second manager with the host tier off on it, and restores every block disk -> st
 device. Figures are medians over `repeats`. On a CPU the "GPU" is a CPU tensor; use small
 sizes there (a smoke run).
 
-    python -m cli.bench.roundtrip [--total-mib 1024] [--repeats 5] [--json]
+    python -m kvtier.cli.bench.roundtrip [--total-mib 1024] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 import typer
+from kvtier.cli.common import print_json, print_table
 
-from cli.common import print_json, print_table
 from kvtier.config import DEFAULT_IO_THREADS, TierConfig
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout, parse_dtype

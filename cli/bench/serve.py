@@ -26,10 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from cli.bench.longctx import free_engine_memory, load_for_bench, summarize
-from engine import LLM, RequestOutput, SamplingParams
-from engine.loader import LoadedModel
+from kvtier.cli.bench.longctx import free_engine_memory, load_for_bench, summarize
+from kvtier.engine import LLM, RequestOutput, SamplingParams
+from kvtier.engine.loader import LoadedModel
 
 MODES = ("off", "host", "host_disk")
 GIB = 1 << 30

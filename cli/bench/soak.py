@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 import typer
+from kvtier.cli.common import print_json, print_table
+from kvtier.engine import LLM, RequestOutput, SamplingParams
+from kvtier.engine.loader import LoadedModel, load_model
 
-from cli.common import print_json, print_table
-from engine import LLM, RequestOutput, SamplingParams
-from engine.loader import LoadedModel, load_model
 from kvtier.stats import Direction, ManagerStats, Tier
 
 Progress = Callable[[str], None]

@@ -13,7 +13,7 @@ memcpy call) the same run measures:
 
 Times are medians of CUDA-event measurements over `repeats` runs.
 
-    python -m cli.bench.swap [--json out.json] [--blocks 512] [--repeats 9]
+    python -m kvtier.cli.bench.swap [--json out.json] [--blocks 512] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ import statistics
 from collections.abc import Callable
 
 import torch
-
-from kernels import swap_blocks
-from kernels._memcpy_batch import memcpy_batch
-from kernels.swap_blocks import _swap_dma
+from kvtier.kernels import swap_blocks
+from kvtier.kernels._memcpy_batch import memcpy_batch
+from kvtier.kernels.swap_blocks import _swap_dma
 
 BLOCK_SHAPE = (32, 2, 16, 8, 128)
 DTYPE = torch.bfloat16

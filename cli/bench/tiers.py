@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import typer
+from kvtier.cli.common import print_json, print_table
 
-from cli.common import print_json, print_table
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout, parse_dtype
 from kvtier.tiers.disk import DiskTier
@@ -216,7 +216,7 @@ def tiers(
 
 
 def main() -> None:
-    """Run the bench as a script: `python -m cli.bench.tiers --help`."""
+    """Run the bench as a script: `python -m kvtier.cli.bench.tiers --help`."""
     typer.run(tiers)
 
 

@@ -2,6 +2,6 @@
 qwen2, qwen3) runs on the one Llama-style decoder; `engine.config.ModelConfig` says which
 options (qkv bias, q/k norm, tied embeddings, rope scaling) a model uses."""
 
-from engine.models.llama import LlamaForCausalLM
+from kvtier.engine.models.llama import LlamaForCausalLM
 
 __all__ = ["LlamaForCausalLM"]

@@ -23,11 +23,11 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from kvtier.engine.attention import AttentionMetadata, PagedAttention
+from kvtier.engine.config import ModelConfig, RopeScaling
 from torch import nn
 
-import kernels
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.config import ModelConfig, RopeScaling
+from kvtier import kernels
 from kvtier.device_cache import layer_views
 
 

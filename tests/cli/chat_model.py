@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 import transformers
+from kvtier.engine.config import named_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-from engine.config import named_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")

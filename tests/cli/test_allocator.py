@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # prints the minor page faults that took; argv[1] says whether to tune first.
 _CHURN = """
 import resource, sys
-from cli.allocator import tune_malloc
+from kvtier.cli.allocator import tune_malloc
 applied = tune_malloc() if sys.argv[1] == "tune" else False
 blocks = [bytearray(2 << 20) for _ in range(16)]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -4,7 +4,7 @@ never a traceback.
 
 CLI cases run through CliRunner on a tiny random Llama saved with a byte-level tokenizer
 and a chat template (so text prompts work and a prompt can outgrow its 1024-token
-context); one case runs `python -m cli.main` in a real subprocess.
+context); one case runs `python -m kvtier.cli.main` in a real subprocess.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.cli.main import app
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.loader import load_model
 from typer.testing import CliRunner
 
-from cli.main import app
-from engine import LLM, SamplingParams
-from engine.loader import load_model
 from kvtier.config import TierConfig
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
@@ -216,7 +216,7 @@ def test_commands_reject(case, paths):
 
 def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path, private_cache_dir):
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "generate", "hi", "--model", "random:tiny-llama",
+        [sys.executable, "-m", "kvtier.cli.main", "generate", "hi", "--model", "random:tiny-llama",
          "--device", "cpu", "--block-size", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False,
         env=dict(os.environ, KVTIER_CACHE_DIR=str(private_cache_dir)))

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.cli.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvtier.stats import Direction
 
 TINY = ["--model", "random:tiny-llama", "--device", "cpu"]

@@ -9,9 +9,9 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from kvtier.cli.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier

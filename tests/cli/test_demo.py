@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from kvtier.cli.demo import FULL_PLAN, QUICK_PLAN, plan_turns
+from kvtier.cli.docs_corpus import CORPUS
+from kvtier.cli.main import app
 from typer.testing import CliRunner
-
-from cli.demo import FULL_PLAN, QUICK_PLAN, plan_turns
-from cli.docs_corpus import CORPUS
-from cli.main import app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +56,7 @@ def test_a_model_without_tokenizer_is_a_one_line_error(tmp_path, monkeypatch):
 
 def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "COLUMNS": "120"}
-    return subprocess.run([sys.executable, "-m", "cli.main", "demo", "--quick", *args],
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "demo", "--quick", *args],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
                           check=False)
 

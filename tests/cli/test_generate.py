@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import transformers
+from kvtier.cli.main import app
+from kvtier.engine import LLM, SamplingParams
 from typer.testing import CliRunner
 
-from cli.main import app
-from engine import LLM, SamplingParams
 from tests.cli.chat_model import save_chat_model
 
 

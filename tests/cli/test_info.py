@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.cli.main import app
 from typer.testing import CliRunner
 
 import kvtier
-from cli.main import app
 
 # A trace small enough to replay in well under a second.
 TINY_BENCH = ["bench", "pool", "--num-requests", "30", "--prefix-len", "64",
@@ -104,7 +104,7 @@ def test_debug_lets_the_exception_through(runner):
 
 def _kvtier_command() -> list[str]:
     script = Path(sys.executable).parent / "kvtier"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cli.main"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvtier.cli.main"]
 
 
 def test_installed_command_runs_in_a_subprocess():

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.loader import LoadedModel, load_model
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.loader import LoadedModel, load_model
 from kvtier.device_cache import allocate_kv_cache
 
 

@@ -12,12 +12,11 @@ import os
 
 import pytest
 import torch
-
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import BATCH_BUCKETS, decode_buckets
-from engine.engine_config import EngineConfig
-from engine.loader import LoadedModel, load_model
-from kernels import AttentionConfig, paged_attention, reference
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.cuda_graphs import BATCH_BUCKETS, decode_buckets
+from kvtier.engine.engine_config import EngineConfig
+from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.kernels import AttentionConfig, paged_attention, reference
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.loader import LoadedModel, load_model
 
-from engine import LLM, SamplingParams
-from engine.loader import LoadedModel, load_model
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.stats import Tier
 from kvtier.tiers.disk import DiskTier

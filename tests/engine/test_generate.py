@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
-from engine import LLM, SamplingParams
-from engine.config import named_config
-from engine.loader import LoadedModel, converted_model_dir, load_model
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.config import named_config
+from kvtier.engine.loader import LoadedModel, converted_model_dir, load_model
 
 MAX_TOKENS = 6
 

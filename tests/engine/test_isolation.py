@@ -23,10 +23,10 @@ import lmdb
 import pytest
 import torch
 import transformers
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.config import named_config
+from kvtier.engine.loader import LoadedModel, load_model
 
-from engine import LLM, SamplingParams
-from engine.config import named_config
-from engine.loader import LoadedModel, load_model
 from kvtier.stats import Tier
 
 MAX_TOKENS = 5

@@ -9,18 +9,17 @@ import stat
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-
-from engine import paths
-from engine.config import named_config
-from engine.loader import (
+from kvtier.engine import paths
+from kvtier.engine.config import named_config
+from kvtier.engine.loader import (
     SMOLLM2_ALIAS,
     converted_model_dir,
     load_model,
     resolve_device_dtype,
     smollm2_gguf_path,
 )
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -14,12 +14,12 @@ import types
 import pytest
 import torch
 import transformers
+from kvtier.engine.attention import AttentionMetadata, PagedAttention, select_backend
+from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, RopeScaling, named_config
+from kvtier.engine.loader import LoadedModel, converted_model_dir, load_model
+from kvtier.engine.models.llama import rope_inv_freq
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata, PagedAttention, select_backend
-from engine.config import NAMED_CONFIGS, ModelConfig, RopeScaling, named_config
-from engine.loader import LoadedModel, converted_model_dir, load_model
-from engine.models.llama import rope_inv_freq
 from kvtier.device_cache import allocate_kv_cache, layer_views
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.request import Request, RequestId, RequestStatus, check_token_ids
 
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestId, RequestStatus, check_token_ids
 from kvtier.hashing import BlockHasher, hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.loader import LoadedModel, converted_model_dir
 
-from engine import LLM, SamplingParams
-from engine.loader import LoadedModel, converted_model_dir
 from kvtier.stats import Direction, Tier
 
 MAX_TOKENS = 6
@@ -120,7 +120,7 @@ def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,
     prompt_file.write_text(json.dumps(texts))
     env = dict(os.environ, KVTIER_CACHE_DIR=str(kvtier_cache_dir))
     result = subprocess.run(
-        [sys.executable, "-m", "cli.main", "generate", "--prompt-file", str(prompt_file),
+        [sys.executable, "-m", "kvtier.cli.main", "generate", "--prompt-file", str(prompt_file),
          "--device", "cpu", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
          "--gpu-blocks", "200", "--host-cache-gb", "0.25", "--disk-cache", str(disk_dir),
          "--json"],

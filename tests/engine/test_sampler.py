@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.sampler import SamplingParams, make_generator, sample
+from kvtier.engine.sampler import SamplingParams, make_generator, sample
 
 NUM_DRAWS = 4000
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvtier.engine.request import Request, RequestId, RequestStatus
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 
-from engine.request import Request, RequestId, RequestStatus
-from engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.layout import KVLayout

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvtier.cli.bench.soak import SoakConfig, run_soak
+from kvtier.cli.main import app
 from typer.testing import CliRunner
 
-from cli.bench.soak import SoakConfig, run_soak
-from cli.main import app
 from kvtier.manager import TierManager
 from kvtier.transfer import TransferEngine
 

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from kernels import reference
+from kvtier.kernels import reference
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import kernel_cases as cases
 import pytest
 import torch
-
-from kernels import copy_blocks, reference, swap_blocks
-from kernels.copy_blocks import launch_block_copy
-from kernels.swap_blocks import coalesce_runs
+from kvtier.kernels import copy_blocks, reference, swap_blocks
+from kvtier.kernels.copy_blocks import launch_block_copy
+from kvtier.kernels.swap_blocks import coalesce_runs
 
 # [num_layers, 2, block_size, kv_heads, head_dim] with an odd element count, so float16
 # blocks are 2-byte words only and the last chunk of a block is partial.

@@ -7,8 +7,7 @@ import importlib.util
 import kernel_cases as cases
 import pytest
 import torch
-
-from kernels import flash_available, flash_paged_attention, reference
+from kvtier.kernels import flash_available, flash_paged_attention, reference
 
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
 

@@ -11,8 +11,7 @@ import kernel_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
-
-from kernels import reference, rms_norm, rotary_embedding_, silu_and_mul
+from kvtier.kernels import reference, rms_norm, rotary_embedding_, silu_and_mul
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-5
@@ -137,7 +136,7 @@ def packed_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int
 def model_layers():
     """engine.models.llama, imported only where compared against: the GPU test run has the
     kernels' dependencies (torch, triton) but maybe not the engine's (lmdb, xxhash)."""
-    return pytest.importorskip("engine.models.llama")
+    return pytest.importorskip("kvtier.engine.models.llama")
 
 
 def rope_cache(head_dim: int, max_position: int, dtype: torch.dtype, device: str,

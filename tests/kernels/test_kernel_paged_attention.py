@@ -9,9 +9,8 @@ from __future__ import annotations
 import kernel_cases as cases
 import pytest
 import torch
-
-from kernels import AttentionConfig, paged_attention, reference
-from kernels.paged_decode import pick_config
+from kvtier.kernels import AttentionConfig, paged_attention, reference
+from kvtier.kernels.paged_decode import pick_config
 
 # Request 0: a whole odd-length prompt; 1: a chunk in the middle of a prompt; 2: a decode;
 # 3: padding; 4: a decode of a sequence that ends exactly on a block boundary.

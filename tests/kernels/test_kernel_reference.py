@@ -5,8 +5,7 @@ from __future__ import annotations
 import kernel_cases as cases
 import pytest
 import torch
-
-from kernels import reference
+from kvtier.kernels import reference
 
 
 def naive_attention(case: cases.AttentionCase, scale: float) -> list[torch.Tensor]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import kernel_cases as cases
 import pytest
 import torch
-
-from kernels import reference, store_kv
+from kvtier.kernels import reference, store_kv
 
 
 def check_store(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -139,7 +139,7 @@ def test_config_capacity_in_bytes_or_slots():
 # ---- the round-trip benchmark (cli/bench/roundtrip.py) on tiny sizes -----------------------
 
 def test_roundtrip_bench_smoke_run(tmp_path):
-    from cli.bench.roundtrip import run_roundtrip_bench
+    from kvtier.cli.bench.roundtrip import run_roundtrip_bench
 
     result = run_roundtrip_bench(total_mib=1, repeats=1, num_layers=2, num_kv_heads=2,
                                  head_dim=16, block_size=4, disk_dir=tmp_path, device="cpu")
