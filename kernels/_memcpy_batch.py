@@ -12,6 +12,8 @@ import ctypes
 import functools
 import os
 
+import numpy as np
+
 _SRC_ACCESS_ORDER_STREAM = 1
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 
@@ -37,19 +39,27 @@ class MemcpyBatch:
         self._attrs = _MemcpyAttributes(src_access_order=_SRC_ACCESS_ORDER_STREAM,
                                         flags=_FLAG_PREFER_OVERLAP_WITH_COMPUTE)
 
-    def copy(self, dsts: list[int], srcs: list[int], sizes: list[int],
+    def copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
              stream_handle: int) -> None:
+        """Enqueue `sizes[i]` bytes from address `srcs[i]` to `dsts[i]` on the stream.
+
+        dsts, srcs, sizes: [n] integer arrays (converted to uint64 without a Python loop).
+        Raises OSError on the legacy default stream (handle 0) or when the runtime rejects
+        the batch.
+        """
         count = len(sizes)
         assert len(dsts) == count and len(srcs) == count, "one dst and src per size"
         if count == 0:
             return
         if stream_handle == 0:
             raise OSError("cudaMemcpyBatchAsync cannot run on the legacy default stream")
-        dst_array = (ctypes.c_void_p * count)(*dsts)
-        src_array = (ctypes.c_void_p * count)(*srcs)
-        size_array = (ctypes.c_size_t * count)(*sizes)
+        # The runtime reads the three arrays during the call only.
+        dst_array = np.ascontiguousarray(dsts, dtype=np.uint64)
+        src_array = np.ascontiguousarray(srcs, dtype=np.uint64)
+        size_array = np.ascontiguousarray(sizes, dtype=np.uint64)
         attr_index = ctypes.c_size_t(0)
-        args = [dst_array, src_array, size_array, ctypes.c_size_t(count),
+        args = [ctypes.c_void_p(dst_array.ctypes.data), ctypes.c_void_p(src_array.ctypes.data),
+                ctypes.c_void_p(size_array.ctypes.data), ctypes.c_size_t(count),
                 ctypes.byref(self._attrs), ctypes.byref(attr_index), ctypes.c_size_t(1)]
         if self._with_fail_index:
             fail_index = ctypes.c_size_t(0)

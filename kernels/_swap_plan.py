@@ -1,0 +1,63 @@
+"""Copy plans for swap_blocks: block mapping rows -> runs of adjacent blocks, with numpy.
+
+Everything here is vectorised: planning a swap of thousands of blocks costs tens of
+microseconds of host time, not a Python step per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """Runs of blocks adjacent on both sides: `src[src_starts[i] + k] -> dst[dst_starts[i] + k]`
+    for k < lengths[i]. All three are [num_runs] int64 arrays."""
+
+    src_starts: np.ndarray
+    dst_starts: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.lengths.shape[0])
+
+
+def run_starts(ids: np.ndarray) -> np.ndarray:
+    """Indices i of `ids` ([n] int64) where a run of consecutive ids (ids[i] == ids[i-1] + 1
+    continues a run) begins; [num_runs] int64, empty for empty input."""
+    if ids.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    return np.concatenate(([0], breaks)).astype(np.int64)
+
+
+def coalesce(src_ids: np.ndarray, dst_ids: np.ndarray, src_dense: bool = True,
+             dst_dense: bool = True) -> Runs:
+    """Rows (src_ids[i], dst_ids[i]) ([n] int64 each) -> runs adjacent on both sides, sorted by
+    source. A side that is not dense (blocks spaced apart in memory) never forms runs."""
+    order = np.argsort(src_ids, kind="stable")
+    src, dst = src_ids[order], dst_ids[order]
+    if src.shape[0] == 0:
+        return Runs(src, dst, np.zeros(0, dtype=np.int64))
+    if not (src_dense and dst_dense):
+        return Runs(src, dst, np.ones(src.shape[0], dtype=np.int64))
+    adjacent = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    starts = np.concatenate(([0], np.flatnonzero(~adjacent) + 1)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [src.shape[0]])))
+    return Runs(src[starts], dst[starts], lengths)
+
+
+def split_even(lengths: np.ndarray, num_parts: int) -> list[slice]:
+    """Split runs ([num_runs] block counts) into at most `num_parts` consecutive slices of
+    about equal block counts; no slice is empty."""
+    if lengths.shape[0] == 0:
+        return []
+    ends = np.cumsum(lengths)
+    targets = ends[-1] * np.arange(1, num_parts) / num_parts
+    cuts = np.unique(np.searchsorted(ends, targets, side="left") + 1)
+    cuts = cuts[(cuts > 0) & (cuts < lengths.shape[0])]
+    bounds = [0, *cuts.tolist(), int(lengths.shape[0])]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
