@@ -1,48 +1,62 @@
 """swap_blocks: whole-block copies between GPU memory and pinned host memory.
 
-Two methods move the same bytes:
+Three methods move the same bytes:
 
-* "triton": `kernels.copy_blocks._copy_blocks_kernel` run with one side in pinned host
-  memory, which the GPU reads and writes directly through unified virtual addressing; many
-  programs per block keep enough PCIe requests in flight. It occupies SMs while it runs.
-* "dma": the copy engines. Mapping rows are sorted by source and runs of consecutive
-  (src, dst) indices become single copies; all runs go to the runtime in one
-  cudaMemcpyBatchAsync call when the runtime has it, else one `copy_(non_blocking=True)`
-  per run. The SMs stay free for the model.
+* "dma": the copy engines. Mapping rows are coalesced into runs of blocks adjacent on both
+  sides (numpy, no Python step per block), and all runs go to the runtime in one
+  cudaMemcpyBatchAsync call (one `copy_` per run without it). When the copies are small
+  (under `SMALL_COPY_BYTES` on average) the runs are split over `DMA_STREAMS` streams, which
+  the driver feeds to several copy engines. The SMs stay free for the model.
+* "staged": for small blocks scattered on the GPU but in runs in host memory (a host slab
+  whose slots were handed out in order). The GPU blocks are gathered by a device index copy
+  into a contiguous device staging buffer and each host run then moves as one DMA (and the
+  reverse: DMA into staging, then a device scatter). Staging is bounded (`staging_bytes`,
+  two halves used in turn, ordered with events), and the device copies run at HBM speed, a
+  few percent of the time the bus takes, on a high-priority side stream.
+* "triton": `kernels.copy_blocks._copy_blocks_kernel` with one side in pinned host memory,
+  reached through unified virtual addressing. It holds SMs for as long as the bus takes, so
+  a concurrent model slows down (docs/KERNELS.md); kept for comparison and the tests.
 
-"auto" is the method measured faster on the GPU (docs/KERNELS.md has the numbers).
-With both tensors on the CPU every method is a plain index copy, except "triton" under
-TRITON_INTERPRET=1, which runs the kernel in the interpreter (how the tests exercise it).
+"auto" picks per call from the plan: "dma" when its copies are large enough, "staged" when
+the host side's runs are much longer than the runs adjacent on both sides, else "dma" over
+several streams (docs/KERNELS.md has the measurements behind the thresholds).
+
+All work joins back into the caller's stream before the call returns, so an event recorded
+there afterwards fires only once every byte has landed. With both tensors on the CPU each
+method runs its own plan with plain tensor copies (how the tests exercise the planning),
+except "triton", which needs TRITON_INTERPRET=1 there.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 from kvtier.kernels import _checks
 from kvtier.kernels._memcpy_batch import memcpy_batch
-from kvtier.kernels.copy_blocks import launch_block_copy
+from kvtier.kernels._swap_plan import Runs, coalesce, run_starts, split_even
+from kvtier.kernels.copy_blocks import as_words, launch_block_copy, word_bytes_for
 
-SWAP_METHODS = ("auto", "triton", "dma")
-#: What "auto" runs; chosen from the side-by-side measurement in docs/KERNELS.md.
-AUTO_METHOD = "dma"
-#: Programs of the "triton" method per SM: a few PCIe requests in flight per SM saturate the
-#: link, and the rest of the GPU stays with the model (and a swap the other way).
+SWAP_METHODS = ("auto", "dma", "staged", "triton")
+#: Device staging memory of one "staged" call (two halves, used in turn).
+STAGING_BYTES = 64 << 20
+#: Mean bytes per DMA copy under which the copy engines fall short of the bus (measured).
+SMALL_COPY_BYTES = 1 << 20
+#: Streams a "dma" swap of small copies is spread over.
+DMA_STREAMS = 4
+#: "auto" stages when the host runs are at least this many times longer than the DMA runs.
+_STAGE_GAIN = 2
+#: Programs of the "triton" method per SM.
 _SWAP_PROGRAMS_PER_SM = 1
 
 
 def coalesce_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
     """Rows (src, dst) -> runs (src_start, dst_start, num_blocks), sorted by source."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs):
-        if runs:
-            src_start, dst_start, count = runs[-1]
-            if src == src_start + count and dst == dst_start + count:
-                runs[-1] = (src_start, dst_start, count + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
+    rows = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    runs = coalesce(rows[:, 0], rows[:, 1])
+    return list(zip(runs.src_starts.tolist(), runs.dst_starts.tolist(),
+                    runs.lengths.tolist()))
 
 
 def _dense(blocks: torch.Tensor) -> bool:
@@ -50,30 +64,164 @@ def _dense(blocks: torch.Tensor) -> bool:
     return blocks.shape[0] <= 1 or blocks.stride(0) == blocks[0].numel()
 
 
-def _swap_dma(src: torch.Tensor, dst: torch.Tensor, pairs: list[list[int]],
-              use_batch: bool) -> None:
-    """Copy engines on the current stream; see the module docstring."""
-    runs = coalesce_runs(pairs)
-    if not (_dense(src) and _dense(dst)):
-        runs = [(s + i, d + i, 1) for s, d, n in runs for i in range(n)]
-    binding = memcpy_batch() if use_batch else None
-    stream = torch.cuda.current_stream() if src.is_cuda or dst.is_cuda else None
+def _block_bytes(blocks: torch.Tensor) -> int:
+    return blocks[0].numel() * blocks.element_size()
+
+
+def _stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
+    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+
+def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
+    """Enqueue `runs` (src block -> dst block spans) on the current stream: one batched
+    runtime call on CUDA when available, else one `copy_` per run."""
+    if runs.num_runs == 0:
+        return
+    stream = _stream_of(src if src.is_cuda else dst)
+    binding = memcpy_batch() if stream is not None else None
     if binding is not None and stream is not None and stream.cuda_stream != 0:
-        block_bytes = src[0].numel() * src.element_size()
+        block_bytes = _block_bytes(src)
         src_stride = src.stride(0) * src.element_size()
         dst_stride = dst.stride(0) * dst.element_size()
-        binding.copy([dst.data_ptr() + d * dst_stride for _, d, _ in runs],
-                     [src.data_ptr() + s * src_stride for s, _, _ in runs],
-                     [n * block_bytes for _, _, n in runs], stream.cuda_stream)
+        binding.copy(dst.data_ptr() + runs.dst_starts.astype(np.uint64) * dst_stride,
+                     src.data_ptr() + runs.src_starts.astype(np.uint64) * src_stride,
+                     runs.lengths.astype(np.uint64) * block_bytes, stream.cuda_stream)
         return
-    for s, d, n in runs:
-        dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+    non_blocking = stream is not None
+    for s, d, n in zip(runs.src_starts.tolist(), runs.dst_starts.tolist(),
+                       runs.lengths.tolist()):
+        dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
+
+
+def _fork(stream: torch.cuda.Stream, num: int, priority: int = 0) -> list[torch.cuda.Stream]:
+    """`num` side streams (from torch's pool) that start after `stream`'s queued work."""
+    ready = torch.cuda.Event()
+    ready.record(stream)
+    sides = [torch.cuda.Stream(stream.device, priority=priority) for _ in range(num)]
+    for side in sides:
+        side.wait_event(ready)
+    return sides
+
+
+def _join(stream: torch.cuda.Stream, sides: list[torch.cuda.Stream]) -> None:
+    """Make `stream` wait for everything queued on `sides`."""
+    for side in sides:
+        done = torch.cuda.Event()
+        done.record(side)
+        stream.wait_event(done)
+
+
+def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
+    """Copy engines on the current stream (spread over side streams for small copies)."""
+    gpu = src if src.is_cuda else dst if dst.is_cuda else None
+    total = int(runs.lengths.sum()) * _block_bytes(src)
+    if gpu is None or runs.num_runs < 2 * DMA_STREAMS or total >= SMALL_COPY_BYTES * runs.num_runs:
+        _copy_runs(src, dst, runs)
+        return
+    stream = torch.cuda.current_stream(gpu.device)
+    parts = split_even(runs.lengths, DMA_STREAMS)
+    sides = _fork(stream, len(parts))
+    for side, part in zip(sides, parts):
+        with torch.cuda.stream(side):
+            _copy_runs(src, dst, Runs(runs.src_starts[part], runs.dst_starts[part],
+                                      runs.lengths[part]))
+    _join(stream, sides)
+
+
+def _far_runs(far_ids: np.ndarray, dense: bool, first_row: int) -> Runs:
+    """Runs of consecutive far-side ids in a sorted chunk, against staging rows from
+    `first_row`; as (far starts, staging starts, lengths)."""
+    starts = run_starts(far_ids) if dense else np.arange(far_ids.shape[0], dtype=np.int64)
+    lengths = np.diff(np.concatenate((starts, [far_ids.shape[0]]))).astype(np.int64)
+    return Runs(far_ids[starts], starts + first_row, lengths)
+
+
+def _swap_staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
+                 dst_ids: np.ndarray, staging_bytes: int, scatter: bool) -> None:
+    """Gather src's blocks into staging and DMA the runs of dst's ids (`scatter` False), or
+    DMA the runs of src's ids into staging and scatter into dst (True); see the module
+    docstring. The gathered or scattered side is the GPU one."""
+    near, far = (dst, src) if scatter else (src, dst)
+    near_ids, far_ids = (dst_ids, src_ids) if scatter else (src_ids, dst_ids)
+    order = np.argsort(far_ids, kind="stable")
+    near_ids, far_ids = near_ids[order], far_ids[order]
+    word = word_bytes_for(src, dst)
+    near_words, far_words = as_words(near, word), as_words(far, word)  # [n, words]
+    block_bytes = _block_bytes(src)
+    chunk = max(1, staging_bytes // 2 // block_bytes)  # blocks per staging half
+    num = near_ids.shape[0]
+    bounds = list(range(0, num, chunk))
+    far_dense = _dense(far)
+    stream = _stream_of(near)
+    if stream is None:  # CPU: the same plan, synchronously
+        staging = near_words.new_empty((min(chunk, num), near_words.shape[1]))
+        index = torch.from_numpy(near_ids)
+        for a in bounds:
+            b = min(a + chunk, num)
+            rows = staging[:b - a]
+            runs = _far_runs(far_ids[a:b], far_dense, 0)
+            if scatter:
+                _copy_runs(far_words, rows, runs)
+                near_words.index_copy_(0, index[a:b], rows)
+            else:
+                torch.index_select(near_words, 0, index[a:b], out=rows)
+                _copy_runs(rows, far_words, Runs(runs.dst_starts, runs.src_starts,
+                                                 runs.lengths))
+        return
+    # [2, chunk, words]: allocated on the caller's stream; the side stream's uses of it are
+    # all ordered before the caller's later work, so the allocator may reuse it afterwards.
+    staging = near_words.new_empty((2, min(chunk, num), near_words.shape[1]))
+    (side,) = _fork(stream, 1, priority=-1)
+    with torch.cuda.stream(side):
+        index = torch.from_numpy(near_ids).pin_memory().to(near.device, non_blocking=True)
+    freed: list[torch.cuda.Event] = []  # per chunk: its staging half may be reused
+    for i, a in enumerate(bounds):
+        b = min(a + chunk, num)
+        rows = staging[i % 2, :b - a]
+        runs = _far_runs(far_ids[a:b], far_dense, 0)
+        handoff, done = torch.cuda.Event(), torch.cuda.Event()
+        if scatter:
+            if i >= 2:
+                stream.wait_event(freed[i - 2])
+            _copy_runs(far_words, rows, runs)
+            handoff.record(stream)
+            side.wait_event(handoff)
+            with torch.cuda.stream(side):
+                near_words.index_copy_(0, index[a:b], rows)
+            done.record(side)
+        else:
+            if i >= 2:
+                side.wait_event(freed[i - 2])
+            with torch.cuda.stream(side):
+                torch.index_select(near_words, 0, index[a:b], out=rows)
+            handoff.record(side)
+            stream.wait_event(handoff)
+            _copy_runs(rows, far_words, Runs(runs.dst_starts, runs.src_starts, runs.lengths))
+            done.record(stream)
+        freed.append(done)
+    _join(stream, [side])
+
+
+def choose_method(runs: Runs, host_ids: np.ndarray | None, block_bytes: int) -> str:
+    """What "auto" runs: "dma" or "staged".
+
+    runs: the DMA plan (runs adjacent on both sides); host_ids: [n] int64 ids of the host
+    side when exactly one side is in host memory with adjacent slots, else None;
+    block_bytes: bytes per block.
+    """
+    num_blocks = int(runs.lengths.sum())
+    if host_ids is None or num_blocks * block_bytes >= SMALL_COPY_BYTES * runs.num_runs:
+        return "dma"
+    num_host_runs = run_starts(np.sort(host_ids)).shape[0]
+    return "staged" if _STAGE_GAIN * num_host_runs <= runs.num_runs else "dma"
 
 
 def _check_swap_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
-                     method: str) -> None:
+                     method: str, staging_bytes: int) -> None:
     if method not in SWAP_METHODS:
         raise ValueError(f"method must be one of {SWAP_METHODS}, got {method!r}")
+    if staging_bytes <= 0:
+        raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
     if src.dim() < 2 or src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"src and dst must be [n, *block_shape] with one block shape, got "
                          f"{tuple(src.shape)} and {tuple(dst.shape)}")
@@ -81,7 +229,7 @@ def _check_swap_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.
     _checks.check_blocks_contiguous("src", src)
     _checks.check_blocks_contiguous("dst", dst)
     if block_mapping.device.type != "cpu":
-        raise ValueError(f"block_mapping must be a CPU tensor (the DMA path reads it on the "
+        raise ValueError(f"block_mapping must be a CPU tensor (the copies are planned on the "
                          f"host), got one on {block_mapping.device}")
     _checks.check_block_mapping(block_mapping, src.shape[0], dst.shape[0])
     devices = {src.device.type, dst.device.type}
@@ -95,12 +243,13 @@ def _check_swap_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.
         host_name, host = ("src", src) if src.device.type == "cpu" else ("dst", dst)
         if not host.is_pinned():
             raise ValueError(f"{host_name} is in pageable host memory; asynchronous copies "
-                             f"(both methods) need pinned memory: allocate it with "
+                             f"(every method) need pinned memory: allocate it with "
                              f"pin_memory=True or call .pin_memory()")
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
-                method: str = "auto", stream: torch.cuda.Stream | None = None) -> None:
+                method: str = "auto", stream: torch.cuda.Stream | None = None,
+                staging_bytes: int = STAGING_BYTES) -> None:
     """Copy whole blocks `src[m[i, 0]] -> dst[m[i, 1]]`, asynchronously when a GPU is involved.
 
     src: [n_src, *block_shape]; dst: [n_dst, *block_shape]; one dtype, each block one
@@ -108,36 +257,49 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         GPU, or both on the CPU.
     block_mapping: [n, 2] int64 CPU tensor of (src_index, dst_index) rows; destinations
         must be distinct.
-    method: "triton", "dma" or "auto" (see the module docstring).
-    stream: where the copies are enqueued; None means the current stream. The caller keeps
-        src, dst and the host memory alive and unchanged until the stream reaches them.
+    method: "dma", "staged", "triton" or "auto" (see the module docstring).
+    stream: where the copies are enqueued (side streams fork from and join back into it);
+        None means the current stream. The caller keeps src, dst and the host memory alive
+        and unchanged until the stream reaches them.
+    staging_bytes: bound on the device staging memory of the "staged" method, in bytes.
 
     Raises ValueError for an unknown method, mismatched blocks, out-of-range indices,
     pageable host memory, or "triton" with only CPU tensors outside the interpreter;
     OSError when the CUDA runtime rejects a batched copy.
     """
-    _check_swap_args(src, dst, block_mapping, method)
-    if block_mapping.shape[0] == 0:
+    _check_swap_args(src, dst, block_mapping, method, staging_bytes)
+    if block_mapping.shape[0] == 0 or src[0].numel() == 0:
         return
-    if method == "auto":
-        method = AUTO_METHOD
+    rows = block_mapping.numpy()  # [n, 2] int64, a view
+    src_ids, dst_ids = rows[:, 0].copy(), rows[:, 1].copy()
     gpu = src if src.is_cuda else dst if dst.is_cuda else None
-    if gpu is None:
-        if method == "triton":
-            if not _checks.interpreting():
-                raise ValueError("method='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); "
-                                 "use method='dma' or 'auto' for CPU tensors")
-            launch_block_copy(src, dst, block_mapping.contiguous())
-        else:
-            _swap_dma(src, dst, block_mapping.tolist(), use_batch=False)
-        return
+    if method == "triton" and gpu is None and not _checks.interpreting():
+        raise ValueError("method='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); "
+                         "use method='dma' or 'auto' for CPU tensors")
+    runs: Runs | None = None
+    if method == "auto":
+        runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+        host_side = None if src.is_cuda == dst.is_cuda else (dst_ids, dst) if src.is_cuda \
+            else (src_ids, src)
+        host_ids = host_side[0] if host_side is not None and _dense(host_side[1]) else None
+        method = choose_method(runs, host_ids, _block_bytes(src))
     with contextlib.ExitStack() as scope:
-        scope.enter_context(torch.cuda.device(gpu.device))
-        if stream is not None:
-            scope.enter_context(torch.cuda.stream(stream))
+        if gpu is not None:
+            scope.enter_context(torch.cuda.device(gpu.device))
+            if stream is not None:
+                scope.enter_context(torch.cuda.stream(stream))
         if method == "triton":
-            mapping = block_mapping.to(gpu.device, non_blocking=True).contiguous()
-            num_sms = torch.cuda.get_device_properties(gpu.device).multi_processor_count
-            launch_block_copy(src, dst, mapping, _SWAP_PROGRAMS_PER_SM * num_sms)
+            mapping = block_mapping.contiguous()
+            programs = None
+            if gpu is not None:
+                mapping = mapping.to(gpu.device, non_blocking=True)
+                num_sms = torch.cuda.get_device_properties(gpu.device).multi_processor_count
+                programs = _SWAP_PROGRAMS_PER_SM * num_sms
+            launch_block_copy(src, dst, mapping, programs)
+        elif method == "staged":
+            scatter = dst.is_cuda and not src.is_cuda
+            _swap_staged(src, dst, src_ids, dst_ids, staging_bytes, scatter)
         else:
-            _swap_dma(src, dst, block_mapping.tolist(), use_batch=True)
+            if runs is None:
+                runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+            _swap_dma(src, dst, runs)

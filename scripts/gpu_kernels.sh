@@ -29,8 +29,8 @@ timeout "${TEST_TIMEOUT:-140}" $PY -m pytest -q -p no:cacheprovider --noconftest
     --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tee -a "$OUT_DIR/gpu_tests.log"
 
 echo "== swap benchmark" | tee "$OUT_DIR/bench_swap.log"
-timeout "${SWAP_BENCH_TIMEOUT:-55}" $PY -m kvtier.cli.bench.swap --json "$OUT_DIR/bench_swap.json" 2>&1 \
-    | tee -a "$OUT_DIR/bench_swap.log"
+timeout "${SWAP_BENCH_TIMEOUT:-150}" $PY -m kvtier.cli.main bench swap --json \
+    > "$OUT_DIR/bench_swap.json" 2>>"$OUT_DIR/bench_swap.log"; echo "rc=$?" >> "$OUT_DIR/bench_swap.log"
 
 echo "== kernel benchmarks" | tee "$OUT_DIR/bench_kernels.log"
 SWEEP_FLAG=""

@@ -38,7 +38,7 @@ if stage roundtrip; then
 fi
 if stage swap; then
     echo "== swap" | tee "$OUT_DIR/swap.log"
-    timeout 90 $KV bench swap --json > "$OUT_DIR/swap.json" 2>>"$OUT_DIR/swap.log"; tail -c 1500 "$OUT_DIR/swap.json"
+    timeout 150 $KV bench swap --json > "$OUT_DIR/swap.json" 2>>"$OUT_DIR/swap.log"; tail -c 1500 "$OUT_DIR/swap.json"
 fi
 if stage longctx; then
     if [ "$SMOKE" = 1 ]; then ARGS="--model random:llama3-1b --num-docs 2 --doc-tokens 4096"

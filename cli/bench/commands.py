@@ -15,9 +15,10 @@ from kvtier.cli.bench.kernels import run_kernel_bench
 from kvtier.cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
 from kvtier.cli.bench.serve import MODES as SERVE_MODES
 from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
-from kvtier.cli.bench.swap import run_swap_bench
+from kvtier.cli.bench.swap import DEFAULT_BLOCK_BYTES, run_swap_bench
 from kvtier.cli.common import print_json, print_table
 from kvtier.cli.plot import plot_longctx
+from kvtier.kernels import SWAP_METHODS
 from rich.console import Console
 
 _JSON_HELP = "Print the result as one JSON object instead of a table."
@@ -253,27 +254,55 @@ def kernels(
 
 
 def _print_swap(result: dict[str, Any]) -> None:
-    ceiling = result["ceiling"]
-    rows = [("pinned copy (ceiling)", f"{ceiling['d2h_gbps']:.1f}", f"{ceiling['h2d_gbps']:.1f}",
-             f"{ceiling['bidir_gbps']:.1f}", "-", "-")]
-    for method, r in result["methods"].items():
-        rows.append((method, f"{r['d2h_gbps']:.1f} ({r['d2h_vs_ceiling']:.2f}x)",
-                     f"{r['h2d_gbps']:.1f} ({r['h2d_vs_ceiling']:.2f}x)",
-                     f"{r['bidir_gbps']:.1f} ({r['bidir_vs_ceiling']:.2f}x)",
-                     f"{r['matmul_slowdown']:.2f}x", r["correct"]))
-    print_table(f"swap_blocks on {result['device']}: {result['num_blocks']} blocks of "
-                f"{result['block_bytes'] / 2**20:.1f} MiB per direction (GB/s)",
-                ("method", "GPU->host", "host->GPU", "both", "matmul slowdown", "correct"), rows)
+    layout = "scattered" if result["scattered"] else "contiguous"
+    if result["scattered"] and result["host_run_blocks"] > 1:
+        layout += f", host slots in runs of {result['host_run_blocks']}"
+    print_table(f"Pinned-copy ceiling on {result['device']}, GB/s",
+                ("block KiB", "GPU->host", "host->GPU", "both"),
+                [(s["block_bytes"] >> 10, f"{s['ceiling']['d2h_gbps']:.1f}",
+                  f"{s['ceiling']['h2d_gbps']:.1f}", f"{s['ceiling']['both_gbps']:.1f}")
+                 for s in result["sizes"]])
+    rows = []
+    for size in result["sizes"]:
+        for method, r in size["methods"].items():
+            slowdown = r.get("matmul_slowdown")
+            rows.append((size["block_bytes"] >> 10, method, f"{r['d2h_vs_ceiling']:.2f}",
+                         f"{r['h2d_vs_ceiling']:.2f}", f"{r['both_vs_ceiling']:.2f}",
+                         f"{r['issue_ms_1000']:.2f}",
+                         "-" if slowdown is None else f"{slowdown:.2f}",
+                         "yes" if r["correct"] else "NO"))
+    print_table(f"swap_blocks, {layout}: x ceiling; 1k = host ms to issue 1,000 blocks; "
+                "mm = matmul time x alone",
+                ("KiB", "method", "d2h", "h2d", "both", "1k ms", "mm", "ok"), rows)
+    print_table("Write-through: GPU -> host blocks after every step (8 x 4096^3 matmuls)",
+                ("KiB", "blocks", "step ms", "+ swaps", "ratio", "submit us", "ok"),
+                [(w["block_bytes"] >> 10, w["blocks_per_step"], f"{w['step_ms']:.3f}",
+                  f"{w['step_with_swaps_ms']:.3f}", f"{w['slowdown']:.3f}",
+                  f"{w['submit_us_p50']:.0f}", "yes" if w["correct"] else "NO")
+                 for w in result["write_through"]])
 
 
 def swap(
-    num_blocks: int = typer.Option(512, help="Blocks copied per direction."),
-    repeats: int = typer.Option(9, help="Timed repeats; figures are medians."),
+    block_bytes: str = typer.Option(",".join(str(b) for b in DEFAULT_BLOCK_BYTES),
+                                    help="Comma-separated block sizes in bytes."),
+    scattered: bool = typer.Option(True, "--scattered/--contiguous",
+                                   help="Random GPU blocks and host slots, or one run each."),
+    host_run_blocks: int = typer.Option(1, help="With --scattered: host slots in runs of "
+                                        "this many (1: every slot random)."),
+    methods: str = typer.Option(",".join(SWAP_METHODS), help="Comma-separated methods."),
+    total_mib: int = typer.Option(512, help="MiB copied per direction per swap."),
+    repeats: int = typer.Option(5, help="Timed repeats; figures are medians."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
-    """GPU <-> pinned host block copies per method vs one contiguous copy (CUDA)."""
-    result = _with_status("bench swap", lambda update: run_swap_bench(num_blocks=num_blocks,
-                                                                       repeats=repeats))
+    """GPU <-> pinned host block swaps per method and block size vs the plain pinned copy
+    (CUDA)."""
+    sizes = _parse_ints(block_bytes, "--block-bytes")
+    names = _parse_names(methods, SWAP_METHODS, "--methods")
+    if host_run_blocks <= 0 or total_mib <= 0 or repeats <= 0:
+        raise ValueError("--host-run-blocks, --total-mib and --repeats must be positive")
+    result = _with_status("bench swap", lambda update: run_swap_bench(
+        block_bytes=sizes, total_mib=total_mib, scattered=scattered,
+        host_run_blocks=host_run_blocks, methods=names, repeats=repeats, progress=update))
     if json_output:
         print_json(result)
     else:

@@ -1,50 +1,45 @@
-"""`kvtier bench swap`: block swaps GPU <-> pinned host against the copy-engine ceiling.
+"""`kvtier bench swap`: block swaps GPU <-> pinned host against the plain pinned copy.
 
-Blocks are Llama-3-8B's cross-layer blocks (32 layers, 8 kv heads, head dim 128, 16 tokens,
-bfloat16: 2 MiB each). For every method ("triton", "dma", and "dma" without the batched
-memcpy call) the same run measures:
+For every block size of the sweep (32 KiB ... 8 MiB by default) and every method of
+`kernels.swap_blocks` the same run measures, against one contiguous pinned copy of the same
+bytes (the ceiling; two of them on two streams for both directions at once):
 
-* each direction on scattered blocks vs the ceiling, one contiguous pinned copy of the same
-  bytes (target >= 0.95x);
-* both directions at once (one stream each) vs the two-stream bidirectional ceiling
-  (target >= 0.9x);
-* how much a matmul-heavy workload on the compute stream slows down while the method swaps
-  both ways at full rate.
+* each direction, and both at once (one stream each), on scattered blocks (random GPU
+  blocks and random host slots; `host_run_blocks` > 1 keeps host slots in runs, as a slab
+  handing out slots in order gives) or contiguous ones;
+* the host time to issue one call (the whole swap, and a 1,000-block swap);
+* at the `matmul_block_bytes` sizes, how much a loop of bf16 matmuls on the compute stream
+  slows down while the method swaps both ways at full rate on side streams;
+* the write-through pattern: a few blocks GPU -> host submitted to the transfer engine after
+  every "decode step" (a few matmuls), step time with and without.
 
-Times are medians of CUDA-event measurements over `repeats` runs.
-
-    python -m kvtier.cli.bench.swap [--json out.json] [--blocks 512] [--repeats 9]
+Every swap's bytes are checked bitwise. Times are medians of CUDA-event measurements.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
-from kvtier.kernels import swap_blocks
+from kvtier.kernels import SWAP_METHODS, swap_blocks
 from kvtier.kernels._memcpy_batch import memcpy_batch
-from kvtier.kernels.swap_blocks import _swap_dma
 
-BLOCK_SHAPE = (32, 2, 16, 8, 128)
-DTYPE = torch.bfloat16
+from kvtier.stats import Direction
+from kvtier.transfer import SwapJob, TransferEngine
+
+DEFAULT_BLOCK_BYTES = tuple(1 << s for s in range(15, 24))  # 32 KiB ... 8 MiB
+METHODS = SWAP_METHODS
 SEED = 0
-METHODS = ("triton", "dma", "dma_per_run")
+_DTYPE = torch.bfloat16
+_ISSUE_BLOCKS = 1000
+
+Work = dict[torch.cuda.Stream, Callable[[], None]]
 
 
-def _swap(method: str, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor,
-          stream: torch.cuda.Stream) -> None:
-    if method == "dma_per_run":
-        # The DMA path with one copy_ per run instead of one batched runtime call.
-        with torch.cuda.stream(stream):
-            _swap_dma(src, dst, mapping.tolist(), use_batch=False)
-    else:
-        swap_blocks(src, dst, mapping, method=method, stream=stream)
-
-
-def _time_streams(work: dict[torch.cuda.Stream, Callable[[], None]], repeats: int) -> float:
+def _time_streams(work: Work, repeats: int) -> float:
     """Median ms from a common start until every stream finished its work."""
     times = []
     main = torch.cuda.current_stream()
@@ -64,175 +59,240 @@ def _time_streams(work: dict[torch.cuda.Stream, Callable[[], None]], repeats: in
     return statistics.median(times[1:])  # the first run warms up
 
 
-def _mappings(num_blocks: int, num_gpu: int, num_host: int) -> dict[str, torch.Tensor]:
-    """Scattered (src, dst) rows for each direction, on disjoint GPU blocks."""
-    generator = torch.Generator().manual_seed(SEED)
-    gpu_ids = torch.randperm(num_gpu, generator=generator)
-    host_ids = torch.randperm(num_host, generator=generator)
-    out_gpu, in_gpu = gpu_ids[:num_blocks], gpu_ids[num_blocks:2 * num_blocks]
-    out_host, in_host = host_ids[:num_blocks], host_ids[num_blocks:2 * num_blocks]
-    return {"d2h": torch.stack([out_gpu, out_host], 1), "h2d": torch.stack([in_host, in_gpu], 1)}
-
-
-def run_swap_bench(num_blocks: int = 512, repeats: int = 9, matmul_size: int = 8192,
-                   matmul_count: int = 40) -> dict:
-    """Measure every swap method against the pinned-copy ceilings; returns a JSON-able dict.
-
-    Raises ValueError without CUDA.
-    """
-    if not torch.cuda.is_available():
-        raise ValueError("kvtier bench swap needs a CUDA device")
-    device = torch.device("cuda")
-    num_slots = 2 * num_blocks
-    gpu = torch.empty((num_slots, *BLOCK_SHAPE), dtype=DTYPE, device=device)
-    gpu.view(torch.int16).random_(generator=torch.Generator(device=device).manual_seed(SEED))
-    host = torch.empty((num_slots, *BLOCK_SHAPE), dtype=DTYPE, pin_memory=True)
-    block_bytes = gpu[0].numel() * gpu.element_size()
-    total = num_blocks * block_bytes
-    maps = _mappings(num_blocks, num_slots, num_slots)
-    out_stream, in_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                     "block_bytes": block_bytes, "num_blocks": num_blocks,
-                     "bytes_per_direction": total,
-                     "memcpy_batch_runtime": getattr(memcpy_batch(), "runtime_version", None)}
-
-    # Ceilings: one contiguous pinned copy of the same bytes.
-    gpu_flat, host_flat = gpu.view(-1)[:total // 2], host.view(-1)[:total // 2]
-    gpu_flat2, host_flat2 = gpu.view(-1)[-(total // 2):], host.view(-1)[-(total // 2):]
-
-    def d2h_ceiling() -> None:
-        with torch.cuda.stream(out_stream):
-            host_flat.copy_(gpu_flat, non_blocking=True)
-
-    def h2d_ceiling() -> None:
-        with torch.cuda.stream(in_stream):
-            gpu_flat2.copy_(host_flat2, non_blocking=True)
-
-    ceiling = {"d2h_ms": _time_streams({out_stream: d2h_ceiling}, repeats),
-               "h2d_ms": _time_streams({in_stream: h2d_ceiling}, repeats),
-               "bidir_ms": _time_streams({out_stream: d2h_ceiling, in_stream: h2d_ceiling},
-                                         repeats)}
-    ceiling["d2h_gbps"] = total / ceiling["d2h_ms"] / 1e6
-    ceiling["h2d_gbps"] = total / ceiling["h2d_ms"] / 1e6
-    ceiling["bidir_gbps"] = 2 * total / ceiling["bidir_ms"] / 1e6
-    results["ceiling"] = ceiling
-
-    def d2h(method: str):
-        return lambda: _swap(method, gpu, host, maps["d2h"], out_stream)
-
-    def h2d(method: str):
-        return lambda: _swap(method, host, gpu, maps["h2d"], in_stream)
-
-    matmul = MatmulWorkload(matmul_size, matmul_count, device)
-    results["matmul_alone_ms"] = matmul.alone_ms(repeats)
-    methods = {}
-    for method in METHODS:
-        row = {"d2h_ms": _time_streams({out_stream: d2h(method)}, repeats),
-               "h2d_ms": _time_streams({in_stream: h2d(method)}, repeats),
-               "bidir_ms": _time_streams({out_stream: d2h(method), in_stream: h2d(method)},
-                                         repeats)}
-        row["d2h_gbps"] = total / row["d2h_ms"] / 1e6
-        row["h2d_gbps"] = total / row["h2d_ms"] / 1e6
-        row["bidir_gbps"] = 2 * total / row["bidir_ms"] / 1e6
-        row["d2h_vs_ceiling"] = ceiling["d2h_ms"] / row["d2h_ms"]
-        row["h2d_vs_ceiling"] = ceiling["h2d_ms"] / row["h2d_ms"]
-        row["bidir_vs_ceiling"] = ceiling["bidir_ms"] / row["bidir_ms"]
-        rounds = int(results["matmul_alone_ms"] / row["bidir_ms"]) + 2
-        row["matmul_with_swap_ms"] = matmul.with_background(
-            {out_stream: d2h(method), in_stream: h2d(method)}, rounds, repeats)
-        row["matmul_slowdown"] = row["matmul_with_swap_ms"] / results["matmul_alone_ms"]
+def _host_ms(fn: Callable[[], None], repeats: int) -> float:
+    """Median host milliseconds one call of `fn` takes to return (the GPU drained between)."""
+    times = []
+    for _ in range(repeats + 1):
         torch.cuda.synchronize()
-        row["correct"] = _check_copies(gpu, host, maps)
-        methods[method] = row
-    results["methods"] = methods
-    results["targets"] = {
-        m: {"each_direction_ge_0.95x": min(r["d2h_vs_ceiling"], r["h2d_vs_ceiling"]) >= 0.95,
-            "bidirectional_ge_0.9x": r["bidir_vs_ceiling"] >= 0.9}
-        for m, r in methods.items()}
-    return results
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times[1:])
 
 
-def _check_copies(gpu: torch.Tensor, host: torch.Tensor, maps: dict) -> bool:
-    """Bitwise (random bits include NaN patterns, so compare as integers)."""
+def layout_rows(num_blocks: int, scattered: bool, host_run_blocks: int,
+                seed: int = SEED) -> dict[str, np.ndarray]:
+    """[num_blocks, 2] (src, dst) rows per direction over 2 * num_blocks GPU blocks and host
+    slots: "d2h" (gpu, host) and "h2d" (host, gpu), on disjoint blocks and slots."""
+    if not scattered:
+        first, second = np.arange(num_blocks), np.arange(num_blocks, 2 * num_blocks)
+        return {"d2h": np.stack([first, first], 1), "h2d": np.stack([second, second], 1)}
+    rng = np.random.default_rng(seed)
+    gpu_ids = rng.permutation(2 * num_blocks)
+    run = max(1, min(host_run_blocks, num_blocks))
+    num_runs = -(-2 * num_blocks // run)
+    host_ids = (rng.permutation(num_runs)[:, None] * run + np.arange(run)).reshape(-1)
+    host_ids = host_ids[host_ids < 2 * num_blocks]
+    return {"d2h": np.stack([gpu_ids[:num_blocks], host_ids[:num_blocks]], 1),
+            "h2d": np.stack([host_ids[num_blocks:], gpu_ids[num_blocks:]], 1)}
+
+
+class MatmulLoop:
+    """`count` bf16 matmuls of `size`^3 on the current stream."""
+
+    def __init__(self, size: int, count: int, device: torch.device) -> None:
+        generator = torch.Generator(device=device).manual_seed(SEED)
+        self.a = torch.randn((size, size), generator=generator, device=device, dtype=_DTYPE)
+        self.b = torch.randn((size, size), generator=generator, device=device, dtype=_DTYPE)
+        self.c = torch.empty_like(self.a)
+        self.count = count
+
+    def run(self) -> None:
+        for _ in range(self.count):
+            torch.matmul(self.a, self.b, out=self.c)
+
+    def timed_ms(self, background: Work | None = None, rounds: int = 0) -> float:
+        """Event-timed ms of one loop, with `background` enqueued `rounds` times first."""
+        torch.cuda.synchronize()
+        gate = torch.cuda.Event()
+        gate.record()
+        for stream in background or {}:
+            stream.wait_event(gate)
+        for _ in range(rounds):
+            for fn in (background or {}).values():
+                fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.run()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    def slowdown(self, background: Work, rounds: int, repeats: int) -> float:
+        """Median over repeats of (time with background) / (time alone), measured in pairs."""
+        self.timed_ms()
+        ratios = [self.timed_ms(background, rounds) / self.timed_ms() for _ in range(repeats)]
+        return statistics.median(ratios)
+
+
+def _swap(method: str, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor,
+          stream: torch.cuda.Stream) -> Callable[[], None]:
+    return lambda: swap_blocks(src, dst, mapping, method=method, stream=stream)
+
+
+def _verify(gpu: torch.Tensor, host: torch.Tensor, rows: dict[str, np.ndarray]) -> bool:
+    """Bitwise, as integers (random bits include NaN patterns)."""
+    torch.cuda.synchronize()
     gpu_bits, host_bits = gpu.view(torch.int16), host.view(torch.int16)
-    d2h, h2d = maps["d2h"], maps["h2d"]
+    d2h, h2d = (torch.from_numpy(rows[k]) for k in ("d2h", "h2d"))
     return bool(torch.equal(host_bits[d2h[:, 1]], gpu_bits[d2h[:, 0]].cpu())
                 and torch.equal(gpu_bits[h2d[:, 1]].cpu(), host_bits[h2d[:, 0]]))
 
 
-class MatmulWorkload:
-    """`count` bf16 matmuls of `size`^3 on the compute stream, timed with events."""
-
-    def __init__(self, size: int, count: int, device: torch.device) -> None:
-        generator = torch.Generator(device=device).manual_seed(SEED)
-        self.a = torch.randn((size, size), generator=generator, device=device, dtype=DTYPE)
-        self.b = torch.randn((size, size), generator=generator, device=device, dtype=DTYPE)
-        self.c = torch.empty_like(self.a)
-        self.count = count
-
-    def _run(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(self.count):
-            torch.matmul(self.a, self.b, out=self.c)
-        end.record()
-        return start, end
-
-    def alone_ms(self, repeats: int) -> float:
-        times = []
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            start, end = self._run()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times[1:])
-
-    def with_background(self, work: dict[torch.cuda.Stream, Callable[[], None]], rounds: int,
-                        repeats: int) -> float:
-        """Matmul time while `work` (stream -> enqueue fn) repeats `rounds` times."""
-        times = []
-        main = torch.cuda.current_stream()
-        for _ in range(repeats + 1):
-            torch.cuda.synchronize()
-            gate = torch.cuda.Event()
-            gate.record(main)
-            for stream in work:
-                stream.wait_event(gate)
-            for _ in range(rounds):
-                for fn in work.values():
-                    fn()
-            start, end = self._run()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times[1:])
+def _fill(gpu: torch.Tensor, host: torch.Tensor, seed: int) -> None:
+    """Fresh random bits in both, so a copy that did not happen cannot pass (drawn on the
+    GPU: a CPU generator would take seconds per GiB)."""
+    generator = torch.Generator(gpu.device).manual_seed(seed)
+    gpu.view(torch.int16).random_(generator=generator)
+    host.copy_(gpu)
+    gpu.view(torch.int16).random_(generator=generator)
 
 
-def _print_table(results: dict) -> None:
-    c = results["ceiling"]
-    print(f"{results['device']}  blocks {results['num_blocks']} x "
-          f"{results['block_bytes'] / 2**20:.1f} MiB  batch memcpy runtime "
-          f"{results['memcpy_batch_runtime']}")
-    print(f"ceiling: d2h {c['d2h_gbps']:.1f} GB/s  h2d {c['h2d_gbps']:.1f} GB/s  "
-          f"bidir {c['bidir_gbps']:.1f} GB/s;  matmul alone {results['matmul_alone_ms']:.1f} ms")
-    for method, r in results["methods"].items():
-        print(f"{method:>12}: d2h {r['d2h_gbps']:.1f} ({r['d2h_vs_ceiling']:.2f}x)  "
-              f"h2d {r['h2d_gbps']:.1f} ({r['h2d_vs_ceiling']:.2f}x)  bidir "
-              f"{r['bidir_gbps']:.1f} ({r['bidir_vs_ceiling']:.2f}x)  matmul slowdown "
-              f"{r['matmul_slowdown']:.2f}x  correct {r['correct']}")
+def _sweep_one(block_bytes: int, gpu_all: torch.Tensor, host_all: torch.Tensor,
+               streams: tuple[torch.cuda.Stream, torch.cuda.Stream], methods: Sequence[str],
+               scattered: bool, host_run_blocks: int, repeats: int,
+               matmul: MatmulLoop | None, matmul_alone_ms: float) -> dict:
+    out_stream, in_stream = streams
+    total = gpu_all.numel() * gpu_all.element_size() // 2
+    num_blocks = total // block_bytes
+    gpu = gpu_all.view(2 * num_blocks, block_bytes // 2)  # [2n, elements per block]
+    host = host_all.view(2 * num_blocks, block_bytes // 2)
+    rows = layout_rows(num_blocks, scattered, host_run_blocks)
+    maps = {k: torch.from_numpy(v.copy()) for k, v in rows.items()}
+    half = num_blocks * block_bytes // 2
+    gpu_flat, host_flat = gpu_all.view(-1), host_all.view(-1)
+
+    def d2h_ceiling() -> None:
+        with torch.cuda.stream(out_stream):
+            host_flat[:half].copy_(gpu_flat[:half], non_blocking=True)
+
+    def h2d_ceiling() -> None:
+        with torch.cuda.stream(in_stream):
+            gpu_flat[half:].copy_(host_flat[half:], non_blocking=True)
+
+    ceiling = {"d2h_ms": _time_streams({out_stream: d2h_ceiling}, repeats),
+               "h2d_ms": _time_streams({in_stream: h2d_ceiling}, repeats),
+               "both_ms": _time_streams({out_stream: d2h_ceiling, in_stream: h2d_ceiling},
+                                        repeats)}
+    for key in ("d2h", "h2d"):
+        ceiling[f"{key}_gbps"] = total / ceiling[f"{key}_ms"] / 1e6
+    ceiling["both_gbps"] = 2 * total / ceiling["both_ms"] / 1e6
+    result = {"block_bytes": block_bytes, "num_blocks": num_blocks, "ceiling": ceiling,
+              "methods": {}}
+    for index, method in enumerate(methods):
+        _fill(gpu, host, SEED + 10 * index + block_bytes)
+        d2h = _swap(method, gpu, host, maps["d2h"], out_stream)
+        h2d = _swap(method, host, gpu, maps["h2d"], in_stream)
+        row = {"d2h_ms": _time_streams({out_stream: d2h}, repeats),
+               "h2d_ms": _time_streams({in_stream: h2d}, repeats),
+               "both_ms": _time_streams({out_stream: d2h, in_stream: h2d}, repeats)}
+        row["correct"] = _verify(gpu, host, rows)
+        for key in ("d2h", "h2d", "both"):
+            row[f"{key}_vs_ceiling"] = ceiling[f"{key}_ms"] / row[f"{key}_ms"]
+        row["issue_ms"] = _host_ms(d2h, repeats)
+        few = torch.from_numpy(rows["d2h"][:_ISSUE_BLOCKS].copy())
+        row["issue_blocks"] = int(few.shape[0])
+        row["issue_ms_1000"] = _host_ms(_swap(method, gpu, host, few, out_stream), repeats)
+        if matmul is not None:
+            rounds = int(matmul_alone_ms / row["both_ms"]) + 2
+            row["matmul_slowdown"] = matmul.slowdown({out_stream: d2h, in_stream: h2d},
+                                                     rounds, max(3, repeats // 2))
+        result["methods"][method] = row
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the results here as JSON")
-    parser.add_argument("--blocks", type=int, default=512, help="blocks per direction")
-    parser.add_argument("--repeats", type=int, default=9)
-    args = parser.parse_args(argv)
-    results = run_swap_bench(num_blocks=args.blocks, repeats=args.repeats)
-    _print_table(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+def _write_through(device: torch.device, method: str, block_bytes: int, num_blocks: int,
+                   steps: int, repeats: int) -> dict:
+    """Decode-step time with and without a `num_blocks` GPU -> host swap per step."""
+    step_work = MatmulLoop(4096, 8, device)
+    elements = block_bytes // 2
+    gpu = torch.randn((64 * num_blocks, elements), device=device).to(_DTYPE)
+    host = torch.zeros((64 * num_blocks, elements), dtype=_DTYPE, pin_memory=True)
+    rng = np.random.default_rng(SEED)
+    mappings = [torch.from_numpy(np.stack([rng.choice(gpu.shape[0], num_blocks, False),
+                                           rng.choice(host.shape[0], num_blocks, False)], 1))
+                for _ in range(steps)]
+    engine = TransferEngine(device, swap_method=method)
+    submit_s: list[float] = []
+
+    def run(with_swaps: bool) -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for mapping in mappings:
+            step_work.run()
+            if with_swaps:
+                t0 = time.perf_counter()
+                engine.submit(SwapJob(Direction.GPU_TO_HOST, gpu, host, mapping))
+                submit_s.append(time.perf_counter() - t0)
+            engine.get_finished()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) * 1e3 / steps
+
+    try:
+        run(True)
+        alone, with_swaps = [], []
+        for _ in range(repeats):
+            alone.append(run(False))
+            with_swaps.append(run(True))
+        engine.wait_all()
+        last = mappings[-1]
+        correct = bool(torch.equal(host[last[:, 1]].view(torch.int16),
+                                   gpu[last[:, 0]].cpu().view(torch.int16)))
+    finally:
+        engine.close()
+    return {"method": method, "block_bytes": block_bytes, "blocks_per_step": num_blocks,
+            "step_ms": statistics.median(alone), "step_with_swaps_ms":
+            statistics.median(with_swaps),
+            "slowdown": statistics.median(w / a for w, a in zip(with_swaps, alone)),
+            "submit_us_p50": statistics.median(submit_s) * 1e6, "correct": correct}
 
 
-if __name__ == "__main__":
-    main()
+def run_swap_bench(block_bytes: Sequence[int] = DEFAULT_BLOCK_BYTES, total_mib: int = 512,
+                   scattered: bool = True, host_run_blocks: int = 1,
+                   methods: Sequence[str] = METHODS, repeats: int = 5,
+                   matmul_size: int = 8192, matmul_count: int = 20,
+                   matmul_block_bytes: Sequence[int] = (256 << 10, 2 << 20),
+                   write_through_blocks: int = 4, write_through_steps: int = 50,
+                   progress: Callable[[str], None] = lambda _: None) -> dict:
+    """Measure every method at every block size against the pinned ceiling (see the module
+    docstring); returns a JSON-able dict. Raises ValueError without CUDA or for block sizes
+    that are not even numbers of bytes or exceed `total_mib`."""
+    if not torch.cuda.is_available():
+        raise ValueError("kvtier bench swap needs a CUDA device")
+    total = total_mib << 20
+    bad = [b for b in block_bytes if b % 2 or b > total or b <= 0]
+    if bad or not block_bytes:
+        raise ValueError(f"--block-bytes must be even sizes of at most --total-mib "
+                         f"({total_mib} MiB), got {list(block_bytes)}")
+    device = torch.device("cuda")
+    gpu_all = torch.empty(total, dtype=_DTYPE, device=device)  # 2 * total bytes
+    host_all = torch.empty(total, dtype=_DTYPE, pin_memory=True)
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    matmul = MatmulLoop(matmul_size, matmul_count, device)
+    matmul.timed_ms()
+    matmul_alone_ms = statistics.median(matmul.timed_ms() for _ in range(repeats))
+    result: dict = {
+        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+        "memcpy_batch_runtime": getattr(memcpy_batch(), "runtime_version", None),
+        "bytes_per_direction": total, "scattered": scattered,
+        "host_run_blocks": host_run_blocks if scattered else None,
+        "matmul": {"size": matmul_size, "count": matmul_count, "alone_ms": matmul_alone_ms},
+        "sizes": [], "write_through": []}
+    for size in block_bytes:
+        progress(f"bench swap: {size >> 10} KiB blocks")
+        with_matmul = matmul if size in matmul_block_bytes else None
+        # Elements (2 bytes) of 2 * (total // size) whole blocks: both directions' halves.
+        usable = total // size * size
+        result["sizes"].append(_sweep_one(
+            size, gpu_all.view(-1)[:usable], host_all.view(-1)[:usable], streams, methods,
+            scattered, host_run_blocks, repeats, with_matmul, matmul_alone_ms))
+    del gpu_all, host_all
+    for size in matmul_block_bytes:
+        progress(f"bench swap: write-through, {size >> 10} KiB blocks")
+        result["write_through"].append(_write_through(
+            device, "auto", size, write_through_blocks, write_through_steps, repeats))
+    result["all_correct"] = all(r["correct"] for s in result["sizes"]
+                                for r in s["methods"].values()) and all(
+        w["correct"] for w in result["write_through"])
+    return result

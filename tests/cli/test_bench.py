@@ -182,12 +182,24 @@ def test_kernels_bench_tiny_json(runner):
 
 @pytest.mark.gpu
 def test_swap_bench_tiny_json(runner):
-    result = runner.invoke(app, ["bench", "swap", "--num-blocks", "8", "--repeats", "3",
+    result = runner.invoke(app, ["bench", "swap", "--block-bytes", "65536,262144",
+                                 "--total-mib", "8", "--host-run-blocks", "4", "--repeats", "1",
                                  "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["num_blocks"] == 8
-    assert all(method["correct"] for method in report["methods"].values())
+    assert [s["block_bytes"] for s in report["sizes"]] == [65536, 262144]
+    assert report["host_run_blocks"] == 4 and report["all_correct"]
+    assert set(report["sizes"][0]["methods"]) == {"auto", "dma", "staged", "triton"}
+    assert "matmul_slowdown" in report["sizes"][1]["methods"]["auto"]
+    assert [w["block_bytes"] for w in report["write_through"]] == [262144, 2 << 20]
+
+
+def test_swap_bench_rejects_bad_options(runner):
+    result = runner.invoke(app, ["bench", "swap", "--block-bytes", "32K"])
+    assert result.exit_code != 0
+    assert "--block-bytes takes comma-separated integers" in result.output + result.stderr
+    result = runner.invoke(app, ["bench", "swap", "--methods", "fast"])
+    assert result.exit_code != 0 and "--methods" in result.output + result.stderr
 
 
 def test_tiers_bench_is_wired(runner, tmp_path):
