@@ -43,8 +43,9 @@ SWAP_METHODS = ("auto", "dma", "staged", "triton")
 STAGING_BYTES = 64 << 20
 #: Mean bytes per DMA copy under which the copy engines fall short of the bus (measured).
 SMALL_COPY_BYTES = 1 << 20
-#: Streams a "dma" swap of small copies is spread over.
+#: Streams a "dma" swap of small copies is spread over (twice as many for tiny copies).
 DMA_STREAMS = 4
+_TINY_COPY_BYTES = 128 << 10
 #: "auto" stages when the host runs are at least this many times longer than the DMA runs.
 _STAGE_GAIN = 2
 #: Programs of the "triton" method per SM.
@@ -119,7 +120,8 @@ def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
         _copy_runs(src, dst, runs)
         return
     stream = torch.cuda.current_stream(gpu.device)
-    parts = split_even(runs.lengths, DMA_STREAMS)
+    num_streams = DMA_STREAMS * (2 if total < _TINY_COPY_BYTES * runs.num_runs else 1)
+    parts = split_even(runs.lengths, num_streams)
     sides = _fork(stream, len(parts))
     for side, part in zip(sides, parts):
         with torch.cuda.stream(side):
@@ -173,7 +175,9 @@ def _swap_staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
     staging = near_words.new_empty((2, min(chunk, num), near_words.shape[1]))
     (side,) = _fork(stream, 1, priority=-1)
     with torch.cuda.stream(side):
-        index = torch.from_numpy(near_ids).pin_memory().to(near.device, non_blocking=True)
+        # From pageable memory: the runtime copies the ids into its own staging before the
+        # call returns, so `near_ids` may go away at once.
+        index = torch.from_numpy(near_ids).to(near.device, non_blocking=True)
     freed: list[torch.cuda.Event] = []  # per chunk: its staging half may be reused
     for i, a in enumerate(bounds):
         b = min(a + chunk, num)

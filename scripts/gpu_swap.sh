@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests of the block swaps and the full `kvtier bench swap` sweep, for the GPU machine.
 #   bash scripts/gpu_swap.sh [OUT_DIR]      (default: $OUT, else ./out)
-# Stages (STAGES, default all): tests scattered hostruns contiguous streams. Each stage has
-# its own time limit and log; tables are printed last from the JSON files.
+# Stages (STAGES, default all): profile scattered hostruns contiguous streams tests, in that
+# order (the sweeps first, so their figures survive a short time limit). Each stage has its
+# own time limit; tables are printed last from the JSON files.
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out}}
@@ -10,12 +11,14 @@ mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY=${PY:-$(command -v python3 || command -v python)}
-if ! $PY -c "import lmdb" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+# lmdb, pydantic and platformdirs travel as wheels in .whl/ (here or two levels up).
+WHL=.whl; [ -d "$WHL" ] || WHL=../../.whl
+if ! $PY -c "import lmdb" 2>/dev/null && ls "$WHL"/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-STAGES=${STAGES:-"tests scattered hostruns contiguous streams"}
+STAGES=${STAGES:-"tests profile scattered hostruns contiguous streams"}
 KV="$PY -m kvtier.cli.main"
 stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
 
@@ -24,36 +27,34 @@ stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
     $PY -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT_DIR/env.log"
 
-if stage tests; then
-    echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
-    timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-        tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
-        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py -k "swap or transfer or copy or Transfer" \
-        --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -n 25 | tee -a "$OUT_DIR/gpu_tests.log"
+if stage profile; then
+    echo "== host time per call (cProfile)" | tee "$OUT_DIR/profile.log"
+    timeout 60 $PY scripts/swap_profile.py >> "$OUT_DIR/profile.log" 2>&1
+    grep "^==" "$OUT_DIR/profile.log"
 fi
 if stage scattered; then
-    echo "== bench swap --scattered" | tee "$OUT_DIR/swap_scattered.log"
-    timeout 150 $KV bench swap --scattered --json > "$OUT_DIR/swap_scattered.json" \
-        2>>"$OUT_DIR/swap_scattered.log"; echo "rc=$?" | tee -a "$OUT_DIR/swap_scattered.log"
+    echo "== bench swap --scattered" | tee -a "$OUT_DIR/sweeps.log"
+    timeout 150 $KV bench swap --total-mib "${TOTAL_MIB:-512}" --scattered --methods "${SCATTERED_METHODS:-auto,dma,staged,triton}" --json > "$OUT_DIR/swap_scattered.json" \
+        2>>"$OUT_DIR/sweeps.log"; echo "rc=$?" | tee -a "$OUT_DIR/sweeps.log"
 fi
 if stage hostruns; then
-    echo "== bench swap --scattered --host-run-blocks 16" | tee "$OUT_DIR/swap_hostruns.log"
-    timeout 120 $KV bench swap --scattered --host-run-blocks 16 --methods auto,dma,staged \
-        --json > "$OUT_DIR/swap_hostruns.json" 2>>"$OUT_DIR/swap_hostruns.log"
-    echo "rc=$?" | tee -a "$OUT_DIR/swap_hostruns.log"
+    echo "== bench swap --scattered --host-run-blocks 16" | tee -a "$OUT_DIR/sweeps.log"
+    timeout 120 $KV bench swap --total-mib "${TOTAL_MIB:-512}" --scattered --host-run-blocks 16 --methods "${HOSTRUNS_METHODS:-auto,dma,staged}" \
+        --json > "$OUT_DIR/swap_hostruns.json" 2>>"$OUT_DIR/sweeps.log"
+    echo "rc=$?" | tee -a "$OUT_DIR/sweeps.log"
 fi
 if stage contiguous; then
-    echo "== bench swap --contiguous" | tee "$OUT_DIR/swap_contiguous.log"
-    timeout 100 $KV bench swap --contiguous --methods auto,dma --json \
-        > "$OUT_DIR/swap_contiguous.json" 2>>"$OUT_DIR/swap_contiguous.log"
-    echo "rc=$?" | tee -a "$OUT_DIR/swap_contiguous.log"
+    echo "== bench swap --contiguous" | tee -a "$OUT_DIR/sweeps.log"
+    timeout 100 $KV bench swap --total-mib "${TOTAL_MIB:-512}" --contiguous --methods auto,dma --json \
+        > "$OUT_DIR/swap_contiguous.json" 2>>"$OUT_DIR/sweeps.log"
+    echo "rc=$?" | tee -a "$OUT_DIR/sweeps.log"
 fi
 if stage streams; then
     # How many streams the DMA method should spread small scattered copies over.
     echo "== dma streams" | tee "$OUT_DIR/dma_streams.log"
     timeout 90 $PY - >> "$OUT_DIR/dma_streams.log" 2>&1 <<'PYEOF'
-import numpy as np, torch
-from kvtier.kernels import swap_blocks as module
+import importlib, torch
+module = importlib.import_module("kvtier.kernels.swap_blocks")
 from kvtier.cli.bench.swap import _time_streams, layout_rows
 total = 256 << 20
 gpu = torch.empty(total, dtype=torch.bfloat16, device="cuda")
@@ -75,8 +76,14 @@ PYEOF
     cat "$OUT_DIR/dma_streams.log"
 fi
 
+if stage tests; then
+    echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
+    timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
+        tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
+        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py -k "swap or transfer or copy or Transfer" 2>&1 | tail -n 25 | tee -a "$OUT_DIR/gpu_tests.log"
+fi
 for name in scattered hostruns contiguous; do
     [ -s "$OUT_DIR/swap_$name.json" ] || continue
     echo "== $name"
-    COLUMNS=80 $PY -c "import json, sys; from kvtier.cli.bench.commands import _print_swap; _print_swap(json.load(open(sys.argv[1])))" "$OUT_DIR/swap_$name.json" 2>&1 | tee "$OUT_DIR/swap_$name.txt"
+    COLUMNS=80 $PY -c "import json, sys; from kvtier.cli.bench.commands import _print_swap; _print_swap(json.load(open(sys.argv[1])))" "$OUT_DIR/swap_$name.json" 2>&1 
 done
