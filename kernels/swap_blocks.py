@@ -17,9 +17,10 @@ Three methods move the same bytes:
   reached through unified virtual addressing. It holds SMs for as long as the bus takes, so
   a concurrent model slows down (docs/KERNELS.md); kept for comparison and the tests.
 
-"auto" picks per call from the plan: "dma" when its copies are large enough, "staged" when
-the host side's runs are much longer than the runs adjacent on both sides, else "dma" over
-several streams (docs/KERNELS.md has the measurements behind the thresholds).
+"auto" picks per call from the plan: "staged" when the DMA copies would be small (under
+256 KiB on average) and the host side's runs are at least 4 times longer than the runs
+adjacent on both sides, else "dma" (docs/KERNELS.md has the measurements behind the
+thresholds).
 
 All work joins back into the caller's stream before the call returns, so an event recorded
 there afterwards fires only once every byte has landed. With both tensors on the CPU each
@@ -46,8 +47,11 @@ SMALL_COPY_BYTES = 1 << 20
 #: Streams a "dma" swap of small copies is spread over (twice as many for tiny copies).
 DMA_STREAMS = 4
 _TINY_COPY_BYTES = 128 << 10
-#: "auto" stages when the host runs are at least this many times longer than the DMA runs.
-_STAGE_GAIN = 2
+#: "auto" stages when the DMA copies average under this many bytes and the host runs are at
+#: least `_STAGE_GAIN` times longer than them (measured: below, staging gained up to 0.2x of
+#: the ceiling; above, or with shorter host runs, it cost host time and gained nothing).
+_STAGE_BELOW_BYTES = 256 << 10
+_STAGE_GAIN = 4
 #: Programs of the "triton" method per SM.
 _SWAP_PROGRAMS_PER_SM = 1
 
@@ -214,7 +218,7 @@ def choose_method(runs: Runs, host_ids: np.ndarray | None, block_bytes: int) -> 
     block_bytes: bytes per block.
     """
     num_blocks = int(runs.lengths.sum())
-    if host_ids is None or num_blocks * block_bytes >= SMALL_COPY_BYTES * runs.num_runs:
+    if host_ids is None or num_blocks * block_bytes >= _STAGE_BELOW_BYTES * runs.num_runs:
         return "dma"
     num_host_runs = run_starts(np.sort(host_ids)).shape[0]
     return "staged" if _STAGE_GAIN * num_host_runs <= runs.num_runs else "dma"

@@ -93,10 +93,15 @@ def test_auto_stages_small_blocks_only_when_host_runs_are_longer() -> None:
     host = rows[:, 1].copy()
     assert choose_method(runs, host, 64 << 10) == "staged"
     assert choose_method(runs, host, 2 << 20) == "dma"  # copies already large
+    assert choose_method(runs, host, 256 << 10) == "dma"
     assert choose_method(runs, None, 64 << 10) == "dma"  # no dense host side
     random_host = scattered_rows(64, 128, 4096, seed=1).numpy()  # few slots adjacent
     random_runs = coalesce(random_host[:, 0].copy(), random_host[:, 1].copy())
     assert choose_method(random_runs, random_host[:, 1].copy(), 64 << 10) == "dma"
+    # Half the slots taken at random: host runs of about 2 blocks are not worth a staging pass.
+    dense_random = scattered_rows(64, 128, 128, seed=2).numpy()
+    dense_runs = coalesce(dense_random[:, 0].copy(), dense_random[:, 1].copy())
+    assert choose_method(dense_runs, dense_random[:, 1].copy(), 32 << 10) == "dma"
     contiguous = coalesce(np.arange(64), np.arange(64))
     assert choose_method(contiguous, np.arange(64), 32 << 10) == "dma"
 
