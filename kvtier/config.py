@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtier.layout import KVLayout
 
-SWAP_METHODS = ("auto", "dma", "triton")
+SWAP_METHODS = ("auto", "dma", "staged", "triton")
 
 #: Slots of the staging slab used for disk traffic when the host tier is off but the disk
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
@@ -33,8 +33,9 @@ class TierConfig:
         It is rounded down to whole blocks (see `num_host_slots`).
     disk_path: directory of the LMDB disk tier; None turns it off.
     disk_budget_bytes: how many bytes the disk tier may hold; required with `disk_path`.
-    swap_method: how GPU <-> host copies run: "dma" (copy engines), "triton" (a kernel
-        writing through unified addressing) or "auto" (the kernels' choice).
+    swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
+        gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
+        addressing) or "auto" (the kernels' choice).
     io_threads: threads that run host <-> disk jobs.
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
     staging_slots: slab slots used for disk traffic when the host tier is off.

@@ -230,7 +230,8 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
 def roundtrip(
     total_mib: int = typer.Option(1024, help="MiB of blocks moved each way per repeat."),
     repeats: int = typer.Option(5, help="Timed runs; figures are medians."),
-    swap_method: str = typer.Option("auto", help="GPU <-> host copies: auto, dma or triton."),
+    swap_method: str = typer.Option("auto", help="GPU <-> host copies: auto, dma, staged or "
+                                    "triton."),
     disk: bool = typer.Option(True, help="Also measure disk -> GPU restores."),
     disk_dir: str | None = typer.Option(None, help="Directory for the LMDB files "
                                         "(default: a temporary one)."),

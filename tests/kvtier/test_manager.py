@@ -86,7 +86,7 @@ def test_round_trip_gpu_host_disk_host_gpu(tmp_path, managers, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap_method", ["dma", "triton"])
+@pytest.mark.parametrize("swap_method", ["dma", "staged", "triton"])
 def test_round_trip_on_cuda(tmp_path, managers, swap_method):
     if swap_method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the Triton copy kernel is measured compiled, not interpreted")
