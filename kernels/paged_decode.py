@@ -79,6 +79,9 @@ class AttentionConfig:
                              f"got {self.block_q}")
 
 
+# Memoised: the launcher runs per layer per step and the answer depends only on the
+# arguments (and on fixed device properties); steps repeat the same shapes.
+@functools.lru_cache(maxsize=4096)
 def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_reqs: int,
                 num_kv_heads: int, group: int, head_dim: int, max_query_len: int,
                 max_seq_len: int) -> AttentionConfig:
@@ -113,6 +116,10 @@ def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_r
         programs = (num_tokens // block_q + num_reqs) * num_kv_heads
         wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
         num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
+    if decode_shaped and num_splits == 1 and device.type == "cuda":
+        # Many requests, one pass each (batch 64 x 2K): 32-key tiles, 3 stages measured
+        # 1.11x faster than 64 x 2 on an H100 (docs/KERNELS.md).
+        tile_n, num_stages = 32, 3
     if wide_prefill and num_splits == 1:
         # 256 rows, 128 keys, 8 warps, 2 stages: 1.33x faster than 128 x 64 on an 8K prompt
         # (H100, docs/KERNELS.md); it needs Hopper-sized shared memory.
