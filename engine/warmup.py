@@ -69,15 +69,19 @@ class WarmupReport:
         return self.step_seconds + self.graph_seconds
 
 
-def use_user_triton_cache() -> Path:
+def use_user_triton_cache() -> Path | None:
     """Point Triton's kernel cache at `<user cache dir>/triton` unless TRITON_CACHE_DIR is
-    already set; returns the directory in use. Must run before Triton compiles anything
-    (Triton reads the variable when it compiles). Raises OSError when the directory cannot
-    be created."""
+    already set; returns the directory in use, or None (with a warning) when it cannot be
+    created, leaving Triton's default. Must run before Triton compiles anything (Triton
+    reads the variable when it compiles)."""
     configured = os.environ.get("TRITON_CACHE_DIR")
     if configured:
         return Path(configured)
-    path = paths.ensure_private_dir(paths.cache_dir() / "triton")
+    try:
+        path = paths.ensure_private_dir(paths.cache_dir() / "triton")
+    except OSError as exc:
+        logger.warning("Triton's kernel cache stays in its default place: %s", exc)
+        return None
     os.environ["TRITON_CACHE_DIR"] = str(path)
     return path
 

@@ -58,6 +58,12 @@ def test_triton_cache_goes_under_the_user_cache_dir(tmp_path: Path,
     assert path == tmp_path / "kvtier" / "triton"
     assert path.is_dir() and stat.S_IMODE(path.stat().st_mode) == 0o700
     assert os.environ["TRITON_CACHE_DIR"] == str(path)
+    # A cache directory that cannot be created leaves Triton's default (no error).
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a directory")
+    assert use_user_triton_cache() is None
+    assert "TRITON_CACHE_DIR" not in os.environ
     # A directory the user chose wins.
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert use_user_triton_cache() == tmp_path / "mine"
