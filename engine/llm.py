@@ -26,6 +26,7 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.sampler import SamplingParams, sample
 from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.warmup import WarmupReport, use_user_triton_cache, warm_up
 
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
@@ -73,6 +74,9 @@ class LLM:
     model: "smollm2-135m", a Hugging Face directory, a .gguf file, "random:<name>", or an
     already loaded `LoadedModel` (its device, dtype and attention backend are used; the
     model is shared, never modified, so several engines may run one after the other on it).
+    warmup: on CUDA, compile every kernel shape a step can reach before the first request
+    (`engine.warmup`; logs its time; Triton's cache goes under the user cache directory);
+    False skips it (tests that build many engines).
     device: "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on
     CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
@@ -88,7 +92,7 @@ class LLM:
                  disk_cache_gb: float = 10.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, hash_algorithm: str = "xxh3_128",
                  attn_backend: str = "auto", seed: int | None = 0,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, warmup: bool = True) -> None:
         self.config = EngineConfig(
             block_size=block_size, gpu_blocks=gpu_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_num_seqs=max_num_seqs,
@@ -96,6 +100,8 @@ class LLM:
             host_cache_gb=host_cache_gb, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
             disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm,
             attn_backend=attn_backend, seed=seed, cuda_graphs=cuda_graphs)
+        if warmup and torch.cuda.is_available():
+            use_user_triton_cache()  # before anything compiles, so a second start is fast
         if isinstance(model, LoadedModel):
             loaded = model
             self.device, self.dtype = _check_loaded(loaded, device, dtype)
@@ -118,6 +124,14 @@ class LLM:
             # Recorded at start (a few seconds at most), not inside the first decode steps.
             self.runner.enable_cuda_graphs(
                 max_num_seqs, min(self.max_model_len, self.num_gpu_blocks * block_size))
+        self.warmup_report: WarmupReport | None = None
+        if warmup and self.device.type == "cuda":
+            graphs = self.runner.graphs
+            self.warmup_report = warm_up(
+                self.model, self.manager.kv_cache, block_size, max_num_batched_tokens,
+                max_num_seqs, self.max_model_len,
+                graph_seconds=graphs.capture_seconds if graphs else 0.0,
+                num_graphs=len(graphs.buckets) if graphs else 0)
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}

@@ -82,7 +82,11 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
     return acc, m_new, l_i
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would compile a
+# variant for 1 and for multiples of 16): every step shape then reuses the kernels compiled
+# at warm-up (engine.warmup).
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_bt_r", "stride_po_s",
+                               "stride_pl_s"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
@@ -259,12 +263,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     num_splits = config.num_splits
     if num_splits > 1:
-        # [num_splits, num_tokens, num_heads, head_dim] float32 partial outputs and their
-        # log2-sum-exp [num_splits, num_tokens, num_heads].
-        part_out = torch.empty((num_splits, num_tokens, num_heads, head_dim),
-                               dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32,
-                               device=query.device)
+        # One allocation (this runs per layer per step): [num_splits, num_tokens, num_heads,
+        # head_dim] float32 partial outputs, then their log2-sum-exp [num_splits, num_tokens,
+        # num_heads].
+        num_parts = num_splits * num_tokens * num_heads
+        scratch = torch.empty(num_parts * (head_dim + 1), dtype=torch.float32,
+                              device=query.device)
+        part_out = scratch[:num_parts * head_dim].view(num_splits, num_tokens, num_heads,
+                                                       head_dim)
+        part_lse = scratch[num_parts * head_dim:].view(num_splits, num_tokens, num_heads)
     else:
         part_out = part_lse = out  # never read or written when num_splits == 1
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.

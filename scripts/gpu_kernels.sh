@@ -35,5 +35,6 @@ timeout "${SWAP_BENCH_TIMEOUT:-150}" $PY -m kvtier.cli.main bench swap --json \
 echo "== kernel benchmarks" | tee "$OUT_DIR/bench_kernels.log"
 SWEEP_FLAG=""
 if [ "${SWEEP:-0}" != "0" ]; then SWEEP_FLAG="--sweep"; fi
-timeout "${KERNEL_BENCH_TIMEOUT:-140}" $PY -m kvtier.cli.bench.kernels --json "$OUT_DIR/bench_kernels.json" \
-    $SWEEP_FLAG 2>&1 | tee -a "$OUT_DIR/bench_kernels.log"
+timeout "${KERNEL_BENCH_TIMEOUT:-140}" $PY -m kvtier.cli.main bench kernels --json $SWEEP_FLAG \
+    > "$OUT_DIR/bench_kernels.json" 2>> "$OUT_DIR/bench_kernels.log"
+tail -c 3000 "$OUT_DIR/bench_kernels.json"

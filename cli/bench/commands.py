@@ -85,6 +85,11 @@ def _print_longctx(result: dict[str, Any]) -> None:
                        f"{headline[key]:.2f}x sooner first token (p50{goal})")
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"generated tokens across strategies: {verdict}")
+    hf = result.get("transformers")
+    if hf is not None:
+        typer.echo(f"transformers' forward pass, same prompts and weights: TTFT p50 "
+                   f"{_ms(hf['ttft_s']['p50'])} ms; engine recompute / transformers = "
+                   f"{hf['engine_recompute_vs_hf']:.2f}x")
 
 
 def longctx(
@@ -109,6 +114,9 @@ def longctx(
                                          "temporary tier (default: the system temporary "
                                          "directory); it is removed afterwards."),
     seed: int = typer.Option(0, help="Seed of the documents' token ids."),
+    compare_hf: bool = typer.Option(False, "--compare-hf", help="Also time transformers' "
+                                    "own forward pass over the round-two prompts (same "
+                                    "weights)."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
                                      "TTFT comparison to this PNG file (needs matplotlib)."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
@@ -119,7 +127,8 @@ def longctx(
                            max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
                            max_batched_tokens=max_batched_tokens,
                            strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
-                           disk_dir=str(disk_dir) if disk_dir else None, seed=seed)
+                           disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
+                           compare_hf=compare_hf)
     result = _with_status("bench longctx", lambda update: run_longctx_bench(config, update))
     if plot is not None:
         result["plot"] = str(plot_longctx(result, plot))
@@ -209,20 +218,26 @@ def serve(
 
 
 def _print_kernels(result: dict[str, Any]) -> None:
-    print_table(f"paged decode vs torch SDPA on {result['device']} (ms)",
-                ("batch", "context", "paged", "GB/s", "SDPA default", "SDPA best", "ratio",
-                 "ratio best"),
-                [(r["batch"], r["context"], f"{r['paged_ms']:.3f}", f"{r['paged_kv_gbps']:,.0f}",
-                  f"{r['sdpa']['default_ms']:.3f}",
+    order = result["block_order"]
+    print_table(f"paged decode vs torch SDPA on {result['device']}, blocks in {order} order "
+                f"(ms; copy bandwidth {result['copy_gbps']:,.0f} GB/s read + write)",
+                ("batch", "context", "paged", "SDPA", "paged/SDPA", "SDPA best",
+                 "paged/best", "copy share", "graph paged/SDPA"),
+                [(r["batch"], r["context"], f"{r['paged_ms']:.3f}",
+                  f"{r['sdpa']['default_ms']:.3f}", f"{r['ratio_vs_sdpa_default']:.2f}",
                   f"{r['sdpa']['best_ms']:.3f} ({r['sdpa']['best_backend']})",
-                  f"{r['ratio_vs_sdpa_default']:.2f}", f"{r['ratio_vs_sdpa_best']:.2f}")
+                  f"{r['ratio_vs_sdpa_best']:.2f}", f"{r['copy_share']:.2f}",
+                  "-" if "ratio_vs_sdpa_default" not in r["cuda_graph"]
+                  else f"{r['cuda_graph']['ratio_vs_sdpa_default']:.2f}")
                  for r in result["decode"]])
     print_table("paged prefill vs torch SDPA (ms)",
-                ("chunk", "prefix", "paged", "TFLOP/s", "SDPA best", "ratio flash", "ratio best"),
+                ("chunk", "prefix", "paged", "TFLOP/s", "SDPA flash", "paged/flash", "SDPA",
+                 "paged/SDPA"),
                 [(r["chunk"], r["prefix"], f"{r['paged_ms']:.3f}", f"{r['paged_tflops']:,.0f}",
-                  f"{r['sdpa']['best_ms']:.3f} ({r['sdpa']['best_backend']})",
+                  f"{r['sdpa']['ms_by_backend'].get('flash', float('nan')):.3f}",
                   "-" if r["ratio_vs_sdpa_flash"] is None else f"{r['ratio_vs_sdpa_flash']:.2f}",
-                  f"{r['ratio_vs_sdpa_best']:.2f}") for r in result["prefill"]])
+                  f"{r['sdpa']['default_ms']:.3f}", f"{r['ratio_vs_sdpa_default']:.2f}")
+                 for r in result["prefill"]])
     print_table("store_kv vs a device-to-device copy",
                 ("tokens", "store GB/s", "copy GB/s", "ratio", "correct"),
                 [(r["num_tokens"], f"{r['store_gbps']:,.0f}", f"{r['d2d_gbps']:,.0f}",
@@ -230,23 +245,46 @@ def _print_kernels(result: dict[str, Any]) -> None:
     print_table("targets", ("target", "met"), list(result["targets"].items()))
 
 
+def _parse_pairs(text: str, separator: str, option: str) -> tuple[tuple[int, int], ...]:
+    """"32x8192,1x32768" -> ((32, 8192), (1, 32768)); ValueError naming the option."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        first, _, second = part.partition(separator)
+        try:
+            pair = (int(first), int(second))
+        except ValueError:
+            raise ValueError(f"{option} takes comma-separated A{separator}B integer pairs, "
+                             f"got {text!r}") from None
+        if pair[0] <= 0 or pair[1] < 0:
+            raise ValueError(f"{option}: {part!r} must be positive (a prefix may be 0)")
+        pairs.append(pair)
+    if not pairs:
+        raise ValueError(f"{option} needs at least one A{separator}B pair, got {text!r}")
+    return tuple(pairs)
+
+
 def kernels(
-    batch: int = typer.Option(32, help="Decode batch size."),
-    context: int = typer.Option(8192, help="Context tokens per sequence in the batched decode."),
-    long_contexts: str = typer.Option("32768,131072", help="Comma-separated contexts of the "
-                                      "batch-1 decodes."),
-    prefill_chunk: int = typer.Option(4096, help="Query tokens of the prefill chunk."),
-    prefix: int = typer.Option(28672, help="Cached tokens before the second prefill chunk."),
+    decode_cases: str = typer.Option("32x8192,1x32768,64x2048,4x131072",
+                                     help="Decode cases, comma-separated BATCHxCONTEXT."),
+    prefill_cases: str = typer.Option("8192+0,2048+30720",
+                                      help="Prefill cases, comma-separated CHUNK+PREFIX."),
     store_tokens: str = typer.Option("8192,32768", help="Comma-separated token counts of "
                                      "the store_kv runs."),
+    contiguous: bool = typer.Option(False, "--contiguous", help="Block tables in order "
+                                    "instead of a random permutation."),
     sweep: bool = typer.Option(False, "--sweep", help="Also time alternative tilings."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """Triton paged attention and store_kv against torch SDPA and device copies (CUDA)."""
+    decode = _parse_pairs(decode_cases, "x", "--decode-cases")
+    prefill = tuple((chunk, prefix) for chunk, prefix
+                    in _parse_pairs(prefill_cases, "+", "--prefill-cases"))
+    if any(batch <= 0 or context <= 0 for batch, context in decode):
+        raise ValueError("--decode-cases: batch and context must be positive")
     result = _with_status("bench kernels", lambda update: run_kernel_bench(
-        batch=batch, context=context, long_contexts=_parse_ints(long_contexts, "--long-contexts"),
-        prefill_chunk=prefill_chunk, prefix=prefix,
-        store_tokens=_parse_ints(store_tokens, "--store-tokens"), sweep=sweep))
+        decode_cases=decode, prefill_cases=prefill,
+        store_tokens=_parse_ints(store_tokens, "--store-tokens"), contiguous=contiguous,
+        sweep=sweep))
     if json_output:
         print_json(result)
     else:

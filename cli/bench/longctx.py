@@ -66,6 +66,7 @@ class LongctxConfig:
     strategies: tuple[str, ...] = STRATEGIES
     disk_dir: str | None = None
     seed: int = 0
+    compare_hf: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -271,6 +272,18 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
     for result in strategies.values():
         result["speedup_vs_recompute"] = baseline / result["ttft_s"]["p50"]
     reference = strategies["recompute"]["token_ids"]
+    transformers = None
+    if config.compare_hf:
+        # transformers' forward pass over the same round-two prompts (same weights), against
+        # the engine's recompute TTFT of those prompts.
+        from kvtier.cli.bench.hf_prefill import hf_prefill_ttft
+
+        report("transformers: one forward pass per round-two prompt")
+        hf = hf_prefill_ttft(loaded, [d + q for d, q in zip(docs, second)])
+        transformers = {"ttft_s": summarize(hf["ttft_s"]),
+                        "engine_recompute_vs_hf": baseline / float(np.median(hf["ttft_s"])),
+                        "same_first_tokens": hf["first_tokens"] == [
+                            ids[0] for ids in reference["round2"]]}
     weight = next(loaded.model.parameters())
     layout = loaded.config.kv_layout(config.block_size, weight.dtype)
     prompt_tokens = config.doc_tokens + config.question_tokens
@@ -299,4 +312,5 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
         "strategies": strategies,
         "outputs_identical": all(result["token_ids"] == reference
                                  for result in strategies.values()),
+        "transformers": transformers,
     }

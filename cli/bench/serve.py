@@ -152,6 +152,8 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         "generated_tokens": num_generated,
         "throughput_tok_s": num_generated / elapsed,
         "ttft_s": summarize(ttft),
+        "ttft_by_arrival_s": [o.metrics.ttft_s for o in
+                              sorted(finished, key=lambda o: o.metrics.arrival_time)],
         "tpot_s": summarize(tpot) if tpot else None,
         "tokens": {"gpu": sum(o.metrics.cached_tokens_gpu for o in finished),
                    "host": sum(o.metrics.cached_tokens_host for o in finished),

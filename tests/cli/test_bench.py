@@ -171,13 +171,23 @@ def test_gpu_benches_without_cuda_fail_in_one_line(runner, command):
 
 @pytest.mark.gpu
 def test_kernels_bench_tiny_json(runner):
-    result = runner.invoke(app, ["bench", "kernels", "--batch", "2", "--context", "256",
-                                 "--long-contexts", "1024", "--prefill-chunk", "128",
-                                 "--prefix", "256", "--store-tokens", "256", "--json"])
+    result = runner.invoke(app, ["bench", "kernels", "--decode-cases", "2x256,1x1024",
+                                 "--prefill-cases", "128+0,128+256", "--store-tokens", "256",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [r["context"] for r in report["decode"]] == [256, 1024]
+    assert [r["prefix"] for r in report["prefill"]] == [0, 256]
+    assert report["block_order"] == "random"
+    assert all(r["rel_error"] < 2e-2 for r in report["decode"] + report["prefill"])
+    assert all(0 < r["copy_share"] for r in report["decode"])
     assert all(r["correct"] for r in report["store_kv"])
+
+
+def test_kernels_bench_rejects_bad_cases(runner):
+    result = runner.invoke(app, ["bench", "kernels", "--decode-cases", "32by8192"])
+    assert result.exit_code == 1
+    assert "--decode-cases" in result.stderr
 
 
 @pytest.mark.gpu
@@ -219,3 +229,17 @@ def test_roundtrip_bench_is_wired(runner, tmp_path):
     report = json.loads(result.stdout)
     assert report["num_blocks"] == 2
     assert report["manager"]["verified"] and report["disk"]["verified"]
+
+
+def test_longctx_compare_hf_times_transformers_on_the_same_prompts(runner):
+    result = runner.invoke(app, [*LONGCTX, "--strategies", "recompute", "--compare-hf",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    hf = report["transformers"]
+    assert hf["ttft_s"]["n"] == 3
+    assert hf["ttft_s"]["p50"] > 0
+    assert hf["engine_recompute_vs_hf"] == pytest.approx(
+        report["strategies"]["recompute"]["ttft_s"]["p50"] / hf["ttft_s"]["p50"])
+    # float32 on the CPU: transformers picks the engine's first tokens.
+    assert hf["same_first_tokens"] is True

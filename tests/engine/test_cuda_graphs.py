@@ -97,7 +97,7 @@ def _generate(loaded: LoadedModel, prompts: list[list[int]], cuda_graphs: bool,
               max_tokens: int) -> tuple[list[tuple[int, ...]], list[torch.Tensor], int]:
     """(tokens per prompt, the logits of every step, the number of graph replays)."""
     with LLM(loaded, gpu_blocks=64, max_num_seqs=16, host_cache=False, disk_cache=False,
-             cuda_graphs=cuda_graphs) as llm:
+             cuda_graphs=cuda_graphs, warmup=False) as llm:
         assert (llm.runner.graphs is not None) == cuda_graphs
         recorded: list[torch.Tensor] = []
         sample = llm.runner.sample_fn
@@ -137,7 +137,7 @@ def test_graph_decode_matches_eager(tiny_cuda: LoadedModel, num_prompts: int) ->
 @pytest.mark.gpu
 def test_graphs_cover_buckets_and_leave_mixed_steps_eager(tiny_cuda: LoadedModel) -> None:
     with LLM(tiny_cuda, gpu_blocks=64, max_num_seqs=5, host_cache=False,
-             disk_cache=False) as llm:
+             disk_cache=False, warmup=False) as llm:
         graphs = llm.runner.graphs
         assert graphs is not None and graphs.buckets == (1, 2, 4, 8)
         assert graphs.max_seq_len == 64 * 16  # min(1024 positions, 64 blocks of 16)

@@ -62,14 +62,17 @@ def test_tiles_smaller_and_larger_than_blocks(block_size: int, tile_n: int) -> N
 
 
 @cases.needs_interpreter
+@pytest.mark.parametrize("num_splits", [3, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_split_kv(dtype: torch.dtype) -> None:
+def test_split_kv(dtype: torch.dtype, num_splits: int) -> None:
     # Decodes over lengths shorter than, equal to and longer than the splits, plus padding;
-    # with 3 splits of >= 16 keys the 1-token request leaves two splits empty.
+    # with 3 splits of >= 16 keys the 1-token request leaves two splits empty. 20 splits
+    # take the merge past one tile of 16 splits, most of them empty.
     case = cases.build_attention_case([1, 48, 97, 0, 70], [1, 1, 1, 0, 1], num_kv_heads=2,
                                       group=4, head_dim=32, block_size=16, dtype=dtype,
                                       device="cpu", seed=7)
-    check_against_reference(case, 0.2, AttentionConfig(block_q=4, tile_n=16, num_splits=3))
+    check_against_reference(case, 0.2, AttentionConfig(block_q=4, tile_n=16,
+                                                       num_splits=num_splits))
 
 
 @cases.needs_interpreter

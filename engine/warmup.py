@@ -1,0 +1,182 @@
+"""Warm-up at engine start: compile every kernel specialization a step can reach, before the
+first request.
+
+Triton compiles a kernel on its first launch with a new set of compile-time constants, and
+torch grows its allocator and picks GEMM kernels on the first call of a shape: left to the
+first requests, that put seconds of compilation on a request's path (4.7 s instead of 1.5 s
+for a 32K-token prompt of an 8B model on an H100). The engine's kernels are specialised only
+on what the model fixes (dtype, head counts, head dim, block size) and on the tiling
+`kernels.paged_decode.pick_config` chooses, i.e. on the shape class of a step:
+
+    prefill        one fresh prompt chunk of the step's full token budget (no prefix)
+    long prefix    a short chunk after a long context (split-KV)
+    decode         short decodes, and decodes over long contexts (split-KV, merged)
+    mixed          a prefill chunk batched with decodes
+    sampling       the logits head and both sampler paths (greedy, seeded random)
+    block copies   one block GPU -> pinned host -> GPU, and one GPU -> GPU block copy
+
+Every warm-up step stores nothing (slot_mapping -1) and reads block 0 through all-zero block
+tables; it runs before the first request, while the GPU pool holds no block, and never
+touches the host or disk tiers. CUDA graphs of every decode batch
+bucket are recorded by the model runner at the same time (`DecodeGraphs.capture_all`).
+
+Compiled kernels go to Triton's cache directory, which `use_user_triton_cache` points at
+`<user cache dir>/triton` (unless TRITON_CACHE_DIR is set) so a second start loads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from kvtier.engine import paths
+from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.sampler import SamplingParams, sample
+
+logger = logging.getLogger(__name__)
+
+#: Context of the warm-up's long-context steps: long enough for split-KV (>= 2 x 512 keys).
+LONG_CONTEXT = 2048
+#: Query tokens of the warm-up's short prefill chunks.
+SHORT_CHUNK = 48
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupStep:
+    """One synthetic step: each request's query tokens and its tokens after the step."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    """What warm-up ran and how long it took (seconds, wall clock, device synchronised)."""
+
+    steps: tuple[str, ...]
+    step_seconds: float
+    graph_seconds: float
+    num_graphs: int
+    triton_cache_dir: str
+
+    @property
+    def seconds(self) -> float:
+        return self.step_seconds + self.graph_seconds
+
+
+def use_user_triton_cache() -> Path | None:
+    """Point Triton's kernel cache at `<user cache dir>/triton` unless TRITON_CACHE_DIR is
+    already set; returns the directory in use, or None (with a warning) when it cannot be
+    created, leaving Triton's default. Must run before Triton compiles anything (Triton
+    reads the variable when it compiles)."""
+    configured = os.environ.get("TRITON_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    try:
+        path = paths.ensure_private_dir(paths.cache_dir() / "triton")
+    except OSError as exc:
+        logger.warning("Triton's kernel cache stays in its default place: %s", exc)
+        return None
+    os.environ["TRITON_CACHE_DIR"] = str(path)
+    return path
+
+
+def warmup_steps(max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int) -> list[WarmupStep]:
+    """The synthetic steps that reach every shape class of an engine with these limits."""
+    budget = max(1, min(max_num_batched_tokens, max_model_len - 1))
+    long_context = max(2, min(LONG_CONTEXT, max_model_len - 1))
+    chunk = max(1, min(SHORT_CHUNK, budget, long_context // 4))
+    num_decodes = max(1, min(3, max_num_seqs - 1))
+    steps = [
+        WarmupStep("prefill", (budget,), (budget,)),
+        WarmupStep("long prefix", (chunk,), (long_context,)),
+        WarmupStep("decode", (1,) * num_decodes, (17,) * num_decodes),
+        WarmupStep("long decode", (1,) * num_decodes, (long_context,) * num_decodes),
+    ]
+    if max_num_seqs > 1:
+        mixed_chunk = max(1, min(chunk, budget - num_decodes))
+        steps.append(WarmupStep("mixed", (mixed_chunk,) + (1,) * num_decodes,
+                                (mixed_chunk,) + (long_context,) * num_decodes))
+    return steps
+
+
+def _step_inputs(step: WarmupStep, block_size: int, device: torch.device,
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and metadata of a step that stores nothing and reads block 0."""
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(step.q_lens, step.seq_lens)])
+    num_tokens = positions.shape[0]
+    starts = [0]
+    for q_len in step.q_lens:
+        starts.append(starts[-1] + q_len)
+    max_blocks = -(-max(step.seq_lens) // block_size)
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.zeros((len(step.q_lens), max_blocks), dtype=torch.int32,
+                                 device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        max_query_len=max(step.q_lens), max_seq_len=max(step.seq_lens))
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    return input_ids, positions.to(device), metadata
+
+
+@torch.inference_mode()
+def run_steps(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+              steps: list[WarmupStep]) -> None:
+    """Run each step's forward, logits and both sampler paths; writes nothing to
+    `kv_cache` [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
+    device = kv_cache.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    for step in steps:
+        input_ids, positions, metadata = _step_inputs(step, block_size, device)
+        hidden = model.forward(input_ids, positions, kv_cache, metadata)  # [tokens, hidden]
+        last = metadata.query_start_loc[1:].long() - 1  # [num_reqs] rows that would sample
+        logits = model.compute_logits(hidden[last])  # [num_reqs, vocab] float32
+        # Block 0 holds whatever memory held (NaN too): sample from clean logits instead.
+        clean = torch.randn(logits.shape, generator=generator, device=device)
+        num_reqs = len(step.q_lens)
+        sample(clean, [SamplingParams()] * num_reqs, [None] * num_reqs)
+        sample(clean, [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)] * num_reqs,
+               [generator] * num_reqs)
+
+
+def _warm_block_copies(kv_cache: torch.Tensor) -> None:
+    """Block 0 to pinned host memory and back, and block 1 copied over block 0: loads the
+    copy paths (and compiles the copy kernel). Runs at start, while no GPU block is in use
+    (the tiers keep their data in host memory and on disk, never in the GPU pool)."""
+    from kvtier.kernels import copy_blocks, swap_blocks
+
+    mapping = torch.zeros((1, 2), dtype=torch.int64)  # block 0 <-> host slot 0
+    host = torch.empty((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype).pin_memory()
+    swap_blocks(kv_cache, host, mapping)
+    swap_blocks(host, kv_cache, mapping)
+    if kv_cache.shape[0] > 1:
+        copy_blocks(kv_cache, torch.tensor([[1, 0]], dtype=torch.int64))
+
+
+def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+            max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+            graph_seconds: float = 0.0, num_graphs: int = 0) -> WarmupReport:
+    """Run every warm-up step on `model` over `kv_cache` (CUDA only), log one line with the
+    time taken, and return the report. `graph_seconds` / `num_graphs`: the decode graphs
+    the runner recorded at start, reported in the same line."""
+    assert kv_cache.device.type == "cuda", "warm-up compiles GPU kernels; skip it elsewhere"
+    start = time.perf_counter()
+    steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len)
+    run_steps(model, kv_cache, block_size, steps)
+    _warm_block_copies(kv_cache)
+    torch.cuda.synchronize(kv_cache.device)
+    report = WarmupReport(steps=tuple(s.name for s in steps) + ("block copies",),
+                          step_seconds=time.perf_counter() - start,
+                          graph_seconds=graph_seconds, num_graphs=num_graphs,
+                          triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""))
+    logger.info("warm-up: %d step shapes and %d CUDA graphs ready in %.1f s (steps %.1f s, "
+                "graphs %.1f s); Triton cache %s", len(report.steps), num_graphs,
+                report.seconds, report.step_seconds, graph_seconds, report.triton_cache_dir)
+    return report
