@@ -26,6 +26,7 @@ class RequestMetrics:
     cached_tokens_disk: int
     computed_tokens: int
     num_preemptions: int
+    cached_tokens_remote: int = 0  # restored from the shared remote tier
 
     @property
     def ttft_s(self) -> float | None:

@@ -167,8 +167,12 @@ class RemoteNodes:
             self._back_off_locked(name)
 
     def _back_off_locked(self, name: str) -> None:
-        self._down_until[name] = self._clock() + self.config.backoff_s
-        self.num_backoffs += 1
+        """Counted once per outage: calls already under way when a node failed (on other
+        threads) fail too, but do not start another back-off."""
+        now = self._clock()
+        if self._down_until.get(name, 0.0) <= now:
+            self.num_backoffs += 1
+            self._down_until[name] = now + self.config.backoff_s
 
     def _is_down(self, name: str) -> bool:
         with self._lock:
