@@ -195,3 +195,19 @@ def test_a_dead_store_makes_misses_not_errors(managers, redis_factory, request) 
     assert stats.tiers[Tier.REMOTE].rejected == 3
     assert stats.remote.unreachable > 0 and stats.remote.nodes_down == 1
     check_idle(b)
+
+
+def test_roundtrip_bench_remote_smoke_run(redis_cluster) -> None:
+    from kvtier.cli.bench.roundtrip import run_roundtrip_bench
+
+    result = run_roundtrip_bench(total_mib=1, repeats=2, num_layers=2, num_kv_heads=2,
+                                 head_dim=64, block_size=16, disk=False, device="cpu",
+                                 remote_cache=redis_cluster.url)
+    remote = result["remote"]
+    assert remote["verified"] and remote["cluster"]
+    assert remote["plain_get_bytes"] > result["bytes_each_way"]  # records carry a header
+    assert remote["restore_gbps"] > 0 and remote["vs_plain_get"] > 0
+    # The run's keys are gone afterwards.
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    assert not any(key.startswith(b"bench") for key in client.scan_iter(target_nodes="all"))
+    client.close()
