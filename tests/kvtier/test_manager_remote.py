@@ -211,3 +211,22 @@ def test_roundtrip_bench_remote_smoke_run(redis_cluster) -> None:
     client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
     assert not any(key.startswith(b"bench") for key in client.scan_iter(target_nodes="all"))
     client.close()
+
+
+def test_a_block_evicted_between_lookup_and_load_ends_the_prefix(managers, redis_server,
+                                                                 request) -> None:
+    remote = _remote(redis_server.url, request)
+    metas, data = chain(LAYOUT, "doc", 6), random_blocks(LAYOUT, 6, seed=9)
+    a = _manager(managers, remote)
+    write(a, metas, data)
+    a.flush()
+    b = _manager(managers, remote)
+    assert b.lookup([m.block_hash for m in metas]).locations == [Tier.REMOTE] * 6
+    a.remote.delete([metas[4].block_hash])  # the store evicts it (LRU, TTL) meanwhile
+    num_ok, blocks = load(b, metas)
+    assert num_ok == 4
+    for block, expected in zip(blocks[:4], data[:4]):
+        assert same_bytes(b.kv_cache[block.block_id], expected)
+    b.free(blocks)
+    assert b.stats().remote.misses == 1 and b.stats().remote.rejected == 0
+    check_idle(b)
