@@ -207,3 +207,13 @@ def test_roundtrip_bench_is_wired(runner, tmp_path):
     report = json.loads(result.stdout)
     assert report["num_blocks"] == 2
     assert report["manager"]["verified"] and report["disk"]["verified"]
+
+
+def test_serve_with_a_remote_tier_keeps_the_answers(runner, redis_server):
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host_disk", "--remote-cache",
+                                 redis_server.url, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    assert report["config"]["remote_cache"] == redis_server.url
+    assert report["modes"]["off"]["tokens"]["remote"] == 0
