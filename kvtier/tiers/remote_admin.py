@@ -84,8 +84,8 @@ def remote_stats(config: RemoteConfig) -> dict:
                 num_bytes[_layout_of(key, config)] += int(length)
         servers = []
         for name, client in nodes.primaries():
-            memory = client.info("memory")
-            policy = client.config_get("maxmemory-policy").get("maxmemory-policy", "?")
+            memory = client.info("memory")  # maxmemory_policy is there since Redis 7
+            policy = memory.get("maxmemory_policy", "?")
             servers.append({"node": name, "used_memory": memory.get("used_memory"),
                             "maxmemory": memory.get("maxmemory"), "policy": policy})
         return {"url": redact(config.url), "key_prefix": config.key_prefix,

@@ -210,3 +210,28 @@ def test_bad_urls_say_what_a_good_one_is(url: str, message: str) -> None:
 def test_passwords_are_redacted() -> None:
     assert redact("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
     assert redact("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_an_acl_user_limited_to_its_prefix_is_enough(redis_factory, request) -> None:
+    """The ACL docs/RELIABILITY.md recommends: kvtier works with it, and cannot touch keys
+    outside its prefix."""
+    from kvtier.tiers.remote_admin import remote_clear, remote_stats, remote_verify
+
+    server = redis_factory.server()
+    admin = redis.Redis(port=server.port)
+    admin.execute_command("ACL", "SETUSER", "kvtier", "on", ">pw", "~tenant1:*", "+get",
+                          "+set", "+exists", "+del", "+scan", "+strlen", "+info", "+ttl",
+                          "+object", "+ping")
+    admin.set("other:secret", b"x")
+    config = RemoteConfig(f"redis://kvtier:pw@127.0.0.1:{server.port}/0", key_prefix="tenant1")
+    tier = RemoteTier(config, SMALL)
+    request.addfinalizer(tier.close)
+    metas, payloads = make_blocks(SMALL, seed=10, num_blocks=3)
+    assert tier.put(metas, payloads) == [True] * 3
+    assert all(x is not None for x in _read(tier, metas))
+    assert tier.stats().backoffs == 0
+    assert remote_stats(config)["num_blocks"] == 3
+    assert remote_verify(config).ok
+    assert remote_clear(config) == 3
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        redis.Redis(port=server.port, username="kvtier", password="pw").get("other:secret")
