@@ -235,3 +235,28 @@ def test_an_acl_user_limited_to_its_prefix_is_enough(redis_factory, request) -> 
     assert remote_clear(config) == 3
     with pytest.raises(redis.exceptions.NoPermissionError):
         redis.Redis(port=server.port, username="kvtier", password="pw").get("other:secret")
+
+
+def test_tls_and_its_options_come_from_the_url(redis_factory, tmp_path, request) -> None:
+    import shutil
+    import subprocess
+
+    from tests.redis_servers import _free_port
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (needed to make a test certificate)")
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
+                    str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    tls_port = _free_port()
+    redis_factory.server("--tls-port", str(tls_port), "--tls-cert-file", str(cert),
+                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
+                         "--tls-auth-clients", "no")
+    metas, payloads = make_blocks(SMALL, seed=11, num_blocks=3)
+    trusting = _tier(f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={cert}", request)
+    assert trusting.put(metas, payloads) == [True] * 3
+    assert all(x is not None for x in _read(trusting, metas))
+    # Without the CA the certificate is not trusted: a store in back-off, never an error.
+    untrusting = _tier(f"rediss://127.0.0.1:{tls_port}/0", request, timeout_s=1.0)
+    assert untrusting.contains([m.block_hash for m in metas]) == [False] * 3
+    assert untrusting.stats().backoffs == 1
