@@ -139,7 +139,11 @@ def test_a_node_lost_mid_run_turns_into_misses(tiny, tmp_path, redis_factory, ho
             assert stats.remote.unreachable > 0 and stats.remote.nodes_down == 1
             # One timeout at most: the node then sits out its back-off, no later step waits.
             assert stats.remote.backoffs == 1
-            assert stats.tiers[Tier.REMOTE].misses > 0 and stats.tiers[Tier.REMOTE].hits > 0
+            # Lookups after the loss miss; reads under way when it happened fail: either way
+            # the blocks are counted, and recomputed.
+            remote_tier = stats.tiers[Tier.REMOTE]
+            assert remote_tier.misses + remote_tier.failures > 0 and remote_tier.hits > 0
+            print(f"{how}: longest step {longest_step:.3f} s, timeout {config.timeout_s} s")
             # Not a performance bound: a hang (a timeout per call) would be far above this.
             assert longest_step < 20 * config.timeout_s, longest_step
     finally:
@@ -235,6 +239,7 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
     with LLM(smollm2, host_cache=False, disk_cache=False, max_num_batched_tokens=1024) as llm:
         prompt = f"{long_document(llm.tokenizer, 4096)}\n\n{QUESTIONS[1]}"
         [reference] = llm.generate([prompt], SamplingParams(max_tokens=8))
+    print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
     assert b["output_token_ids"] == list(reference.token_ids)
     assert b["cached_gpu_host_disk"] == 0
     assert b["cached_remote"] >= 0.95 * b["doc_tokens"], b
