@@ -230,3 +230,19 @@ def test_a_block_evicted_between_lookup_and_load_ends_the_prefix(managers, redis
     b.free(blocks)
     assert b.stats().remote.misses == 1 and b.stats().remote.rejected == 0
     check_idle(b)
+
+
+def test_without_a_remote_tier_redis_is_not_imported() -> None:
+    import subprocess
+    import sys
+
+    from tests.kvtier.manager_cases import REPO_ROOT
+    code = ("import sys; from kvtier.engine import LLM; from kvtier.manager import TierManager; "
+            "from kvtier.config import TierConfig; from tests.kvtier.manager_cases import "
+            "small_layout; m = TierManager(small_layout(), TierConfig(num_gpu_blocks=4, "
+            "host_capacity_bytes=1 << 20)); m.close(); import kvtier.cli.main; "
+            "print(sorted(n for n in sys.modules if n == 'redis' or n.startswith('redis.')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
