@@ -7,8 +7,9 @@ Keys are `<prefix>:<layout fingerprint hex>:<block hash hex>`; the block hash al
 the namespace hash (model, layout, hash algorithm, cache salt), and the layout fingerprint
 in the key lets `kvtier cache` tools pick one layout's blocks.
 
-Every call is one pipeline per node (see `kvtier.tiers.remote_nodes`), under the socket
-timeout of `RemoteConfig.timeout_s`; a node that fails or times out answers misses for
+Every call is one pipeline per node (see `kvtier.tiers.remote_nodes`), sent to all nodes
+before any reply is read (one round trip per call), under the socket timeout of
+`RemoteConfig.timeout_s`; a node that fails or times out answers misses for
 `backoff_s`. Nothing here raises for a store that misbehaves: failures are misses (reads)
 or dropped blocks (writes), and counted. Eviction is the store's own (`maxmemory` with an
 LRU policy, optional TTL); a write the store refuses (OOM under `noeviction`) is counted
@@ -102,31 +103,62 @@ class RemoteTier:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
-    def _pipelined(self, keys: Sequence[bytes], add) -> list[object | None]:
-        """Run one command per key (`add(pipeline, index, key)` queues it), one pipeline
-        per node. Returns each key's reply, None for keys whose node failed or is in
-        back-off (counted as unreachable), or the error object of a failed command."""
+    def _pipelined(self, keys: Sequence[bytes], command) -> list[object | None]:
+        """Run one command per key (`command(index, key)` gives its arguments), pipelined
+        per node: the commands go out to every node first and the replies are read
+        afterwards, so a call costs one round trip whatever the number of nodes. Returns
+        each key's reply, None for keys whose node failed or is in back-off (counted as
+        unreachable), or the error of a command the store refused."""
         replies: list[object | None] = [None] * len(keys)
-        batches, num_skipped = self.nodes.route(keys)
-        num_unreachable = num_skipped
+        batches, num_unreachable = self.nodes.route(keys)
+        sent = []
         for batch in batches:
-            pipe = batch.client.pipeline(transaction=False)
-            for i in batch.indices:
-                add(pipe, i, keys[i])
+            pool = batch.client.connection_pool
             try:
-                results = pipe.execute(raise_on_error=False)
+                conn = pool.get_connection()
             except (redis.RedisError, OSError) as exc:
                 self.nodes.note_error(batch.name, exc)
                 num_unreachable += len(batch.indices)
                 continue
-            for i, reply in zip(batch.indices, results):
-                if isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError)):
-                    self.nodes.note_error(batch.name, reply)
-                    reply = None
-                replies[i] = reply
+            try:
+                conn.send_packed_command(conn.pack_commands(
+                    [command(i, keys[i]) for i in batch.indices]))
+                sent.append((batch, pool, conn))
+            except (redis.RedisError, OSError) as exc:
+                self._drop(batch, pool, conn, exc)
+                num_unreachable += len(batch.indices)
+        for batch, pool, conn in sent:
+            try:
+                for i in batch.indices:
+                    replies[i] = self._read_reply(batch.name, conn)
+            except (redis.RedisError, OSError) as exc:
+                self._drop(batch, pool, conn, exc)
+                num_unreachable += len(batch.indices)
+                for i in batch.indices:
+                    replies[i] = None
+                continue
+            pool.release(conn)
         if num_unreachable:
             self._count(unreachable=num_unreachable)
         return replies
+
+    def _read_reply(self, node: str, conn) -> object | None:
+        """One reply; an error reply is returned (refused) or, for a redirection, noted
+        (the slot map is refreshed later) and None."""
+        try:
+            return conn.read_response()
+        except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
+            self.nodes.note_error(node, exc)
+            return None
+        except redis.exceptions.ResponseError as exc:
+            return exc
+
+    def _drop(self, batch, pool, conn, exc: BaseException) -> None:
+        """A node failed mid-call: its connection is closed (its stream is out of step),
+        and the node goes into back-off."""
+        conn.disconnect()
+        pool.release(conn)
+        self.nodes.note_error(batch.name, exc)
 
     # ---- lookups and reads ---------------------------------------------------------------
 
@@ -136,7 +168,7 @@ class RemoteTier:
         if not block_hashes:
             return []
         replies = self._pipelined([self.key(h) for h in block_hashes],
-                                  lambda pipe, _i, key: pipe.exists(key))
+                                  lambda _i, key: ("EXISTS", key))
         return [isinstance(r, int) and r > 0 for r in replies]
 
     def get_many_into(self, metas: Sequence[BlockMeta],
@@ -152,7 +184,7 @@ class RemoteTier:
             return []
         self.nodes.refresh_if_moved()
         keys = [self.key(meta.block_hash) for meta in metas]
-        replies = self._pipelined(keys, lambda pipe, _i, key: pipe.get(key))
+        replies = self._pipelined(keys, lambda _i, key: ("GET", key))
         results, bad = [], []
         num_bytes = 0
         for meta, array, reply, key in zip(metas, arrays, replies, keys):
@@ -166,7 +198,7 @@ class RemoteTier:
         self._count(hits=num_hits, misses=len(metas) - num_hits - len(bad),
                     rejected=len(bad), bytes_read=num_bytes)
         if bad:
-            self._pipelined(bad, lambda pipe, _i, key: pipe.delete(key))
+            self._pipelined(bad, lambda _i, key: ("DEL", key))
         return results
 
     def _read_into(self, value: bytes, meta: BlockMeta, array) -> bool:
@@ -204,13 +236,13 @@ class RemoteTier:
         for i in new:
             out = bytearray(record_size(metas[i], views[i].nbytes))
             records[i] = assemble_record(metas[i], self.layout, views[i], out)
-        ttl = self.config.ttl_s
+        expiry = ("EX", self.config.ttl_s) if self.config.ttl_s is not None else ()
         replies = self._pipelined([keys[i] for i in new],
-                                  lambda pipe, j, key: pipe.set(key, records[new[j]], ex=ttl))
+                                  lambda j, key: ("SET", key, records[new[j]], *expiry))
         stored = list(present)
         num_refused = num_bytes = 0
         for i, reply in zip(new, replies):
-            if reply is True:
+            if reply == b"OK":
                 stored[i] = True
                 num_bytes += records[i].nbytes
             elif isinstance(reply, redis.exceptions.ResponseError):
@@ -223,7 +255,7 @@ class RemoteTier:
     def delete(self, block_hashes: Sequence[BlockHash]) -> int:
         """Delete blocks; how many were stored."""
         replies = self._pipelined([self.key(h) for h in block_hashes],
-                                  lambda pipe, _i, key: pipe.delete(key))
+                                  lambda _i, key: ("DEL", key))
         return sum(r for r in replies if isinstance(r, int))
 
     # ---- administration ------------------------------------------------------------------
@@ -241,7 +273,7 @@ class RemoteTier:
 
     def get_records(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Raw values of `keys` (None: missing or unreachable), one pipeline per node."""
-        replies = self._pipelined(keys, lambda pipe, _i, key: pipe.get(key))
+        replies = self._pipelined(keys, lambda _i, key: ("GET", key))
         return [r if isinstance(r, bytes) else None for r in replies]
 
     def check_record(self, key: bytes, value: bytes) -> RecordHeader:
@@ -254,7 +286,7 @@ class RemoteTier:
 
     def delete_keys(self, keys: Sequence[bytes]) -> int:
         """Delete raw keys (as listed by `iter_keys`); how many existed."""
-        replies = self._pipelined(keys, lambda pipe, _i, key: pipe.delete(key))
+        replies = self._pipelined(keys, lambda _i, key: ("DEL", key))
         return sum(r for r in replies if isinstance(r, int))
 
     def stats(self) -> RemoteStats:
