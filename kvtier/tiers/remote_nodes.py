@@ -1,8 +1,9 @@
 """The nodes behind a remote URL: one Redis server or the primaries of a Redis Cluster, which
 keys each one holds, and which are in back-off after failing.
 
-The remote tier talks to every node through that node's own `redis.Redis` client, one
-pipeline per node and call, instead of through redis-py's cluster pipeline: a node that
+The remote tier talks to every node through that node's own `redis.Redis` client (its
+connection pool), one pipeline per node and call, instead of through redis-py's cluster
+pipeline: a node that
 fails or times out then costs only its own keys (misses) for a back-off period, and no
 cluster-level retry or topology refresh runs on the caller's thread with a dead node in the
 way. The slot map is refreshed (on the next I/O call) after a node answered MOVED or ASK.
