@@ -37,7 +37,7 @@ from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
-from kvtier.remote_io import RemoteOffers, remote_read_job, remote_write_job
+from kvtier.remote_io import RemoteWrites, remote_read_job
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, SlotId
@@ -82,7 +82,6 @@ class TierManager:
         if config.remote is not None:
             from kvtier.tiers.remote import RemoteTier  # imports redis: only when asked for
             self.remote = RemoteTier(config.remote, layout)
-        self._remote_offers = RemoteOffers()
         self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
@@ -94,6 +93,12 @@ class TierManager:
         self._num_writing_back = 0
         self._writeback_reserve = max(1, num_host_slots // 8)
         self._tiers = new_tier_counters()
+        self._remote_writes: RemoteWrites | None = None
+        if self.remote is not None:
+            assert self.host is not None and config.remote is not None
+            self._remote_writes = RemoteWrites(self.remote, self.host, layout.bytes_per_block,
+                                               config.remote.write_batch, self._submit,
+                                               self._tiers[Tier.REMOTE])
         self._closed = False
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
@@ -238,7 +243,7 @@ class TierManager:
                         else None
                     job, results = remote_read_job(self.remote, metas, dests,
                                                    self.layout.bytes_per_block, keep)
-                    self._remote_offers.remember([meta.block_hash for meta in metas])
+                    self._remote_writes.offers.remember([meta.block_hash for meta in metas])
                 else:
                     job, results = disk_read_job(self.disk, metas, dests,
                                                  self.layout.bytes_per_block)
@@ -372,32 +377,19 @@ class TierManager:
         self._tiers[Tier.HOST].failures += 0 if ok else len(items)
         if ok and not self._host_caches:
             for chunk in _chunks(slots, _DISK_WRITE_BATCH):
-                if self.remote is not None:  # to the remote tier first, then to disk
-                    self._write_to_remote(chunk, lambda c=chunk: self._after_staged_remote(c))
+                if self._remote_writes is not None:  # to the remote tier first, then to disk
+                    self._remote_writes.write(chunk,
+                                              lambda c=chunk: self._after_staged_remote(c))
                 else:
                     self._write_to_disk(chunk, staged=True)
             return
         for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
             if ok and self._host.commit(slot, dirty=self.disk is not None):
                 self._host.unpin(slot)
-                self._offer_to_remote(slot)
+                if self._remote_writes is not None:  # pinned until its batch is written
+                    self._remote_writes.offer(slot)
             else:
                 self._host.free_slot(slot)
-
-    def _offer_to_remote(self, slot: SlotId) -> None:
-        """Queue a newly cached host block for the remote tier (once per hash); the slot is
-        pinned until its batch is written (`_send_to_remote`)."""
-        if self.remote is not None and self._remote_offers.is_new(self._host.meta(slot)
-                                                                   .block_hash):
-            self._host.pin(slot)
-            self._remote_offers.pending.append(slot)
-
-    def _send_to_remote(self) -> None:
-        """Write the queued host blocks to the remote tier, in batches, on the I/O pool."""
-        if self.remote is None:
-            return
-        for chunk in self._remote_offers.take(self.config.remote.write_batch):
-            self._write_to_remote(chunk, lambda c=chunk: [self._host.unpin(s) for s in c])
 
     def _after_staged_remote(self, slots: list[SlotId]) -> None:
         if self.disk is not None:
@@ -405,24 +397,6 @@ class TierManager:
         else:
             for slot in slots:
                 self._host.free_slot(slot)
-
-    def _write_to_remote(self, slots: list[SlotId], then: Callable[[], object]) -> None:
-        """Store host slots in the remote tier from the I/O pool; `then()` runs once the job
-        finished, whatever its outcome (a refused or lost block is dropped, never retried)."""
-        assert self.remote is not None
-        metas = [self._host.meta(slot) for slot in slots]
-        if not self._host_caches:  # staged blocks did not pass through `_offer_to_remote`
-            self._remote_offers.remember([meta.block_hash for meta in metas])
-        job, stored = remote_write_job(self.remote, metas,
-                                       [self._host.slot_bytes(slot) for slot in slots],
-                                       self.layout.bytes_per_block)
-
-        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
-            self._tiers[Tier.REMOTE].rejected += stored.count(False)
-            self._tiers[Tier.REMOTE].failures += len(slots) - len(stored)
-            then()
-
-        self._submit(job, finish)
 
     def _schedule_writebacks(self, num_needed: int) -> None:
         """Start writing dirty host blocks to disk, least recently used first, so that
@@ -482,7 +456,8 @@ class TierManager:
                 if load is not None:
                     load.job_ids.discard(job_id)
                 on_done(ok)
-        self._send_to_remote()
+        if self._remote_writes is not None:
+            self._remote_writes.send()  # this step's newly cached blocks, in batches
         self._schedule_writebacks(sum(len(load.waiting) for load in self._loads.values()))
         for load in self._loads.values():
             self._feed_load(load)

@@ -6,6 +6,7 @@ already offered to it.
   * `remote_write_job`: HOST_TO_REMOTE, one pipelined write of a batch of host slots.
   * `RemoteOffers`: the hashes already sent (or received), so every block goes to the
     remote tier once, and the host slots queued for the next batch.
+  * `RemoteWrites`: the tier manager's write-back to the remote tier, built on the above.
 
 Imports no redis: the jobs only call the `RemoteTier` they are given.
 """
@@ -13,16 +14,16 @@ Imports no redis: the jobs only call the `RemoteTier` they are given.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.hashing import BlockHash
-from kvtier.stats import Direction
-from kvtier.tiers.host import SlotId
+from kvtier.stats import Direction, TierCounters
+from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob
+from kvtier.transfer import IOJob, JobId
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskTier
@@ -95,3 +96,46 @@ class RemoteOffers:
         """The pending slots in batches of at most `batch`; the queue is emptied."""
         slots, self.pending = self.pending, []
         return [slots[i:i + batch] for i in range(0, len(slots), batch)]
+
+
+class RemoteWrites:
+    """Write-back from host slots to the remote tier, for the tier manager (engine thread).
+
+    `offer` queues a newly cached host block once per hash and pins its slot; `send` writes
+    the queue in batches of `write_batch` on the I/O pool (through `submit`, the manager's
+    job submission) and unpins each slot once its batch is done, whatever the outcome: a
+    refused or lost block is counted in `counters` and dropped, never retried.
+    """
+
+    def __init__(self, remote: RemoteTier, host: HostTier, bytes_per_block: int,
+                 write_batch: int, submit: Callable[[IOJob, Callable[[bool], None]], JobId],
+                 counters: TierCounters) -> None:
+        self.remote, self.host = remote, host
+        self.offers = RemoteOffers()
+        self._bytes_per_block, self._write_batch = bytes_per_block, write_batch
+        self._submit, self._counters = submit, counters
+
+    def offer(self, slot: SlotId) -> None:
+        if self.offers.is_new(self.host.meta(slot).block_hash):
+            self.host.pin(slot)
+            self.offers.pending.append(slot)
+
+    def send(self) -> None:
+        for chunk in self.offers.take(self._write_batch):
+            self.write(chunk, lambda c=chunk: [self.host.unpin(slot) for slot in c])
+
+    def write(self, slots: list[SlotId], then: Callable[[], object]) -> None:
+        """Store host slots (pinned or reserved by the caller) in the remote tier; `then()`
+        runs once the job finished."""
+        metas = [self.host.meta(slot) for slot in slots]
+        self.offers.remember([meta.block_hash for meta in metas])
+        job, stored = remote_write_job(self.remote, metas,
+                                       [self.host.slot_bytes(slot) for slot in slots],
+                                       self._bytes_per_block)
+
+        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
+            self._counters.rejected += stored.count(False)
+            self._counters.failures += len(slots) - len(stored)
+            then()
+
+        self._submit(job, finish)
