@@ -3,8 +3,8 @@ on free loopback ports, started from the system's `redis-server` and stopped aft
 
 Fixtures (imported by tests/conftest.py):
 
-- `redis_server`: one standalone server for the session; tests keep apart by key prefix.
-- `redis_cluster`: one 3-master cluster for the session (`cluster_state:ok` before use).
+- `redis_server`: one standalone server for the whole test run; tests keep apart by key prefix.
+- `redis_cluster`: one 3-master cluster for the whole test run (`cluster_state:ok` before use).
 - `redis_factory`: starts private servers / clusters for one test (faults: a node killed,
   maxmemory with noeviction), stopped at its end.
 

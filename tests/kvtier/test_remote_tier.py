@@ -33,7 +33,7 @@ def store(request: pytest.FixtureRequest):
 
 
 def _prefix(request: pytest.FixtureRequest) -> str:
-    """A key prefix of this test alone (tests share the session's servers)."""
+    """A key prefix of this test alone (tests share the servers of the test run)."""
     return "t" + format(abs(hash(request.node.nodeid)) % 10**12, "d") + str(time.time_ns())
 
 
