@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from kvtier.cli import cache_remote
 from kvtier.cli.common import print_json, print_table
 from kvtier.engine.engine_config import default_disk_cache_dir
 
@@ -25,6 +26,8 @@ CACHE_HELP = ("Inspect and maintain a disk tier directory (LMDB). Default direct
 
 _DIR_HELP = "Disk tier directory (default: <user cache dir>/kv, where the engine keeps it)."
 _JSON_HELP = "Print JSON instead of a table."
+_REMOTE = typer.Option(None, "--remote", help=cache_remote.REMOTE_HELP)
+_PREFIX = typer.Option("kvtier", "--key-prefix", help=cache_remote.PREFIX_HELP)
 
 
 def _resolve_dir(directory: Path | None) -> Path:
@@ -38,8 +41,11 @@ def _mib(num_bytes: int | None) -> str:
 def stats(
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    remote: str | None = _REMOTE, key_prefix: str = _PREFIX,
 ) -> None:
     """Blocks, bytes used, budget and the KV layouts stored in a disk tier."""
+    if remote is not None:
+        return cache_remote.stats(remote, key_prefix, json_output)
     result = disk_admin.cache_stats(_resolve_dir(directory))
     if json_output:
         print_json(result)
@@ -63,8 +69,11 @@ def inspect(
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
     limit: int = typer.Option(20, "--limit", min=0, help="How many blocks to list."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    remote: str | None = _REMOTE, key_prefix: str = _PREFIX,
 ) -> None:
     """The most recently used blocks, newest first (headers only; `verify` checks bytes)."""
+    if remote is not None:
+        return cache_remote.inspect(remote, key_prefix, limit, json_output)
     rows = disk_admin.inspect(_resolve_dir(directory), limit)
     if json_output:
         print_json(rows)
@@ -81,11 +90,14 @@ def verify(
     repair: bool = typer.Option(False, "--repair",
                                 help="Delete damaged blocks and rebuild the access index."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    remote: str | None = _REMOTE, key_prefix: str = _PREFIX,
 ) -> None:
     """Check every block's header and checksum and the access index.
 
     Exits with status 1 when damage was found and --repair was not given.
     """
+    if remote is not None:
+        return cache_remote.verify(remote, key_prefix, repair, json_output)
     report = disk_admin.verify(_resolve_dir(directory), repair=repair)
     if json_output:
         print_json({"num_checked": report.num_checked, "ok": report.ok,
@@ -131,8 +143,11 @@ def clear(
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    remote: str | None = _REMOTE, key_prefix: str = _PREFIX,
 ) -> None:
-    """Delete every block of the disk tier."""
+    """Delete every block of the disk tier (or, with --remote, of the remote tier)."""
+    if remote is not None:
+        return cache_remote.clear(remote, key_prefix, yes, json_output)
     path = _resolve_dir(directory)
     if not yes:
         typer.confirm(f"Delete every cached block in {path}?", abort=True)

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvtier.remote_config import redact
 from kvtier.stats import Direction, ManagerStats, Tier
 from kvtier.tiers import disk_admin
 
@@ -86,6 +87,7 @@ class TurnRecord:
     tokens_disk: int
     tokens_prefilled: int  # prompt tokens run through the model
     bytes_moved: dict[str, int]  # Direction.value -> bytes during the turn
+    tokens_remote: int = 0  # restored from the shared remote tier (--remote-cache)
 
 
 def plan_turns(plan: DemoPlan) -> list[Turn]:
@@ -119,7 +121,8 @@ def _play(llm: LLM, turns: Sequence[Turn], params: SamplingParams, progress: Pro
             ttft_s=metrics.ttft_s or 0.0, tokens_gpu=metrics.cached_tokens_gpu,
             tokens_host=metrics.cached_tokens_host, tokens_disk=metrics.cached_tokens_disk,
             tokens_prefilled=max(num_prompt - metrics.cached_tokens, 0),
-            bytes_moved=_bytes_moved(before, llm.stats())))
+            bytes_moved=_bytes_moved(before, llm.stats()),
+            tokens_remote=metrics.cached_tokens_remote))
         progress.advance(task)
     return records
 
@@ -129,7 +132,8 @@ def _tier_summary(stats: ManagerStats, records: Sequence[TurnRecord]) -> dict[st
     num_prompt = sum(r.num_prompt_tokens for r in records) or 1
     served = {"gpu": sum(r.tokens_gpu for r in records),
               "host": sum(r.tokens_host for r in records),
-              "disk": sum(r.tokens_disk for r in records)}
+              "disk": sum(r.tokens_disk for r in records),
+              "remote": sum(r.tokens_remote for r in records)}
     summary = {}
     for tier in Tier:
         counts = stats.tiers[tier]
@@ -144,7 +148,8 @@ def _tier_summary(stats: ManagerStats, records: Sequence[TurnRecord]) -> dict[st
 
 
 def run_demo(plan: DemoPlan, disk_dir: Path, model: str = "smollm2-135m", device: str = "auto",
-             fresh: bool = False, console: Console | None = None) -> dict[str, Any]:
+             fresh: bool = False, console: Console | None = None,
+             remote_cache: str | None = None) -> dict[str, Any]:
     """Play the session twice (tiers off, then tiers on) and return a JSON-ready result.
 
     Raises ValueError for a model without a tokenizer or a bad option, and the engine's and
@@ -179,7 +184,7 @@ def run_demo(plan: DemoPlan, disk_dir: Path, model: str = "smollm2-135m", device
         host_slots = max(1, int(plan.host_fraction * sum(doc_blocks.values())))
         with LLM(loaded, gpu_blocks=gpu_blocks,
                  host_cache_gb=(host_slots + 0.5) * layout.bytes_per_block / GIB,
-                 disk_cache=True, disk_cache_dir=disk_dir) as llm:
+                 disk_cache=True, disk_cache_dir=disk_dir, remote_cache=remote_cache) as llm:
             records = _play(llm, turns, params, progress, "tiered run (GPU -> host -> disk)")
             stats = llm.stats()
     # After close: the host tier has been flushed to disk, which is what a next run sees.
@@ -195,7 +200,8 @@ def run_demo(plan: DemoPlan, disk_dir: Path, model: str = "smollm2-135m", device
         "turns": [asdict(r) for r in records],
         "tiers": _tier_summary(stats, records),
         "disk_blocks_after": disk_blocks,
-        "warm_start": records[0].tokens_disk > 0,
+        "warm_start": records[0].tokens_disk + records[0].tokens_remote > 0,
+        "remote_cache": redact(remote_cache) if remote_cache is not None else None,
         "identical": not mismatches,
         "mismatched_turns": mismatches,
         "elapsed_s": time.perf_counter() - start,
@@ -211,15 +217,19 @@ def _print_turns(result: dict[str, Any]) -> None:
                   caption="Prompt tokens restored from the GPU, host or disk tier or "
                   "prefilled; MiB moved per direction (G gpu, H host, D disk) during the turn.",
                   box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    headers = ("#", "doc", "TTFT ms", "GPU", "host", "disk", "prefill", "G>H", "H>G", "H>D",
-               "D>H")
+    remote = result.get("remote_cache") is not None
+    directions = [d for d in Direction if remote or Tier.REMOTE not in (d.src, d.dst)]
+    token_keys = ("tokens_gpu", "tokens_host", "tokens_disk") + ("tokens_remote",) * remote \
+        + ("tokens_prefilled",)
+    headers = ("#", "doc", "TTFT ms", "GPU", "host", "disk") + ("remote",) * remote \
+        + ("prefill",) + tuple(d.value.replace("->", ">").replace("gpu", "G").replace(
+            "host", "H").replace("disk", "D").replace("remote", "R") for d in directions)
     for header in headers:
         table.add_column(header, justify="left" if header in ("#", "doc") else "right")
     for turn in result["turns"]:
-        moved = [f"{turn['bytes_moved'][d.value] / 2**20:.1f}" for d in Direction]
+        moved = [f"{turn['bytes_moved'][d.value] / 2**20:.1f}" for d in directions]
         table.add_row(str(turn["turn"]), turn["document"], f"{turn['ttft_s'] * 1e3:,.0f}",
-                      *(str(turn[key]) for key in ("tokens_gpu", "tokens_host", "tokens_disk",
-                                                   "tokens_prefilled")), *moved)
+                      *(str(turn[key]) for key in token_keys), *moved)
     Console().print(table)
 
 
@@ -233,7 +243,8 @@ def _print_report(result: dict[str, Any]) -> None:
                 [(name, tiers[name]["hits"], tiers[name]["misses"],
                   "-" if tiers[name]["hit_rate"] is None else f"{tiers[name]['hit_rate']:.0%}",
                   tiers[name]["tokens"], f"{tiers[name]['token_share']:.0%}")
-                 for name in ("gpu", "host", "disk")]
+                 for name in ("gpu", "host", "disk")
+                 + ("remote",) * (result.get("remote_cache") is not None)]
                 + [("prefilled", "", "", "", tiers["prefilled"]["tokens"],
                     f"{tiers['prefilled']['token_share']:.0%}")])
     first = result["turns"][0]
@@ -265,11 +276,15 @@ def demo(
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     json_output: bool = typer.Option(False, "--json", help="Print the results as one JSON "
                                      "object instead of tables."),
+    remote_cache: str | None = typer.Option(
+        None, "--remote-cache", help="Share KV blocks through a Redis / Redis Cluster URL "
+        "below the disk tier (a second machine's demo then starts warm)."),
 ) -> None:
     """Play a multi-turn long-document session whose KV spills GPU -> host -> disk and comes
     back; show per-turn restores and check every answer against a tiers-off run."""
     disk_dir = cache_dir_option.expanduser() if cache_dir_option else cache_dir() / "demo-kv"
-    result = run_demo(QUICK_PLAN if quick else FULL_PLAN, disk_dir, model, device, fresh)
+    result = run_demo(QUICK_PLAN if quick else FULL_PLAN, disk_dir, model, device, fresh,
+                      remote_cache=remote_cache)
     if json_output:
         print_json(result)
     else:

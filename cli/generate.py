@@ -10,6 +10,7 @@ time to first token, cached tokens per tier, computed tokens) and the tier count
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ def stats_dict(stats: ManagerStats) -> dict[str, Any]:
                           "failures": t.failures}
         for direction, t in stats.transfers.items()
     }
+    if stats.remote is not None:
+        tiers["remote"].update(dataclasses.asdict(stats.remote))
     return {**tiers, "transfers": transfers}
 
 
@@ -114,6 +117,9 @@ def generate(
     disk_cache_gb: float = typer.Option(10.0, "--disk-cache-gb", help="Disk tier budget, GiB."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    remote_cache: str | None = typer.Option(
+        None, "--remote-cache", help="Shared remote tier below the disk: a Redis URL "
+        "(redis://host:port/0, rediss://..., redis+cluster://host:port)."),
 ) -> None:
     """Generate text for PROMPTs with the tiered KV cache."""
     texts = list(prompts or [])
@@ -135,7 +141,8 @@ def generate(
     options: dict[str, Any] = {
         "block_size": block_size, "gpu_blocks": gpu_blocks, "host_cache": not no_host_cache,
         "host_cache_gb": host_cache_gb, "disk_cache": not no_disk_cache,
-        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb}
+        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb,
+        "remote_cache": remote_cache}
     EngineConfig(**options)  # reject bad sizes before the model is loaded
     with LLM(model, device=device, dtype=dtype, **options) as llm:
         outputs = llm.generate(texts, params, raw=raw)
@@ -154,7 +161,7 @@ def generate(
         ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1000:.0f}"
         rows.append((index, len(output.prompt_token_ids), len(output.token_ids), ttft,
                      m.cached_tokens_gpu, m.cached_tokens_host, m.cached_tokens_disk,
-                     m.computed_tokens))
+                     m.computed_tokens) + ((m.cached_tokens_remote,) if remote_cache else ()))
     print_table(f"kvtier generate ({model_id})",
-                ("#", "prompt", "generated", "ttft ms", "gpu", "host", "disk", "computed"),
-                rows)
+                ("#", "prompt", "generated", "ttft ms", "gpu", "host", "disk", "computed")
+                + (("remote",) if remote_cache else ()), rows)

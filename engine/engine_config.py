@@ -14,6 +14,7 @@ from kvtier.engine import paths
 from kvtier.engine.attention import ATTN_BACKENDS as _BACKENDS
 
 from kvtier.hashing import HASH_ALGORITHMS
+from kvtier.remote_config import RemoteConfig
 
 ATTN_BACKENDS = ("auto", *_BACKENDS)
 
@@ -37,6 +38,8 @@ class EngineConfig:
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
     cuda_graphs: replay recorded CUDA graphs for pure-decode steps (used only on CUDA with
         the triton attention backend; ignored elsewhere).
+    remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
+        (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
 
     Raises ValueError naming the field and the accepted range when a value is out of range.
     """
@@ -55,6 +58,7 @@ class EngineConfig:
     attn_backend: str = "auto"
     seed: int | None = 0
     cuda_graphs: bool = True
+    remote_cache: str | RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
@@ -76,6 +80,8 @@ class EngineConfig:
         if self.seed is not None and (isinstance(self.seed, bool)
                                       or not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if self.remote_cache is not None and not isinstance(self.remote_cache, RemoteConfig):
+            RemoteConfig(self.remote_cache)  # type: ignore[arg-type]  # checks the URL
         if self.cuda_graphs is not True and self.cuda_graphs is not False:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
 
@@ -83,6 +89,13 @@ class EngineConfig:
     def host_cache_bytes(self) -> int:
         """Size of the host tier in bytes (0 when it is off)."""
         return int(self.host_cache_gb * GIB) if self.host_cache else 0
+
+    @property
+    def remote_config(self) -> RemoteConfig | None:
+        """The remote tier's config (defaults around a bare URL), None when it is off."""
+        if self.remote_cache is None or isinstance(self.remote_cache, RemoteConfig):
+            return self.remote_cache
+        return RemoteConfig(self.remote_cache)
 
     @property
     def disk_cache_bytes(self) -> int:

@@ -32,6 +32,7 @@ from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
+from kvtier.remote_config import RemoteConfig
 from kvtier.stats import ManagerStats
 
 Prompt = str | Sequence[int]
@@ -78,7 +79,8 @@ class LLM:
     (`engine.warmup`; logs its time; Triton's cache goes under the user cache directory);
     False skips it (tests that build many engines).
     device: "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on
-    CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s.
+    CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s
+    (`remote_cache="redis://..."` shares KV blocks with other engines through Redis).
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
     """
@@ -92,14 +94,16 @@ class LLM:
                  disk_cache_gb: float = 10.0, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, hash_algorithm: str = "xxh3_128",
                  attn_backend: str = "auto", seed: int | None = 0,
-                 cuda_graphs: bool = True, warmup: bool = True) -> None:
+                 cuda_graphs: bool = True, warmup: bool = True,
+                 remote_cache: str | RemoteConfig | None = None) -> None:
         self.config = EngineConfig(
             block_size=block_size, gpu_blocks=gpu_blocks,
             gpu_memory_fraction=gpu_memory_fraction, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, host_cache=host_cache,
             host_cache_gb=host_cache_gb, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
             disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm,
-            attn_backend=attn_backend, seed=seed, cuda_graphs=cuda_graphs)
+            attn_backend=attn_backend, seed=seed, cuda_graphs=cuda_graphs,
+            remote_cache=remote_cache)
         if warmup and torch.cuda.is_available():
             use_user_triton_cache()  # before anything compiles, so a second start is fast
         if isinstance(model, LoadedModel):
@@ -173,7 +177,8 @@ class LLM:
                 else default_disk_cache_dir()
         return TierConfig(num_gpu_blocks=self.num_gpu_blocks, host_capacity_bytes=host_bytes,
                           disk_path=disk_path,
-                          disk_budget_bytes=cfg.disk_cache_bytes if disk_path else None)
+                          disk_budget_bytes=cfg.disk_cache_bytes if disk_path else None,
+                          remote=cfg.remote_config)
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class RequestMetrics:
     cached_tokens_disk: int
     computed_tokens: int
     num_preemptions: int
+    cached_tokens_remote: int = 0  # restored from the shared remote tier
 
     @property
     def ttft_s(self) -> float | None:
@@ -44,7 +45,8 @@ class RequestMetrics:
     @property
     def cached_tokens(self) -> int:
         """Tokens served from any cache tier."""
-        return self.cached_tokens_gpu + self.cached_tokens_host + self.cached_tokens_disk
+        return (self.cached_tokens_gpu + self.cached_tokens_host + self.cached_tokens_disk
+                + self.cached_tokens_remote)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ class TokenCounters:
     cached_gpu: int = 0
     cached_host: int = 0
     cached_disk: int = 0
+    cached_remote: int = 0
     computed: int = 0
     num_preemptions: int = 0
 
@@ -168,7 +169,7 @@ class Request:
         c = self.counters
         return RequestMetrics(self.arrival_time, self.first_token_time, self.finished_time,
                               c.cached_gpu, c.cached_host, c.cached_disk, c.computed,
-                              c.num_preemptions)
+                              c.num_preemptions, cached_tokens_remote=c.cached_remote)
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> tuple[int, ...]:

@@ -71,6 +71,7 @@ class _Admission:
     gpu: int = 0
     host: int = 0
     disk: int = 0
+    remote: int = 0
 
 
 @dataclass(slots=True)
@@ -248,7 +249,7 @@ class Scheduler:
         restored = list(tiers[:num_blocks])
         self._admissions[request.request_id] = _Admission(
             gpu=restored.count(Tier.GPU) * bs, host=restored.count(Tier.HOST) * bs,
-            disk=restored.count(Tier.DISK) * bs)
+            disk=restored.count(Tier.DISK) * bs, remote=restored.count(Tier.REMOTE) * bs)
 
     def _admit(self, request: Request) -> None:
         self.waiting.remove(request)
@@ -258,6 +259,7 @@ class Scheduler:
         request.counters.cached_gpu += admission.gpu
         request.counters.cached_host += admission.host
         request.counters.cached_disk += admission.disk
+        request.counters.cached_remote += admission.remote
 
     def _release(self, request: Request) -> None:
         """Undo a waiting request's blocks (cached ones stay cached in the pool)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.layout import KVLayout
+from kvtier.remote_config import RemoteConfig
 
 SWAP_METHODS = ("auto", "dma", "staged", "triton")
 
@@ -39,6 +40,7 @@ class TierConfig:
     io_threads: threads that run host <-> disk jobs.
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
     staging_slots: slab slots used for disk traffic when the host tier is off.
+    remote: the shared remote tier below the disk (`RemoteConfig`); None turns it off.
 
     Raises ValueError naming the field when a value is out of range or inconsistent.
     """
@@ -51,6 +53,7 @@ class TierConfig:
     io_threads: int = DEFAULT_IO_THREADS
     max_pending_io: int = 64
     staging_slots: int = DEFAULT_STAGING_SLOTS
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_gpu_blocks", "io_threads", "max_pending_io", "staging_slots"):
@@ -74,6 +77,9 @@ class TierConfig:
             if not _is_int(self.disk_budget_bytes) or self.disk_budget_bytes <= 0:
                 raise ValueError("TierConfig.disk_budget_bytes must be a positive integer, "
                                  f"got {self.disk_budget_bytes!r}")
+        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
+            raise ValueError("TierConfig.remote must be a RemoteConfig or None, "
+                             f"got {type(self.remote).__name__}")
         if self.swap_method not in SWAP_METHODS:
             raise ValueError(f"TierConfig.swap_method must be one of {SWAP_METHODS}, "
                              f"got {self.swap_method!r}")

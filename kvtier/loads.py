@@ -41,6 +41,7 @@ class LoadBlock:
     done: bool = False
     ok: bool = False
     copy_job: JobId | None = None  # its host -> GPU copy, once submitted
+    from_remote: bool = False  # read from the remote tier (else from disk) when waiting
 
 
 @dataclass(slots=True)
@@ -48,5 +49,5 @@ class Load:
     """A load in progress: its blocks in prefix order and the transfer jobs it waits on."""
 
     blocks: list[LoadBlock]
-    waiting: deque[LoadBlock] = field(default_factory=deque)  # disk hits without a slot
+    waiting: deque[LoadBlock] = field(default_factory=deque)  # disk/remote hits, no slot
     job_ids: set[JobId] = field(default_factory=set)

@@ -14,6 +14,11 @@ It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
     copies are all queued on the GPU can complete at once: the compute stream then waits
     for them, so the request runs while its bytes are still crossing the bus.
 
+  * Remote tier (optional, below the disk): a lookup asks it, in one pipelined round trip,
+    for the blocks no local tier holds; its hits load remote -> host -> GPU like disk hits.
+    Blocks landing in the host tier are offered to it once each, in batches per step, from
+    the I/O pool (`kvtier.remote_io`).
+
 Fail closed (DESIGN decision 3): a failed transfer or an invalid record makes its block a
 miss; pins and slots are released and the failure is counted.
 """
@@ -32,6 +37,7 @@ from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
+from kvtier.remote_io import RemoteWrites, remote_read_job
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, SlotId
@@ -65,17 +71,21 @@ class TierManager:
         self.pool = BlockPool(config.num_gpu_blocks)
         self._host_caches = num_host_slots > 0
         self.host: HostTier | None = None
-        if self._host_caches or config.disk_enabled:
+        if self._host_caches or config.disk_enabled or config.remote is not None:
             self.host = HostTier(layout, num_host_slots or config.staging_slots,
                                  pin_memory=self.device.type == "cuda")
         self.disk: DiskTier | None = None
         if config.disk_path is not None:
             assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
             self.disk = DiskTier(config.disk_path, layout, config.disk_budget_bytes)
+        self.remote = None
+        if config.remote is not None:
+            from kvtier.tiers.remote import RemoteTier  # imports redis: only when asked for
+            self.remote = RemoteTier(config.remote, layout)
         self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
-            + [Tier.DISK] * (self.disk is not None)
+            + [Tier.DISK] * (self.disk is not None) + [Tier.REMOTE] * (self.remote is not None)
         self._on_done: dict[JobId, tuple[Load | None, Callable[[bool], None]]] = {}
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
@@ -83,6 +93,12 @@ class TierManager:
         self._num_writing_back = 0
         self._writeback_reserve = max(1, num_host_slots // 8)
         self._tiers = new_tier_counters()
+        self._remote_writes: RemoteWrites | None = None
+        if self.remote is not None:
+            assert self.host is not None and config.remote is not None
+            self._remote_writes = RemoteWrites(self.remote, self.host, layout.bytes_per_block,
+                                               config.remote.write_batch, self._submit,
+                                               self._tiers[Tier.REMOTE])
         self._closed = False
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
@@ -101,6 +117,7 @@ class TierManager:
         gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
         self._tiers[Tier.GPU].hits += len(gpu_run)
         on_disk: list[bool] = []
+        on_remote: list[bool] | None = None
         for i in range(len(gpu_run), len(block_hashes)):
             block = self.pool.get_cached_block(block_hashes[i])
             tier = Tier.GPU if block is not None else None
@@ -110,12 +127,31 @@ class TierManager:
                 if not on_disk:  # one read transaction for all the rest
                     on_disk = [False] * i + self.disk.contains(list(block_hashes[i:]))
                 tier = Tier.DISK if on_disk[i] else None
+            if tier is None and self.remote is not None:
+                if on_remote is None:
+                    on_remote = self._remote_lookup(block_hashes, i, on_disk)
+                tier = Tier.REMOTE if on_remote[i] else None
             count_lookup(self._tiers, self._search_order, tier)
             if tier is None:
                 break
             locations.append(tier)
             gpu_blocks.append(block)
         return PrefixHit(locations, gpu_blocks)
+
+    def _remote_lookup(self, block_hashes: Sequence[BlockHash], start: int,
+                       on_disk: list[bool]) -> list[bool]:
+        """Per hash, whether the remote tier holds it, asked (one pipelined round trip)
+        only for the hashes from `start` on that no local tier holds."""
+        missing = [i for i in range(start, len(block_hashes))
+                   if self.pool.get_cached_block(block_hashes[i]) is None
+                   and not (self._host_caches and self._host.contains(block_hashes[i]))
+                   and not (on_disk and on_disk[i])]
+        assert self.remote is not None
+        found = self.remote.contains([block_hashes[i] for i in missing])
+        on_remote = [False] * len(block_hashes)
+        for i, hit in zip(missing, found):
+            on_remote[i] = hit
+        return on_remote
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few
@@ -137,8 +173,9 @@ class TierManager:
     def prepare_load(self, metas: Sequence[BlockMeta],
                      gpu_blocks: Sequence[KVCacheBlock]) -> LoadId:
         """Start loading the blocks `metas` names into `gpu_blocks` (allocated by the caller,
-        held, not cached) from the host, else from disk. From the first block no tier
-        holds onwards, all are misses at once.
+        held, not cached) from the host, else from disk, else from the remote tier (not
+        asked again: a block it lost meanwhile fails its read). From the first block no
+        tier holds onwards, all are misses at once.
 
         The manager holds a reference on every block until `complete_load`, which must be
         called once per load (also when its request went away). Raises ValueError unless
@@ -173,6 +210,10 @@ class TierManager:
                 if on_disk[i]:
                     load.waiting.append(lb)
                     continue
+            if self.remote is not None:
+                lb.from_remote = True
+                load.waiting.append(lb)
+                continue
             for missing in load.blocks[i:]:
                 missing.done = True
             break
@@ -191,26 +232,44 @@ class TierManager:
                 break
             load.waiting[0].slot = slot
             ready.append(load.waiting.popleft())
-        for chunk in _chunks(ready, max(1, -(-len(ready) // self.config.io_threads))):
-            dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [bytes_per_block]
-            job, results = disk_read_job(self.disk, [lb.meta for lb in chunk], dests,
-                                         self.layout.bytes_per_block)
-            self._submit(job, lambda ok, c=chunk, r=results: self._finish_disk_read(load, c, r),
-                         load)
+        for from_remote in (False, True):
+            sources = [lb for lb in ready if lb.from_remote is from_remote]
+            for chunk in _chunks(sources, max(1, -(-len(sources) // self.config.io_threads))):
+                dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [block bytes]
+                metas = [lb.meta for lb in chunk]
+                if from_remote:
+                    # Without host caching, a copy for the local disk is made in the job.
+                    keep = self.disk if self._remote_keeps_on_disk() and not self._host_caches \
+                        else None
+                    job, results = remote_read_job(self.remote, metas, dests,
+                                                   self.layout.bytes_per_block, keep)
+                    self._remote_writes.offers.remember([meta.block_hash for meta in metas])
+                else:
+                    job, results = disk_read_job(self.disk, metas, dests,
+                                                 self.layout.bytes_per_block)
+                self._submit(job, lambda ok, c=chunk, r=results:
+                             self._finish_disk_read(load, c, r), load)
+
+    def _remote_keeps_on_disk(self) -> bool:
+        return (self.disk is not None and self.config.remote is not None
+                and self.config.remote.write_to_disk)
 
     def _finish_disk_read(self, load: Load, items: list[LoadBlock],
                           results: list[bool]) -> None:
+        """Disk or remote reads landed in host slots: copy the good ones to the GPU."""
         landed = []
         for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
             assert lb.slot is not None
             if ok:
                 if self._host_caches:  # a duplicate stays reserved and is freed after the copy
-                    self._host.commit(lb.slot, dirty=False)
+                    # A remote block kept on disk goes there by the host tier's write-back.
+                    self._host.commit(lb.slot, dirty=lb.from_remote
+                                      and self._remote_keeps_on_disk())
                 landed.append(lb)
             else:
                 self._host.free_slot(lb.slot)
                 lb.slot, lb.done = None, True
-                self._tiers[Tier.DISK].failures += 1
+                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += 1
         if landed:
             self._copy_to_gpu(load, landed)
 
@@ -318,12 +377,25 @@ class TierManager:
         self._tiers[Tier.HOST].failures += 0 if ok else len(items)
         if ok and not self._host_caches:
             for chunk in _chunks(slots, _DISK_WRITE_BATCH):
-                self._write_to_disk(chunk, staged=True)
+                if self._remote_writes is not None:  # to the remote tier first, then to disk
+                    self._remote_writes.write(chunk,
+                                              lambda c=chunk: self._after_staged_remote(c))
+                else:
+                    self._write_to_disk(chunk, staged=True)
             return
         for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
             if ok and self._host.commit(slot, dirty=self.disk is not None):
                 self._host.unpin(slot)
+                if self._remote_writes is not None:  # pinned until its batch is written
+                    self._remote_writes.offer(slot)
             else:
+                self._host.free_slot(slot)
+
+    def _after_staged_remote(self, slots: list[SlotId]) -> None:
+        if self.disk is not None:
+            self._write_to_disk(slots, staged=True)
+        else:
+            for slot in slots:
                 self._host.free_slot(slot)
 
     def _schedule_writebacks(self, num_needed: int) -> None:
@@ -384,6 +456,8 @@ class TierManager:
                 if load is not None:
                     load.job_ids.discard(job_id)
                 on_done(ok)
+        if self._remote_writes is not None:
+            self._remote_writes.send()  # this step's newly cached blocks, in batches
         self._schedule_writebacks(sum(len(load.waiting) for load in self._loads.values()))
         for load in self._loads.values():
             self._feed_load(load)
@@ -415,6 +489,8 @@ class TierManager:
         self.transfers.close()
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
         self._closed = True
 
     # ---- inspection ----------------------------------------------------------------------
@@ -429,4 +505,5 @@ class TierManager:
             host_free_slots=host.num_free_slots if host else 0,
             host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
             disk=self.disk.stats() if self.disk is not None and not self._closed else None,
-            num_loads_in_flight=len(self._loads), num_jobs_in_flight=len(self._on_done))
+            num_loads_in_flight=len(self._loads), num_jobs_in_flight=len(self._on_done),
+            remote=self.remote.stats() if self.remote is not None else None)

@@ -20,6 +20,13 @@ class Tier(enum.Enum):
     GPU = "gpu"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"  # a shared store below the disk (kvtier.tiers.remote)
+
+    @property
+    def is_slow(self) -> bool:
+        """A tier whose loads go through the I/O pool (disk, remote): slow enough that a
+        restore is worth overlapping with recomputing the head of the prefix."""
+        return self in (Tier.DISK, Tier.REMOTE)
 
 
 class Direction(enum.Enum):
@@ -29,6 +36,8 @@ class Direction(enum.Enum):
     HOST_TO_GPU = "host->gpu"
     HOST_TO_DISK = "host->disk"
     DISK_TO_HOST = "disk->host"
+    HOST_TO_REMOTE = "host->remote"
+    REMOTE_TO_HOST = "remote->host"
 
     @property
     def src(self) -> Tier:
@@ -109,6 +118,7 @@ class ManagerStats:
     host_slots / host_free_slots / host_cached / host_dirty: the host tier in slots (all 0
     when it is off). disk: the disk tier's own stats (None when it is off or closed).
     num_loads_in_flight / num_jobs_in_flight: work not completed yet.
+    remote: the remote tier's own stats (None when it is off).
     """
 
     tiers: dict[Tier, TierStats]
@@ -121,6 +131,7 @@ class ManagerStats:
     disk: Any
     num_loads_in_flight: int
     num_jobs_in_flight: int
+    remote: Any = None
 
     def bytes_moved(self, direction: Direction) -> int:
         return self.transfers[direction].num_bytes

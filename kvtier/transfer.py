@@ -43,9 +43,11 @@ logger = logging.getLogger(__name__)
 JobId = NewType("JobId", int)
 
 _SWAP_DIRECTIONS = (Direction.GPU_TO_HOST, Direction.HOST_TO_GPU)
-_IO_DIRECTIONS = (Direction.HOST_TO_DISK, Direction.DISK_TO_HOST)
+_IO_DIRECTIONS = (Direction.HOST_TO_DISK, Direction.DISK_TO_HOST, Direction.HOST_TO_REMOTE,
+                  Direction.REMOTE_TO_HOST)
 #: Queue order of I/O jobs (lower first): restores before write-backs.
-_IO_URGENCY = {Direction.DISK_TO_HOST: 0, Direction.HOST_TO_DISK: 1}
+_IO_URGENCY = {Direction.DISK_TO_HOST: 0, Direction.REMOTE_TO_HOST: 0,
+               Direction.HOST_TO_DISK: 1, Direction.HOST_TO_REMOTE: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,8 @@ class TransferEngine:
         if isinstance(job, SwapJob) and job.direction not in _SWAP_DIRECTIONS:
             raise ValueError(f"a SwapJob moves GPU <-> host, not {job.direction.value}")
         if isinstance(job, IOJob) and job.direction not in _IO_DIRECTIONS:
-            raise ValueError(f"an IOJob moves host <-> disk, not {job.direction.value}")
+            raise ValueError(f"an IOJob moves host <-> disk or remote, not "
+                             f"{job.direction.value}")
         with self._lock:
             if self._closed:
                 raise ValueError("the transfer engine is closed; submit before close()")

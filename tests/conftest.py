@@ -11,3 +11,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Real Redis servers for the remote-tier tests (skipped where redis-server is missing).
+from tests.redis_servers import (  # noqa: E402, F401
+    _session_redis,
+    redis_cluster,
+    redis_factory,
+    redis_server,
+)

@@ -199,6 +199,9 @@ def serve(
     repeats: int = typer.Option(3, help="Timed runs of the comparison; figures are medians."),
     seed: int = typer.Option(0, help="Seed of the token ids."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    remote_cache: str | None = typer.Option(
+        None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
+        "(a fresh key prefix per engine)."),
 ) -> None:
     """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk."""
     config = ServeConfig(model=model, device=device, dtype=dtype,
@@ -209,7 +212,7 @@ def serve(
                          modes=_parse_names(modes, SERVE_MODES, "--modes"),
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
-                         repeats=repeats, seed=seed)
+                         repeats=repeats, seed=seed, remote_cache=remote_cache)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

@@ -13,6 +13,10 @@ second manager with the host tier off on it, and restores every block disk -> st
 device. Figures are medians over `repeats`. On a CPU the "GPU" is a CPU tensor; use small
 sizes there (a smoke run).
 
+With `--remote-cache URL`, the same blocks are also restored from a Redis server or cluster
+(remote -> host -> GPU) side by side with a plain redis-py pipeline of GETs of the same values
+(`kvtier.cli.bench.remote_restore`).
+
     python -m kvtier.cli.bench.roundtrip [--total-mib 1024] [--repeats 5] [--json]
 """
 
@@ -174,7 +178,8 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
                         num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
                         dtype: str = "bfloat16", swap_method: str = "auto", disk: bool = True,
                         disk_dir: str | Path | None = None, device: str | None = None,
-                        io_threads: int = DEFAULT_IO_THREADS, seed: int = 0) -> dict:
+                        io_threads: int = DEFAULT_IO_THREADS, seed: int = 0,
+                        remote_cache: str | None = None) -> dict:
     """Measure the manager's round trip and disk restore; returns a JSON-ready dict.
 
     `total_mib` of blocks move each way per repeat (rounded down to whole blocks); `device`
@@ -210,6 +215,7 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
             **host,
         },
         "disk": None,
+        "remote": None,
     }
     if disk:
         own_dir = disk_dir is None
@@ -224,6 +230,14 @@ def run_roundtrip_bench(total_mib: int = 1024, repeats: int = 5, num_layers: int
                           "restore_gbps": num_bytes / restored["restore_s"] / 1e9,
                           "restore_vs_h2d_ceiling": ceiling["h2d_s"] / restored["restore_s"],
                           **restored}
+    if remote_cache is not None:
+        from kvtier.cli.bench.remote_restore import remote_restores
+        remote = remote_restores(layout, resolved, _metas(layout, 1 << 21, num_blocks),
+                                 remote_cache, repeats, swap_method, io_threads, seed)
+        result["remote"] = {"restore_gbps": num_bytes / remote["restore_s"] / 1e9,
+                            "plain_get_gbps": num_bytes / remote["plain_get_s"] / 1e9,
+                            "vs_plain_get": remote["plain_get_s"] / remote["restore_s"],
+                            **remote}
     return result
 
 
@@ -239,11 +253,14 @@ def roundtrip(
     io_threads: int = typer.Option(DEFAULT_IO_THREADS,
                                    help="I/O threads reading the disk during restores."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    remote_cache: str | None = typer.Option(
+        None, "--remote-cache", help="Also restore remote -> GPU from this Redis URL, beside "
+        "a plain redis-py pipeline of GETs of the same values."),
 ) -> None:
     """Tier-manager GPU -> host -> GPU round trip and disk restore vs the pinned-copy ceiling."""
     result = run_roundtrip_bench(total_mib=total_mib, repeats=repeats, swap_method=swap_method,
                                  disk=disk, disk_dir=disk_dir, device=device,
-                                 io_threads=io_threads)
+                                 io_threads=io_threads, remote_cache=remote_cache)
     if json_output:
         print_json(result)
         return
@@ -263,6 +280,14 @@ def roundtrip(
                   f"{result['disk']['restore_gbps']:.1f}"),
                  ("restore vs H2D ceiling", f"{result['disk']['restore_vs_h2d_ceiling']:.2f}"),
                  ("restored bytes verified", str(result["disk"]["verified"]))]
+    if result["remote"] is not None:
+        remote = result["remote"]
+        kind = "cluster" if remote["cluster"] else "server"
+        rows += [(f"restore remote ({kind}) -> GPU, {remote['io_threads']} I/O threads (GB/s)",
+                  f"{remote['restore_gbps']:.2f}"),
+                 ("plain redis-py pipeline of GETs (GB/s)", f"{remote['plain_get_gbps']:.2f}"),
+                 ("remote restore vs plain GETs", f"{remote['vs_plain_get']:.2f}"),
+                 ("remote bytes verified", str(remote["verified"]))]
     print_table(f"bench roundtrip: {result['num_blocks']} blocks of "
                 f"{result['block_bytes'] / _MiB:.1f} MiB on {result['device']} "
                 f"(median of {repeats})", ("metric", "value"), rows)

@@ -60,6 +60,7 @@ class ServeConfig:
     hf_new_tokens: int = 32
     repeats: int = 3
     seed: int = 0
+    remote_cache: str | None = None  # a Redis URL: the tiered modes also get a remote tier
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "num_rounds", "system_tokens", "user_tokens",
@@ -113,6 +114,11 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
         # The host tier holds a third of the conversations; the rest must go to disk.
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
+    if config.remote_cache is not None and mode != "off":
+        from kvtier.remote_config import RemoteConfig
+        # A key prefix per engine: a mode never hits blocks that an earlier mode stored.
+        options["remote_cache"] = RemoteConfig(config.remote_cache,
+                                               key_prefix=f"bench-serve-{time.time_ns()}")
     return options
 
 
@@ -158,6 +164,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         "tokens": {"gpu": sum(o.metrics.cached_tokens_gpu for o in finished),
                    "host": sum(o.metrics.cached_tokens_host for o in finished),
                    "disk": sum(o.metrics.cached_tokens_disk for o in finished),
+                   "remote": sum(o.metrics.cached_tokens_remote for o in finished),
                    "computed": sum(o.metrics.computed_tokens for o in finished)},
         "num_preemptions": sum(o.metrics.num_preemptions for o in finished),
         "bytes_moved": {d.value: t.num_bytes for d, t in stats.transfers.items()},

@@ -243,3 +243,13 @@ def test_longctx_compare_hf_times_transformers_on_the_same_prompts(runner):
         report["strategies"]["recompute"]["ttft_s"]["p50"] / hf["ttft_s"]["p50"])
     # float32 on the CPU: transformers picks the engine's first tokens.
     assert hf["same_first_tokens"] is True
+
+
+def test_serve_with_a_remote_tier_keeps_the_answers(runner, redis_server):
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host_disk", "--remote-cache",
+                                 redis_server.url, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    assert report["config"]["remote_cache"] == redis_server.url
+    assert report["modes"]["off"]["tokens"]["remote"] == 0

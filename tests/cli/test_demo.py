@@ -88,3 +88,22 @@ def test_demo_quick_cold_then_warm_from_disk(tmp_path):
     # Warm, most prompt tokens come back from a tier instead of being prefilled.
     assert result["tiers"]["prefilled"]["token_share"] < 0.5
     assert result["tiers"]["disk"]["hits"] > 0
+
+
+@pytest.mark.slow
+def test_demo_on_a_second_machine_starts_warm_from_the_remote_tier(tmp_path, redis_server):
+    """Two demos with their own disk tiers share one Redis server: the second one's first
+    turn comes back from the remote tier, and its answers still match tiers off."""
+    url = redis_server.url
+    first = _run_demo(tmp_path / "machine-a", "--remote-cache", url)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "Cold start" in first.stdout and "R>H" in first.stdout  # the remote's column
+    second = _run_demo(tmp_path / "machine-b", "--remote-cache", url, "--json")
+    assert second.returncode == 0, second.stdout + second.stderr
+    result = json.loads(second.stdout)
+    assert result["identical"] is True and result["warm_start"] is True
+    first_turn = result["turns"][0]
+    assert first_turn["tokens_disk"] == 0 and first_turn["tokens_remote"] > 0
+    assert first_turn["bytes_moved"]["remote->host"] > 0
+    assert result["tiers"]["remote"]["hits"] > 0
+    assert result["remote_cache"] == url
