@@ -193,7 +193,8 @@ def _phase_checks(llm: LLM, stats: ManagerStats, outputs: list[RequestOutput],
     # Every failed disk read must be such a block, never a read that went wrong.
     checks["disk_failures_are_pruned_blocks"] = (disk is not None and
                                                  tiers[Tier.DISK].failures == disk.misses)
-    checks["all_finished"] = all(o.finish_reason in ("stop", "length") for o in outputs)
+    checks["all_finished"] = all(o.outputs[0].finish_reason in ("stop", "length")
+                                 for o in outputs)
     return checks
 
 
@@ -281,7 +282,8 @@ def _soak(num_requests: int, seed: int, config: SoakConfig, disk_dir: Path,
             expected = reference.generate([work[i].prompt for i in sample],
                                           [work[i].params for i in sample])
         mismatched = [i for i, out in zip(sample, expected)
-                      if i not in outputs or out.token_ids != outputs[i].token_ids]
+                      if i not in outputs
+                      or out.outputs[0].token_ids != outputs[i].outputs[0].token_ids]
     checks["sample_matches_tiers_off"] = not mismatched
     return {
         "config": asdict(config), "num_requests": num_requests, "seed": seed,
