@@ -123,6 +123,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.model_id = loaded.model_id
+        self.model_fingerprint = loaded.cache_identity
         self.max_model_len = _max_model_len(cfg.max_model_len,
                                             loaded.config.max_position_embeddings)
         self.layout = loaded.config.kv_layout(block_size, self.dtype)
@@ -255,7 +256,8 @@ class LLM:
         if parent_id in self._parents or any(c in self._requests for c in child_ids):
             raise ValueError(f"request id {parent_id!r} is already in use")
         salt = cache_salt if cache_salt is not None else self.config.cache_salt
-        namespace = namespace_hash(self.model_id, self.layout, self.config.hash_algorithm, salt)
+        namespace = namespace_hash(self.model_fingerprint, self.layout,
+                                   self.config.hash_algorithm, salt)
         self._parents[parent_id] = _ParentRequest(text, token_ids, params.n)
         for completion, rid in enumerate(child_ids):
             request = Request(

@@ -108,7 +108,7 @@ def warm(model: LoadedModel, disk_dir: Path, prompts: list[list[int]]) -> None:
 def block_hashes(model: LoadedModel, prompt: list[int]) -> list[bytes]:
     """The disk keys of a prompt's full blocks (default salt and hash algorithm)."""
     layout = model.config.kv_layout(16, torch.float32)
-    return hash_blocks(namespace_hash(model.model_id, layout), prompt, 16)
+    return hash_blocks(namespace_hash(model.cache_identity, layout), prompt, 16)
 
 
 # ---- a killed process ----------------------------------------------------------------------
