@@ -164,7 +164,7 @@ def test_cache_salt_keeps_tenants_prefixes_apart(tiny, tmp_path):
         stranger = serve(llm, prompt, cache_salt="tenant-c")
         owner = serve(llm, prompt, cache_salt="tenant-a")
         assert llm.stats().disk.rejected == 0
-    assert stranger.token_ids == owner.token_ids == expected
+    assert stranger.outputs[0].token_ids == owner.outputs[0].token_ids == expected
     assert stranger.metrics.cached_tokens == 0
     assert owner.metrics.cached_tokens_disk == num_full
 

@@ -123,14 +123,14 @@ def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,
         [sys.executable, "-m", "kvtier.cli.main", "generate", "--prompt-file", str(prompt_file),
          "--device", "cpu", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
          "--gpu-blocks", "200", "--host-cache-gb", "0.25", "--disk-cache", str(disk_dir),
-         "--json"],
+         "--raw", "--json"],  # raw prompts, as LLM.generate sends them
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["model"] == smollm2.model_id
     for entry, output, reference in zip(report["outputs"], warm, references):
         assert entry["prompt_token_ids"] == list(output.prompt_token_ids)
-        assert entry["token_ids"] == reference
+        assert entry["outputs"][0]["token_ids"] == reference
         # Everything but the last prompt token's block came from disk; nothing from the
         # (new, empty) GPU pool or host tier.
         num_full = (len(output.prompt_token_ids) - 1) // 16
