@@ -112,12 +112,14 @@ def _play(llm: LLM, turns: Sequence[Turn], params: SamplingParams, progress: Pro
     records = []
     for index, turn in enumerate(turns):
         before = llm.stats()
-        [output] = llm.generate([turn.prompt], params)
+        [output] = llm.chat([{"role": "user", "content": turn.prompt}], params)
+        [completion] = output.outputs
         metrics = output.metrics
         num_prompt = len(output.prompt_token_ids)
         records.append(TurnRecord(
             turn=index + 1, document=turn.document.name, question=turn.question,
-            answer=output.text.strip(), token_ids=output.token_ids, num_prompt_tokens=num_prompt,
+            answer=completion.text.strip(), token_ids=completion.token_ids,
+            num_prompt_tokens=num_prompt,
             ttft_s=metrics.ttft_s or 0.0, tokens_gpu=metrics.cached_tokens_gpu,
             tokens_host=metrics.cached_tokens_host, tokens_disk=metrics.cached_tokens_disk,
             tokens_prefilled=max(num_prompt - metrics.cached_tokens, 0),
@@ -172,10 +174,11 @@ def run_demo(plan: DemoPlan, disk_dir: Path, model: str = "smollm2-135m", device
         progress.remove_task(loading)
         # Room for every turn at once: the reference never evicts, so it never needs a tier.
         with LLM(loaded, host_cache=False, disk_cache=False,
-                 gpu_memory_fraction=0.25) as reference:
+                 gpu_memory_utilization=0.25) as reference:
             layout = reference.layout
-            turn_blocks = [math.ceil((len(reference.tokenize(t.prompt)) + plan.max_tokens)
-                                     / layout.block_size) for t in turns]
+            turn_blocks = [math.ceil(
+                (len(reference.tokenize_chat([{"role": "user", "content": t.prompt}]))
+                 + plan.max_tokens) / layout.block_size) for t in turns]
             reference_records = _play(reference, turns, params, progress,
                                       "reference run (tiers off)")
         del reference  # its KV cache is large; free it before the tiered engine allocates

@@ -1,11 +1,16 @@
 """`kvtier generate`: run prompts through the embedded engine with the KV tiers on.
 
     kvtier generate "What is LMDB?" --max-tokens 64
-    kvtier generate --prompt-file prompts.json --json --no-disk-cache
+    kvtier generate "The capital of France is" --raw
+    kvtier generate --prompt-file prompts.json --json --no-disk-cache --config kvtier.yaml
 
-A prompt file holds a JSON list of strings, or one prompt per line. With --json exactly one
-JSON object is printed: the model, one entry per prompt (token ids, text, finish reason,
-time to first token, cached tokens per tier, computed tokens) and the tier counters.
+Prompts go through the model's chat template as one user turn each (after `--system`, when
+given), as `vllm chat` does; `--raw` sends them as they are (`LLM.generate`). A prompt file
+holds a JSON list of strings, or one prompt per line. Engine settings come from the options,
+then the `--config` YAML file, then `KVTIER_*` variables (see `EngineConfig`). Answers go to
+stdout and the statistics table to stderr; with --json exactly one JSON object is printed
+on stdout: the model, one entry per prompt (token ids, text, finish reason, time to first
+token, cached tokens per tier, computed tokens) and the tier counters.
 """
 
 from __future__ import annotations
@@ -17,15 +22,13 @@ from typing import Any
 
 import typer
 from kvtier.cli.common import print_json, print_table
-from kvtier.engine.engine_config import EngineConfig
+from kvtier.engine.config_sources import load_engine_config
+from kvtier.engine.engine_config import AttnBackend, DType, HashAlgorithm
 from kvtier.engine.llm import LLM, resolve_device
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.sampler import SamplingParams
 
-from kvtier.layout import parse_dtype
 from kvtier.stats import ManagerStats
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def read_prompt_file(path: Path) -> list[str]:
@@ -96,26 +99,60 @@ def generate(
     prompts: list[str] | None = typer.Argument(None, help="Prompts (each one request)."),
     prompt_file: Path | None = typer.Option(
         None, "--prompt-file", help="A JSON list of strings, or one prompt per line."),
-    model: str = typer.Option("smollm2-135m", "--model",
-                              help="Alias, Hugging Face directory, .gguf file or random:<name>."),
+    config: Path | None = typer.Option(
+        None, "--config", help="A YAML file of engine settings (EngineConfig's field names)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Alias, Hugging Face hub id (local cache), model directory, "
+        ".gguf file or random:<name>. [default: smollm2-135m]"),
+    raw: bool = typer.Option(False, "--raw", help="Send prompts as they are, without the "
+                             "chat template."),
+    system: str | None = typer.Option(None, "--system",
+                                      help="A system prompt before each prompt (chat only)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p times the "
+                                "most likely one's probability (0 = off)."),
+    repetition_penalty: float = typer.Option(1.0, "--repetition-penalty",
+                                             help="> 1 discourages repeats (1 = off)."),
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past EOS."),
-    device: str = typer.Option("auto", "--device", help="cpu, cuda or auto."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
-    block_size: int = typer.Option(16, "--block-size", help="Tokens per KV block."),
+    device: str | None = typer.Option(None, "--device",
+                                      help="auto, cpu, cuda or cuda:N. [default: auto]"),
+    dtype: DType | None = typer.Option(None, "--dtype", help="[default: auto]"),
+    block_size: int | None = typer.Option(None, "--block-size",
+                                          help="Tokens per KV block. [default: 16]"),
     gpu_blocks: int | None = typer.Option(
-        None, "--gpu-blocks", help="GPU KV blocks (default: half the free device memory)."),
-    host_cache_gb: float = typer.Option(1.0, "--host-cache-gb", help="Host tier size, GiB."),
+        None, "--gpu-blocks", help="KV blocks of the device pool (default: sized from "
+        "--gpu-memory-utilization on CUDA, from the context and batch on the CPU)."),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, "--gpu-memory-utilization", help="Share of the device memory free after "
+        "loading the model that the KV pool takes (vLLM's counts the whole GPU). "
+        "[default: 0.5]"),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", help="Tokens of prompt plus output per request. "
+        "[default: the model's context]"),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs",
+                                            help="Requests running in one step. [default: 64]"),
+    max_num_batched_tokens: int | None = typer.Option(
+        None, "--max-num-batched-tokens", help="Tokens run in one step. [default: 2048]"),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb",
+                                               help="Host tier size, GiB. [default: 1.0]"),
     no_host_cache: bool = typer.Option(False, "--no-host-cache", help="Turn the host tier off."),
     disk_cache: Path | None = typer.Option(
         None, "--disk-cache", help="Disk tier directory (default: <user cache dir>/kv)."),
     no_disk_cache: bool = typer.Option(False, "--no-disk-cache", help="Turn the disk tier off."),
-    disk_cache_gb: float = typer.Option(10.0, "--disk-cache-gb", help="Disk tier budget, GiB."),
-    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    disk_cache_gb: float | None = typer.Option(None, "--disk-cache-gb",
+                                               help="Disk tier budget, GiB. [default: 10.0]"),
+    hash_algorithm: HashAlgorithm | None = typer.Option(
+        None, "--hash-algorithm", help="Block hash; sha256 where tenants do not trust each "
+        "other. [default: xxh3_128]"),
+    cache_salt: str | None = typer.Option(
+        None, "--cache-salt", help="Salt of the cache namespace: requests with another salt "
+        "never share cached blocks with these."),
+    attn_backend: AttnBackend | None = typer.Option(None, "--attn-backend",
+                                                    help="[default: auto]"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object."),
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Shared remote tier below the disk: a Redis URL "
@@ -129,23 +166,32 @@ def generate(
         raise ValueError("no prompt given; pass PROMPT arguments or --prompt-file FILE")
     if disk_cache is not None and no_disk_cache:
         raise ValueError("--disk-cache and --no-disk-cache contradict each other; pick one")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if dtype != "auto":
-        parse_dtype(dtype)
-    resolve_device(device)
+    if raw and system is not None:
+        raise ValueError("--system needs the chat template; drop --raw or --system")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed, ignore_eos=ignore_eos)
+                            top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                            seed=seed, ignore_eos=ignore_eos)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     options: dict[str, Any] = {
-        "block_size": block_size, "gpu_blocks": gpu_blocks, "host_cache": not no_host_cache,
-        "host_cache_gb": host_cache_gb, "disk_cache": not no_disk_cache,
-        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb,
+        "model": model, "device": device, "dtype": dtype, "block_size": block_size,
+        "gpu_blocks": gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "host_cache": False if no_host_cache else None, "host_cache_gb": host_cache_gb,
+        "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
+        "disk_cache_gb": disk_cache_gb, "hash_algorithm": hash_algorithm,
+        "cache_salt": cache_salt, "attn_backend": attn_backend,
         "remote_cache": remote_cache}
-    EngineConfig(**options)  # reject bad sizes before the model is loaded
-    with LLM(model, device=device, dtype=dtype, **options) as llm:
-        outputs = llm.generate(texts, params, raw=raw)
+    settings = load_engine_config(options, config)  # reject bad settings before loading
+    resolve_device(settings.device)
+    with LLM(config=config, **options) as llm:
+        if raw:
+            outputs = llm.generate(texts, params)
+        else:
+            head = [] if system is None else [{"role": "system", "content": system}]
+            outputs = llm.chat([[*head, {"role": "user", "content": text}] for text in texts],
+                               params)
         stats = stats_dict(llm.stats())
         model_id = llm.model_id
     if json_output:
@@ -153,15 +199,17 @@ def generate(
                     "stats": stats})
         return
     for index, output in enumerate(outputs):
-        typer.echo(f"--- [{index}] {output.finish_reason}, {len(output.token_ids)} tokens")
-        typer.echo(output.text)
+        completion = output.outputs[0]
+        typer.echo(f"--- [{index}] {completion.finish_reason}, "
+                   f"{len(completion.token_ids)} tokens")
+        typer.echo(completion.text)
     rows = []
     for index, output in enumerate(outputs):
         m = output.metrics
         ttft = "-" if m.ttft_s is None else f"{m.ttft_s * 1000:.0f}"
-        rows.append((index, len(output.prompt_token_ids), len(output.token_ids), ttft,
-                     m.cached_tokens_gpu, m.cached_tokens_host, m.cached_tokens_disk,
+        rows.append((index, len(output.prompt_token_ids), len(output.outputs[0].token_ids),
+                     ttft, m.cached_tokens_gpu, m.cached_tokens_host, m.cached_tokens_disk,
                      m.computed_tokens) + ((m.cached_tokens_remote,) if remote_cache else ()))
     print_table(f"kvtier generate ({model_id})",
                 ("#", "prompt", "generated", "ttft ms", "gpu", "host", "disk", "computed")
-                + (("remote",) if remote_cache else ()), rows)
+                + (("remote",) if remote_cache else ()), rows, err=True)

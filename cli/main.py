@@ -1,8 +1,9 @@
 """The `kvtier` command: the root app, global options, and the one place commands are added.
 
 Each command lives in its own module and exposes a plain function (typer reads its
-signature); `_register` below is where those functions are attached to the app. To add a
-command, write its module and add one line there.
+signature). `LAZY_COMMANDS` below lists them by name, "module:attribute" and one-line help:
+a module is imported only when its command runs, so `kvtier --version` and `kvtier --help`
+never import torch. To add a command, write its module and add one line there.
 """
 
 from __future__ import annotations
@@ -13,28 +14,41 @@ import platform
 from typing import Any
 
 import typer
-from kvtier.cli import cache, demo
 from kvtier.cli.allocator import tune_malloc
-from kvtier.cli.bench import commands as bench_commands
-from kvtier.cli.bench import pool as bench_pool
-from kvtier.cli.bench import roundtrip as bench_roundtrip
-from kvtier.cli.bench import tiers as bench_tiers
 from kvtier.cli.common import KvtierGroup, print_json, print_table
 
 #: Distributions whose versions `kvtier info` reports, in this order.
 _REPORTED_PACKAGES = ("torch", "triton", "transformers", "lmdb", "xxhash")
 
+#: (name, "module:attribute", help) of every command loaded when it runs; the help repeats
+#: the command's own (its docstring or group help; a test keeps them equal).
+LAZY_COMMANDS = (
+    ("generate", "kvtier.cli.generate:generate",
+     "Generate text for PROMPTs with the tiered KV cache."),
+    ("demo", "kvtier.cli.demo:demo",
+     "Play a multi-turn long-document session whose KV spills GPU -> host -> disk and comes "
+     "back; show per-turn restores and check every answer against a tiers-off run."),
+    ("bench", "kvtier.cli.groups:bench_app",
+     "Benchmarks (fixed seeds, medians; --json for machines)."),
+    ("cache", "kvtier.cli.groups:cache_app",
+     "Inspect and maintain a disk tier directory (LMDB). Default directory: the engine's "
+     "disk cache (<user cache dir>/kv); choose another with --dir."),
+)
+
+
+class _RootGroup(KvtierGroup):
+    lazy_commands = LAZY_COMMANDS
+
+
 app = typer.Typer(
     name="kvtier",
-    cls=KvtierGroup,
+    cls=_RootGroup,
     help="KV-cache offload and tiered storage (GPU -> pinned host -> LMDB disk) for LLM "
          "inference, with a small embedded engine.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
+    add_completion=True,
 )
-bench_app = typer.Typer(help="Benchmarks (fixed seeds, medians; --json for machines).",
-                        no_args_is_help=True)
 
 
 def kvtier_version() -> str:
@@ -122,26 +136,8 @@ def info(
 
 
 def _register() -> None:
-    """Attach every command to the app: the single place where commands are added."""
+    """Attach the commands defined here; the others are in `LAZY_COMMANDS`."""
     app.command("info")(info)
-    app.command("demo")(demo.demo)
-    app.command("generate")(importlib.import_module("kvtier.cli.generate").generate)
-    bench_app.command("pool")(bench_pool.pool)
-    bench_app.command("longctx")(bench_commands.longctx)
-    bench_app.command("serve")(bench_commands.serve)
-    bench_app.command("kernels")(bench_commands.kernels)
-    bench_app.command("swap")(bench_commands.swap)
-    bench_app.command("tiers")(bench_tiers.tiers)
-    bench_app.command("roundtrip")(bench_roundtrip.roundtrip)
-    bench_app.command("soak")(importlib.import_module("kvtier.cli.bench.soak").soak)
-    app.add_typer(bench_app, name="bench")
-    cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
-    for name, command in (("stats", cache.stats), ("inspect", cache.inspect),
-                          ("verify", cache.verify), ("prune", cache.prune),
-                          ("clear", cache.clear), ("export", cache.export),
-                          ("import", cache.import_)):
-        cache_app.command(name)(command)
-    app.add_typer(cache_app, name="cache")
 
 
 _register()

@@ -1,39 +1,68 @@
-"""EngineConfig: the knobs of one engine instance (blocks, budgets, tiers, hashing).
+"""EngineConfig: every setting of one engine instance (model, blocks, budgets, tiers, hashing).
 
-Sizes are given the way people think about them (GiB for memory, tokens for budgets) and
-checked once here, so the scheduler and the tier manager can trust them.
+This is the one configuration model. The CLI's options, `LLM(...)`'s keywords, a YAML file
+(`--config kvtier.yaml`, `LLM(config=...)`, or `$KVTIER_CONFIG`) and `KVTIER_<FIELD>`
+environment variables all feed it, in that order of precedence
+(`kvtier.engine.config_sources.load_engine_config`). Sizes are given the way people think
+about them (GiB for memory, tokens for budgets) and checked once here, so the scheduler and
+the tier manager can trust them. This module does not import torch.
+
+Knobs named after vLLM's, and where kvtier's meaning differs:
+  * `gpu_memory_utilization`: vLLM's is the share of the *whole* GPU the instance may use
+    (weights, activations and KV). kvtier's is the share of the device memory still free
+    after the model is loaded that the KV block pool takes. On the CPU it is not used: the
+    pool is sized from `max_model_len` and `max_num_seqs` instead (RAM is shared with
+    everything else on the machine).
+  * `max_model_len`: as vLLM's (prompt plus generated tokens of one request), default the
+    model's own context; it may only lower it.
+  * `max_num_batched_tokens`, `max_num_seqs`: as vLLM's (tokens and sequences per step).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 from kvtier.engine import paths
-from kvtier.engine.attention import ATTN_BACKENDS as _BACKENDS
+from pydantic import Field, field_validator
 
-from kvtier.hashing import HASH_ALGORITHMS
 from kvtier.remote_config import RemoteConfig
+from kvtier.validation import CheckedModel
 
-ATTN_BACKENDS = ("auto", *_BACKENDS)
+AttnBackend = Literal["auto", "torch", "triton", "flash"]
+ATTN_BACKENDS: tuple[str, ...] = get_args(AttnBackend)
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(DType)
+#: Block hash functions (`kvtier.hashing.HASH_ALGORITHMS`, repeated here so that reading
+#: the settings does not import the hashing code).
+HashAlgorithm = Literal["xxh3_128", "sha256"]
 
 GIB = 1 << 30
 
+_PositiveInt = Annotated[int, Field(gt=0)]
+_PositiveGiB = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """How the engine schedules and where it keeps KV blocks.
 
+class EngineConfig(CheckedModel):
+    """How the engine loads its model, schedules, and where it keeps KV blocks.
+
+    model: alias ("smollm2-135m"), Hugging Face hub id (from the local cache), model
+        directory, .gguf file, or "random:<name>".
+    device: "auto", "cpu", "cuda" or "cuda:N". dtype: "auto" (float32 on CPU, bfloat16 on
+        CUDA), "float32", "bfloat16" or "float16".
     block_size: tokens per KV block.
-    gpu_blocks: exact number of GPU (device) blocks; None sizes the pool from
-        `gpu_memory_fraction` of the device memory that is free after loading the model.
+    gpu_blocks: exact number of GPU (device) blocks; None sizes the pool (see the module
+        docstring for `gpu_memory_utilization` and the CPU).
+    gpu_memory_utilization: share of the free device memory the KV pool takes (CUDA).
+    max_model_len: cap on one request's prompt plus generated tokens; None: the model's.
     max_num_seqs: cap on requests running in one step.
     max_num_batched_tokens: token budget of one step (prefill chunks plus decodes).
     host_cache / host_cache_gb: the pinned host tier and its size in GiB.
     disk_cache / disk_cache_dir / disk_cache_gb: the LMDB tier, its directory (None: the
         user cache directory) and its budget in GiB.
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
+    cache_salt: default salt of every request's cache namespace (a request's own salt wins);
+        None: no salt.
     attn_backend: "auto", "torch", "triton" or "flash".
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
     cuda_graphs: replay recorded CUDA graphs for pure-decode steps (used only on CUDA with
@@ -41,49 +70,49 @@ class EngineConfig:
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
 
-    Raises ValueError naming the field and the accepted range when a value is out of range.
+    Raises `kvtier.validation.ConfigError` (a ValueError) naming the field and what it
+    accepts when a value is out of range.
     """
 
-    block_size: int = 16
-    gpu_blocks: int | None = None
-    gpu_memory_fraction: float = 0.5
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    host_cache: bool = True
-    host_cache_gb: float = 1.0
-    disk_cache: bool = True
-    disk_cache_dir: str | Path | None = None
-    disk_cache_gb: float = 10.0
-    hash_algorithm: str = "xxh3_128"
-    attn_backend: str = "auto"
-    seed: int | None = 0
-    cuda_graphs: bool = True
-    remote_cache: str | RemoteConfig | None = None
+    model: str = Field("smollm2-135m", min_length=1,
+                       description="alias, hub id, model directory, .gguf file or random:<name>")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    dtype: DType = Field("auto", description="auto is float32 on CPU, bfloat16 on CUDA")
+    block_size: _PositiveInt = Field(16, description="tokens per KV block")
+    gpu_blocks: _PositiveInt | None = Field(
+        None, description="exact number of device KV blocks; None sizes the pool")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="share of the free device memory for KV blocks, in (0, 1]")
+    max_model_len: _PositiveInt | None = Field(
+        None, description="tokens of prompt plus output per request; None: the model's context")
+    max_num_seqs: _PositiveInt = Field(64, description="requests running in one step")
+    max_num_batched_tokens: _PositiveInt = Field(2048, description="tokens run in one step")
+    host_cache: bool = Field(True, description="the pinned host tier on or off")
+    host_cache_gb: _PositiveGiB = Field(
+        1.0, description="host tier size in GiB; turn the tier off instead of giving it 0")
+    disk_cache: bool = Field(True, description="the LMDB disk tier on or off")
+    disk_cache_dir: str | Path | None = Field(
+        None, description="disk tier directory; None: <user cache dir>/kv")
+    disk_cache_gb: _PositiveGiB = Field(
+        10.0, description="disk tier budget in GiB; turn the tier off instead of giving it 0")
+    hash_algorithm: HashAlgorithm = Field(
+        "xxh3_128", description="block hash; sha256 where tenants do not trust each other")
+    cache_salt: str | None = Field(
+        None, min_length=1, description="default per-tenant salt of the cache namespace")
+    attn_backend: AttnBackend = Field("auto", description="attention implementation")
+    seed: Annotated[int, Field(ge=0)] | None = Field(
+        0, description="default sampling seed, >= 0; None: nondeterministic")
+    cuda_graphs: bool = Field(True, description="replay CUDA graphs for decode steps")
+    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
+    remote_cache: str | RemoteConfig | None = Field(
+        None, description="Redis / Redis Cluster URL of the shared remote tier; None: off")
 
-    def __post_init__(self) -> None:
-        _check_positive_int("block_size", self.block_size)
-        if self.gpu_blocks is not None:
-            _check_positive_int("gpu_blocks", self.gpu_blocks)
-        _check_fraction("gpu_memory_fraction", self.gpu_memory_fraction)
-        _check_positive_int("max_num_seqs", self.max_num_seqs)
-        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.host_cache:
-            _check_positive_size("host_cache_gb", self.host_cache_gb)
-        if self.disk_cache:
-            _check_positive_size("disk_cache_gb", self.disk_cache_gb)
-        if self.hash_algorithm not in HASH_ALGORITHMS:
-            raise ValueError(f"hash_algorithm must be one of {HASH_ALGORITHMS}, "
-                             f"got {self.hash_algorithm!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, "
-                             f"got {self.attn_backend!r}")
-        if self.seed is not None and (isinstance(self.seed, bool)
-                                      or not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if self.remote_cache is not None and not isinstance(self.remote_cache, RemoteConfig):
-            RemoteConfig(self.remote_cache)  # type: ignore[arg-type]  # checks the URL
-        if self.cuda_graphs is not True and self.cuda_graphs is not False:
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+    @field_validator("remote_cache")
+    @classmethod
+    def _check_remote_url(cls, value: str | RemoteConfig | None) -> str | RemoteConfig | None:
+        if isinstance(value, str):
+            RemoteConfig(value)  # raises ValueError naming what is wrong with the URL
+        return value
 
     @property
     def host_cache_bytes(self) -> int:
@@ -106,21 +135,3 @@ class EngineConfig:
 def default_disk_cache_dir() -> Path:
     """`<user cache dir>/kv`: the disk tier's directory when none is given (not created)."""
     return paths.cache_dir(create=False) / "kv"
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_fraction(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not 0.0 < float(value) <= 1.0:
-        raise ValueError(f"{name} must be a number in (0, 1], got {value!r}")
-
-
-def _check_positive_size(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(float(value)) or float(value) <= 0.0:
-        raise ValueError(f"{name} must be a positive number of GiB, got {value!r} "
-                         "(turn the tier off instead of giving it no room)")

@@ -1,8 +1,12 @@
-"""The library API: `LLM(model=...)`, `generate(prompts, params)`, and a step-wise interface.
+"""The library API: `LLM(model=...)`, `generate(prompts, params)`, `chat(messages, params)`,
+and a step-wise interface. It follows vLLM's offline API: `generate` takes raw prompts (no
+chat template), `chat` applies the model's chat template, and both return `RequestOutput`s
+whose `outputs[i].text` is the i-th completion.
 
     from kvtier.engine import LLM, SamplingParams
     with LLM("smollm2-135m", device="cpu", disk_cache=False) as llm:
-        outputs = llm.generate(["Hello!"], SamplingParams(max_tokens=16))
+        outputs = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+        answer = llm.chat([{"role": "user", "content": "Hello!"}])[0].outputs[0].text
 
 One `LLM` owns a model, a `TierManager` (GPU pool, host and disk tiers), a scheduler and a
 model runner, and drives them from the calling thread. Programs that interleave their own work
@@ -12,19 +16,21 @@ use `add_request` / `step` / `has_unfinished` instead of `generate`.
 from __future__ import annotations
 
 import itertools
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from kvtier.engine.attention import select_backend
-from kvtier.engine.engine_config import EngineConfig, default_disk_cache_dir
+from kvtier.engine.config_sources import load_engine_config
+from kvtier.engine.engine_config import default_disk_cache_dir
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device_dtype
 from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
 from kvtier.engine.request import Request, RequestId, check_token_ids
-from kvtier.engine.sampler import SamplingParams, sample
+from kvtier.engine.sampler import SamplingParams, sample, sample_logprobs
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.warmup import WarmupReport, use_user_triton_cache, warm_up
 
@@ -36,10 +42,8 @@ from kvtier.remote_config import RemoteConfig
 from kvtier.stats import ManagerStats
 
 Prompt = str | Sequence[int]
-
-#: On the CPU the "device" memory is the machine's RAM, shared with everything else; the
-#: memory fraction applies to at most this much of it.
-CPU_KV_LIMIT_BYTES = 4 << 30
+#: One chat: a list of {"role": "system" | "user" | "assistant", "content": str} messages.
+Conversation = Sequence[Mapping[str, Any]]
 
 #: While only transfers are in flight a step may have nothing to run; it then waits this long
 #: (seconds) instead of spinning.
@@ -72,73 +76,89 @@ def resolve_device(device: str | torch.device) -> torch.device:
 class LLM:
     """An inference engine over one model with tiered KV caching.
 
-    model: "smollm2-135m", a Hugging Face directory, a .gguf file, "random:<name>", or an
-    already loaded `LoadedModel` (its device, dtype and attention backend are used; the
-    model is shared, never modified, so several engines may run one after the other on it).
-    warmup: on CUDA, compile every kernel shape a step can reach before the first request
-    (`engine.warmup`; logs its time; Triton's cache goes under the user cache directory);
-    False skips it (tests that build many engines).
-    device: "auto", "cpu", "cuda" or "cuda:N"; dtype: "auto" (float32 on CPU, bfloat16 on
-    CUDA), "float32", "bfloat16" or "float16". The other keywords are `EngineConfig`'s
-    (`remote_cache="redis://..."` shares KV blocks with other engines through Redis).
+    model: "smollm2-135m", a Hugging Face hub id found in the local cache, a model
+    directory, a .gguf file, "random:<name>", or an already loaded `LoadedModel` (its
+    device, dtype and attention backend are used; the model is shared, never modified, so
+    several engines may run one after the other on it). config: a YAML file of settings.
+    The other keywords are `EngineConfig`'s fields (see there, and for how kvtier's
+    `gpu_memory_utilization` differs from vLLM's); a keyword left None takes its value from
+    the config file, else `$KVTIER_CONFIG`'s file, else a `KVTIER_<FIELD>` environment
+    variable, else the default. warmup: on CUDA, compile every kernel shape a step can reach
+    before the first request (`kvtier.engine.warmup`; logs its time; Triton's cache goes
+    under the user cache directory); False skips it (tests that build many engines).
+    remote_cache="redis://..." shares KV blocks with other engines through Redis.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
     """
 
-    def __init__(self, model: str | LoadedModel = "smollm2-135m", *,
-                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-                 block_size: int = 16,
-                 gpu_blocks: int | None = None, gpu_memory_fraction: float = 0.5,
-                 host_cache: bool = True, host_cache_gb: float = 1.0,
-                 disk_cache: bool = True, disk_cache_dir: str | Path | None = None,
-                 disk_cache_gb: float = 10.0, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, hash_algorithm: str = "xxh3_128",
-                 attn_backend: str = "auto", seed: int | None = 0,
-                 cuda_graphs: bool = True, warmup: bool = True,
+    def __init__(self, model: str | LoadedModel | None = None, *,
+                 config: str | Path | None = None,
+                 device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None,
+                 block_size: int | None = None, gpu_blocks: int | None = None,
+                 gpu_memory_utilization: float | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None,
+                 host_cache: bool | None = None, host_cache_gb: float | None = None,
+                 disk_cache: bool | None = None, disk_cache_dir: str | Path | None = None,
+                 disk_cache_gb: float | None = None, hash_algorithm: str | None = None,
+                 cache_salt: str | None = None, attn_backend: str | None = None,
+                 seed: int | None = None, cuda_graphs: bool | None = None,
+                 warmup: bool | None = None,
                  remote_cache: str | RemoteConfig | None = None) -> None:
-        self.config = EngineConfig(
+        explicit = dict(
+            model=model if isinstance(model, str) else None,
+            device=str(device) if isinstance(device, torch.device) else device,
+            dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype,
             block_size=block_size, gpu_blocks=gpu_blocks,
-            gpu_memory_fraction=gpu_memory_fraction, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, host_cache=host_cache,
-            host_cache_gb=host_cache_gb, disk_cache=disk_cache, disk_cache_dir=disk_cache_dir,
-            disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm,
-            attn_backend=attn_backend, seed=seed, cuda_graphs=cuda_graphs,
-            remote_cache=remote_cache)
-        if warmup and torch.cuda.is_available():
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            host_cache=host_cache, host_cache_gb=host_cache_gb, disk_cache=disk_cache,
+            disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
+            hash_algorithm=hash_algorithm, cache_salt=cache_salt, attn_backend=attn_backend,
+            seed=seed, cuda_graphs=cuda_graphs, warmup=warmup, remote_cache=remote_cache)
+        self.config = cfg = load_engine_config(explicit, config)
+        block_size = cfg.block_size
+        if cfg.warmup and torch.cuda.is_available():
             use_user_triton_cache()  # before anything compiles, so a second start is fast
         if isinstance(model, LoadedModel):
             loaded = model
-            self.device, self.dtype = _check_loaded(loaded, device, dtype)
+            self.device, self.dtype = _check_loaded(loaded, device or "auto", dtype or "auto")
         else:
-            self.device, self.dtype = resolve_device_dtype(resolve_device(device), dtype)
-            backend = select_backend(self.device, block_size, attn_backend)
-            loaded = load_model(model, self.device, self.dtype, attn_backend=backend)
+            self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
+            backend = select_backend(self.device, block_size, cfg.attn_backend)
+            loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.model_id = loaded.model_id
-        self.max_model_len = loaded.config.max_position_embeddings
+        self.model_fingerprint = loaded.cache_identity
+        self.max_model_len = _max_model_len(cfg.max_model_len,
+                                            loaded.config.max_position_embeddings)
         self.layout = loaded.config.kv_layout(block_size, self.dtype)
         self.num_gpu_blocks = self._num_gpu_blocks(self.layout)
         self.manager = TierManager(self.layout, self._tier_config(self.layout), self.device)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
-        if (self.config.cuda_graphs and self.device.type == "cuda"
+        if (cfg.cuda_graphs and self.device.type == "cuda"
                 and getattr(self.model, "attn_backend", None) == "triton"):
             # Recorded at start (a few seconds at most), not inside the first decode steps.
             self.runner.enable_cuda_graphs(
-                max_num_seqs, min(self.max_model_len, self.num_gpu_blocks * block_size))
+                cfg.max_num_seqs, min(self.max_model_len, self.num_gpu_blocks * block_size))
         self.warmup_report: WarmupReport | None = None
-        if warmup and self.device.type == "cuda":
+        if cfg.warmup and self.device.type == "cuda":
             graphs = self.runner.graphs
             self.warmup_report = warm_up(
-                self.model, self.manager.kv_cache, block_size, max_num_batched_tokens,
-                max_num_seqs, self.max_model_len,
+                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens,
+                cfg.max_num_seqs, self.max_model_len,
                 graph_seconds=graphs.capture_seconds if graphs else 0.0,
                 num_graphs=len(graphs.buckets) if graphs else 0)
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
+        self._logprobs: dict[RequestId, list[dict[int, Logprob]]] = {}
+        self._parents: dict[str, _ParentRequest] = {}
+        self._child_parent: dict[RequestId, tuple[str, int]] = {}
         self._unclaimed: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self._closed = False
@@ -149,19 +169,17 @@ class LLM:
         cfg = self.config
         if cfg.gpu_blocks is not None:
             return cfg.gpu_blocks
-        if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free_bytes = min(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
-                             CPU_KV_LIMIT_BYTES)
-        num_blocks = int(free_bytes * cfg.gpu_memory_fraction) // layout.bytes_per_block
+        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
+        if self.device.type != "cuda":
+            return cpu_pool_blocks(blocks_per_seq, cfg.max_num_seqs)
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        num_blocks = int(free_bytes * cfg.gpu_memory_utilization) // layout.bytes_per_block
         # More than every running sequence at full context could ever use is wasted memory.
-        ceiling = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        num_blocks = min(num_blocks, ceiling)
+        num_blocks = min(num_blocks, cfg.max_num_seqs * blocks_per_seq)
         if num_blocks < 1:
-            raise ValueError(f"gpu_memory_fraction={cfg.gpu_memory_fraction} of the free "
-                             f"memory holds no {layout.bytes_per_block}-byte block; raise it "
-                             "or pass gpu_blocks")
+            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} of the "
+                             f"free memory holds no {layout.bytes_per_block}-byte block; raise "
+                             "it or pass gpu_blocks")
         return num_blocks
 
     def _tier_config(self, layout: KVLayout) -> TierConfig:
@@ -182,9 +200,9 @@ class LLM:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def tokenize(self, prompt: Prompt, raw: bool = False) -> tuple[int, ...]:
-        """Token ids of a prompt: a string goes through the chat template (when the tokenizer
-        has one and not `raw`) or plain encoding; token ids are checked and kept.
+    def tokenize(self, prompt: Prompt) -> tuple[int, ...]:
+        """Token ids of a raw prompt: a string is encoded as it is (the tokenizer's special
+        tokens, such as BOS, included; no chat template); token ids are checked and kept.
 
         Raises ValueError for an empty prompt, out-of-vocabulary ids, or a string when the
         model has no tokenizer.
@@ -192,30 +210,51 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; give some text or token ids")
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_id} has no tokenizer; pass token ids")
-            if not raw and getattr(self.tokenizer, "chat_template", None):
-                encoded = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                    tokenize=True)
-                if not isinstance(encoded, list):  # transformers 5 returns a BatchEncoding
-                    encoded = encoded["input_ids"]
-            else:
-                encoded = self.tokenizer.encode(prompt)
-            token_ids: Sequence[int] = encoded
+            token_ids: Sequence[int] = self._require_tokenizer().encode(prompt)
         else:
             token_ids = prompt
         return check_token_ids(token_ids, self.model_config.vocab_size)
 
+    def render_chat(self, messages: Conversation) -> str:
+        """The text of a conversation through the model's chat template, ending with the
+        prompt for the assistant's turn. Raises ValueError for an empty or malformed
+        conversation, or a model without a chat template."""
+        tokenizer = self._require_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_id} has no chat template; use generate() "
+                             "with a raw prompt")
+        if isinstance(messages, (str, bytes)) or not messages:
+            raise ValueError("a conversation is a non-empty list of {'role': ..., "
+                             "'content': ...} messages")
+        for message in messages:
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError("each chat message must be a mapping with a string 'role' "
+                                 f"and a string 'content'; got {message!r}")
+        return tokenizer.apply_chat_template([dict(m) for m in messages],
+                                             add_generation_prompt=True, tokenize=False)
+
+    def tokenize_chat(self, messages: Conversation) -> tuple[int, ...]:
+        """Token ids of a conversation through the chat template (see `render_chat`)."""
+        text = self.render_chat(messages)
+        # The template already holds the special tokens (BOS and the turn markers).
+        encoded = self._require_tokenizer().encode(text, add_special_tokens=False)
+        return check_token_ids(encoded, self.model_config.vocab_size)
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model_id} has no tokenizer; pass token ids")
+        return self.tokenizer
+
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    raw: bool = False) -> str:
-        """Queue one request; returns its id. `cache_salt` keeps its cached blocks apart
-        from other tenants'. Raises ValueError for a bad prompt, a duplicate id, a prompt
-        that leaves no room in the model's context, or one that cannot fit alone in the
-        GPU block budget."""
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue one request on a raw prompt (text or token ids; use `tokenize_chat` for a
+        conversation); returns its id. `cache_salt` keeps its cached blocks apart from other
+        tenants' (default: the engine's `cache_salt`). Raises ValueError for a bad prompt, a
+        duplicate id, a prompt that leaves no room in the model's context, or one that cannot
+        fit alone in the GPU block budget."""
         self._check_open()
-        token_ids = self.tokenize(prompt, raw)
+        token_ids = self.tokenize(prompt)
         self._check_fits(token_ids)
         return self._enqueue(token_ids, params, request_id, cache_salt,
                              prompt if isinstance(prompt, str) else None)
@@ -228,22 +267,32 @@ class LLM:
         if params.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         index = next(self._request_counter)
-        rid = RequestId(request_id if request_id is not None else f"req-{index}")
-        if rid in self._requests:
-            raise ValueError(f"request id {rid!r} is already in use")
-        namespace = namespace_hash(self.model_id, self.layout, self.config.hash_algorithm,
-                                   cache_salt)
-        request = Request(
-            request_id=rid, prompt_token_ids=token_ids, params=params,
-            hasher=BlockHasher(namespace, self.config.block_size, self.config.hash_algorithm),
-            max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
-            arrival_time=time.perf_counter(), eos_token_ids=self._eos_token_ids,
-            ignore_eos=params.ignore_eos, stop_token_ids=frozenset(params.stop_token_ids),
-            prompt=text)
-        self._requests[rid] = request
-        self._generators[rid] = self._generator_for(params, index)
-        self.scheduler.add_request(request)
-        return rid
+        parent_id = request_id if request_id is not None else f"req-{index}"
+        # n > 1: one engine request per completion; they share the prompt's cached blocks.
+        child_ids = [RequestId(parent_id)] if params.n == 1 else \
+            [RequestId(f"{i}_{parent_id}") for i in range(params.n)]
+        if parent_id in self._parents or any(c in self._requests for c in child_ids):
+            raise ValueError(f"request id {parent_id!r} is already in use")
+        salt = cache_salt if cache_salt is not None else self.config.cache_salt
+        namespace = namespace_hash(self.model_fingerprint, self.layout,
+                                   self.config.hash_algorithm, salt)
+        self._parents[parent_id] = _ParentRequest(text, token_ids, params.n)
+        for completion, rid in enumerate(child_ids):
+            request = Request(
+                request_id=rid, prompt_token_ids=token_ids, params=params,
+                hasher=BlockHasher(namespace, self.config.block_size,
+                                   self.config.hash_algorithm),
+                max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
+                arrival_time=time.perf_counter(), eos_token_ids=self._eos_token_ids,
+                ignore_eos=params.ignore_eos, stop_token_ids=frozenset(params.stop_token_ids),
+                prompt=text)
+            self._requests[rid] = request
+            self._child_parent[rid] = (parent_id, completion)
+            self._generators[rid] = self._generator_for(params, index, completion)
+            if params.logprobs is not None:
+                self._logprobs[rid] = []
+            self.scheduler.add_request(request)
+        return parent_id
 
     def _check_fits(self, token_ids: Sequence[int]) -> None:
         num_tokens = len(token_ids)
@@ -256,15 +305,18 @@ class LLM:
         if num_blocks > self.num_gpu_blocks:
             raise ValueError(f"the prompt needs {num_blocks} blocks of {bs} tokens but the GPU "
                              f"block budget is {self.num_gpu_blocks}; raise gpu_blocks or "
-                             "gpu_memory_fraction, or shorten the prompt")
+                             "gpu_memory_utilization, or shorten the prompt")
 
-    def _generator_for(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _generator_for(self, params: SamplingParams, index: int,
+                       completion: int) -> torch.Generator | None:
         if params.greedy:
             return None
         seed = params.seed
-        if seed is None and self.config.seed is not None:
+        if seed is not None:
+            seed += completion  # the n completions of a seeded request differ
+        elif self.config.seed is not None:
             # Deterministic per run: the engine seed and the request's arrival order.
-            seed = self.config.seed + index
+            seed = self.config.seed + index + completion * 1_000_003
         if seed is None:
             return None
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -272,7 +324,17 @@ class LLM:
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         generators = [self._generators.get(r.request_id) for r in requests]
-        return sample(logits, params, generators)
+        token_ids = sample(logits, params, generators,
+                           [r.prompt_token_ids for r in requests],
+                           _LazyOutputs(requests))
+        if any(p.logprobs is not None for p in params):
+            decode = None if self.tokenizer is None else \
+                (lambda t: self.tokenizer.decode([t]))
+            for request, entry in zip(requests,
+                                      sample_logprobs(logits, token_ids, params, decode)):
+                if entry is not None:
+                    self._logprobs[request.request_id].append(entry)
+        return token_ids
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -281,8 +343,9 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that finished in it (and any finished
-        earlier that `generate` did not claim). Raises RuntimeError if no request can make
-        progress (a scheduling bug; never expected)."""
+        earlier that `generate` did not claim). A request with n > 1 is returned once all
+        its completions have finished. Raises RuntimeError if no request can make progress
+        (a scheduling bug; never expected)."""
         self._check_open()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
@@ -295,48 +358,98 @@ class LLM:
             time.sleep(_IDLE_WAIT_S)
         outputs, self._unclaimed = self._unclaimed, []
         for request in finished:
-            outputs.append(self._output(request))
-            del self._requests[request.request_id]
-            self._generators.pop(request.request_id, None)
+            output = self._complete(request)
+            if output is not None:
+                outputs.append(output)
         return outputs
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _complete(self, request: Request) -> RequestOutput | None:
+        """Record a finished engine request; the parent's output once all its completions
+        are in."""
+        rid = request.request_id
+        del self._requests[rid]
+        self._generators.pop(rid, None)
+        parent_id, completion = self._child_parent.pop(rid)
+        parent = self._parents[parent_id]
         output_ids = tuple(request.output_token_ids)
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             output_ids, text, request.finish_reason, request.metrics())
+        logprobs = self._logprobs.pop(rid, None)
+        cumulative = None if logprobs is None else \
+            sum(entry[token].logprob for entry, token in zip(logprobs, output_ids))
+        parent.completions[completion] = CompletionOutput(
+            completion, text, output_ids, cumulative, logprobs, request.finish_reason)
+        parent.metrics.append(request.metrics())
+        if len(parent.completions) < parent.n:
+            return None
+        del self._parents[parent_id]
+        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids,
+                             [parent.completions[i] for i in range(parent.n)], True,
+                             combine_metrics(parent.metrics))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 raw: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order.
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every raw prompt (no chat template, as vLLM's `generate`); outputs
+        come back in the prompts' order.
 
-        `prompts`: one string, one list of token ids, or a list of either. A single
+        `prompts`: one string, one list of token ids, a {"prompt": str} or
+        {"prompt_token_ids": [...]} mapping, or a list of any of these. A single
         SamplingParams applies to all; a list gives one per prompt. Every prompt is checked
         before any is queued (ValueError names the first bad one).
         """
         batch = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(batch)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(batch):
-                raise ValueError(f"{len(params_list)} sampling params for {len(batch)} prompts; "
-                                 "give one, or one per prompt")
         encoded = []
         for index, prompt in enumerate(batch):
             try:
-                token_ids = self.tokenize(prompt, raw)
+                token_ids = self.tokenize(prompt)
                 self._check_fits(token_ids)
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
             encoded.append(token_ids)
+        texts = [p if isinstance(p, str) else None for p in batch]
+        return self._run(encoded, texts, sampling_params)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+             ) -> list[RequestOutput]:
+        """Answer one conversation, or each of a list of them, through the model's chat
+        template (system prompts included), as vLLM's `chat`. A message is
+        {"role": "system" | "user" | "assistant", "content": str}. Outputs come back in
+        order; each output's `prompt` is the rendered template text. Raises ValueError for
+        a model without a chat template or a malformed conversation (naming which one).
+        """
+        if messages and isinstance(messages[0], Mapping):
+            conversations: list[Conversation] = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        if not conversations:
+            raise ValueError("no conversation given")
+        encoded, texts = [], []
+        for index, conversation in enumerate(conversations):
+            try:
+                texts.append(self.render_chat(conversation))
+                token_ids = self.tokenize_chat(conversation)
+                self._check_fits(token_ids)
+            except ValueError as exc:
+                raise ValueError(f"conversation {index}: {exc}") from None
+            encoded.append(token_ids)
+        return self._run(encoded, texts, sampling_params)
+
+    def _run(self, encoded: list[tuple[int, ...]], texts: list[str | None],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None
+             ) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(encoded)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(encoded):
+                raise ValueError(f"{len(params_list)} sampling params for {len(encoded)} "
+                                 "prompts; give one, or one per prompt")
         self._check_open()
-        ids = [self._enqueue(token_ids, params, None, None,
-                             prompt if isinstance(prompt, str) else None)
-               for token_ids, params, prompt in zip(encoded, params_list, batch)]
+        ids = [self._enqueue(token_ids, params, None, None, text)
+               for token_ids, params, text in zip(encoded, params_list, texts)]
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
         while pending:
@@ -384,12 +497,70 @@ def _check_loaded(loaded: LoadedModel, device: str | torch.device,
     return weight.device, weight.dtype
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Any) -> list[Prompt]:
+    if isinstance(prompts, (str, Mapping)):
+        prompts = [prompts]
     items = list(prompts)
     if not items:
         raise ValueError("no prompts given")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt given as token ids
-    return items
+    return [_prompt_of(item) for item in items]
+
+
+def _prompt_of(item: Any) -> Prompt:
+    """A prompt given as text, token ids, or vLLM's {"prompt": ...} /
+    {"prompt_token_ids": ...} mapping."""
+    if not isinstance(item, Mapping):
+        return item
+    if "prompt_token_ids" in item:
+        return list(item["prompt_token_ids"])
+    if isinstance(item.get("prompt"), str):
+        return item["prompt"]
+    raise ValueError(f"a prompt mapping needs 'prompt' (text) or 'prompt_token_ids'; got "
+                     f"keys {sorted(item)}")
+
+
+def _max_model_len(asked: int | None, model_context: int) -> int:
+    """The engine's context: the model's, or less when `max_model_len` asks for less."""
+    if asked is None:
+        return model_context
+    if asked > model_context:
+        raise ValueError(f"max_model_len={asked} exceeds the model's context of "
+                         f"{model_context} tokens; lower it or leave it unset")
+    return asked
+
+
+def cpu_pool_blocks(blocks_per_seq: int, max_num_seqs: int) -> int:
+    """KV blocks of the pool on the CPU, where the "device" memory is the machine's RAM.
+
+    Sized from the context and the batch, not from free RAM: one sequence at the full
+    context (`blocks_per_seq` blocks) plus one block per other sequence of the batch for its
+    decode tail. Longer batches preempt and come back through the tiers; pass `gpu_blocks`
+    or lower `max_model_len` to change it.
+    """
+    return blocks_per_seq + max_num_seqs - 1
+
+
+@dataclass(slots=True)
+class _ParentRequest:
+    """A request as the caller sees it: its prompt and its `n` completions so far."""
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    n: int
+    completions: dict[int, CompletionOutput] = field(default_factory=dict)
+    metrics: list = field(default_factory=list)
+
+
+class _LazyOutputs(Sequence):
+    """Each request's generated tokens, built only for the rows a penalty reads."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._requests[index].output_token_ids

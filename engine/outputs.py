@@ -1,4 +1,5 @@
-"""What the engine hands back for a request: its tokens, text, and where its KV came from."""
+"""What the engine hands back for a request (vLLM's shape: a `RequestOutput` holding
+`CompletionOutput`s), its log-probabilities, and where its KV came from."""
 
 from __future__ import annotations
 
@@ -50,34 +51,71 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """A finished (or, from `step`, possibly finished) request.
+class Logprob:
+    """A token's log-probability (natural log) under the model, and its rank (1 = the most
+    likely token). decoded_token: the token's text, when the model has a tokenizer."""
 
-    finish_reason is "stop" (an end-of-sequence or stop token was generated; it is kept in
-    `token_ids`) or "length" (max_tokens, the model's context, or the GPU block budget was
-    reached); None while the request is still running.
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's `CompletionOutput`).
+
+    index: which of the request's `n` completions this is. token_ids: the generated tokens
+    (an end-of-sequence or stop token that ended it is kept). finish_reason: "stop" (an
+    end-of-sequence or stop token), "length" (max_tokens, the model's context, or the GPU
+    block budget), or None while it runs. logprobs: with `SamplingParams.logprobs`, one
+    {token id: Logprob} per generated token (the chosen token and the most likely ones);
+    cumulative_logprob: the sum of the chosen tokens' log-probabilities (None without
+    logprobs).
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A request's result, shaped like vLLM's `RequestOutput`.
+
+    outputs: its `n` completions in index order (`outputs[0].text` is the answer when n=1).
+    finished: every completion has finished. metrics: kvtier's own accounting (timings and
+    where the KV of each token came from: GPU pool, host tier, disk tier, or computed),
+    summed over the completions.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None
+    outputs: list[CompletionOutput]
+    finished: bool
     metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (the shape `kvtier generate --json` prints per output)."""
         return {
             "request_id": self.request_id,
             "prompt_token_ids": list(self.prompt_token_ids),
-            "token_ids": list(self.token_ids),
-            "text": self.text,
-            "finish_reason": self.finish_reason,
+            "outputs": [{
+                "index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                "finish_reason": c.finish_reason, "cumulative_logprob": c.cumulative_logprob,
+                "logprobs": None if c.logprobs is None else [
+                    {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                                  "decoded_token": lp.decoded_token}
+                     for token, lp in entry.items()} for entry in c.logprobs],
+            } for c in self.outputs],
+            "finished": self.finished,
             "ttft_s": self.metrics.ttft_s,
             "cached_tokens": {
                 "gpu": self.metrics.cached_tokens_gpu,
@@ -87,3 +125,18 @@ class RequestOutput:
             "computed_tokens": self.metrics.computed_tokens,
             "num_preemptions": self.metrics.num_preemptions,
         }
+
+
+def combine_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
+    """The metrics of a request made of several completions: earliest arrival and first
+    token, latest finish, token counts and preemptions summed."""
+    if len(parts) == 1:
+        return parts[0]
+    firsts = [m.first_token_time for m in parts if m.first_token_time is not None]
+    ends = [m.finished_time for m in parts]
+    return RequestMetrics(
+        min(m.arrival_time for m in parts), min(firsts) if firsts else None,
+        None if any(t is None for t in ends) else max(ends),  # type: ignore[type-var]
+        sum(m.cached_tokens_gpu for m in parts), sum(m.cached_tokens_host for m in parts),
+        sum(m.cached_tokens_disk for m in parts), sum(m.computed_tokens for m in parts),
+        sum(m.num_preemptions for m in parts))

@@ -1,14 +1,17 @@
 """Where kvtier keeps per-user files: converted models and, by default, the disk KV tier.
 
-The cache directory is `$KVTIER_CACHE_DIR` when set, else `$XDG_CACHE_HOME/kvtier`, else
-`~/.cache/kvtier`. Directories created here are owner-only (0700): cached KV blocks are
-derived from users' prompts and must not be readable by other accounts.
+The cache directory is `$KVTIER_CACHE_DIR` when set, else the platform's user cache
+directory for kvtier (platformdirs: `$XDG_CACHE_HOME/kvtier`, else `~/.cache/kvtier` on
+Linux; `~/Library/Caches/kvtier` on macOS). Directories created here are owner-only (0700):
+cached KV blocks are derived from users' prompts and must not be readable by other accounts.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import platformdirs
 
 _OWNER_ONLY = 0o700
 
@@ -24,9 +27,7 @@ def cache_dir(create: bool = True) -> Path:
     if override:
         path = Path(override).expanduser()
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-        path = base / "kvtier"
+        path = Path(platformdirs.user_cache_dir("kvtier", appauthor=False))
     path = path.absolute()
     if create:
         ensure_private_dir(path)

@@ -2,64 +2,79 @@
 
 Greedy (temperature 0) is argmax with ties going to the lowest token id, exactly like
 `torch.argmax` and transformers' greedy search. Otherwise logits are divided by the
-temperature, cut to the top-k tokens and then to the smallest set whose probability reaches
-top_p, and one token is drawn with the request's own `torch.Generator`: a seeded request
-draws the same tokens whatever else shares its batch.
+temperature, cut by min_p, to the top-k tokens and then to the smallest set whose
+probability reaches top_p, and one token is drawn with the request's own
+`torch.Generator`: a seeded request draws the same tokens whatever else shares its batch.
+Repetition, presence and frequency penalties (`kvtier.engine.logits_processors`) apply
+before all of that, greedy included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from kvtier.engine.logits_processors import (
+    apply_min_p,
+    apply_penalties,
+    compute_logprobs,
+    penalties_active,
+)
+from kvtier.engine.outputs import Logprob
+from pydantic import Field
+
+from kvtier.validation import CheckedModel
+
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request picks tokens and when it stops.
+class SamplingParams(CheckedModel):
+    """How one request picks tokens and when it stops (vLLM's names and meanings).
 
-    max_tokens: tokens to generate at most. temperature: 0 = greedy. top_k: keep the k most
-    likely tokens (0 = off). top_p: keep the smallest set of tokens whose probability sums
-    to at least top_p (1.0 = off). seed: per-request seed (None = the global RNG).
-    stop_token_ids: extra ids that end the request. ignore_eos: keep going past EOS.
-    Raises ValueError naming the field for a value out of range.
+    n: completions generated for the prompt (each its own sequence; they share the
+    prompt's cached blocks). max_tokens: tokens to generate at most per completion.
+    temperature: 0 = greedy. top_k: keep the k most likely tokens (0 = off; vLLM's -1 is
+    accepted too). top_p: keep the smallest set of tokens whose probability sums to at least
+    top_p (1.0 = off). min_p: drop tokens less likely than min_p times the most likely one
+    (0 = off). repetition_penalty: divide positive (multiply negative) logits of tokens seen
+    in the prompt or output (1.0 = off; > 1 discourages repeats). presence_penalty /
+    frequency_penalty: subtract from the logits of tokens already generated, once / once per
+    occurrence (0 = off; in [-2, 2]). logprobs: return the log-probability of each chosen
+    token and of this many most likely tokens (None = off; 0 = the chosen token only); they
+    are the model's own distribution, before penalties and temperature. seed: per-request
+    seed (None = the engine's seed and the arrival order). ignore_eos: keep going past EOS.
+    stop_token_ids: extra ids that end the request.
+    Raises `kvtier.validation.ConfigError` (a ValueError) naming the field for a value out
+    of range.
     """
 
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if _not_int(self.max_tokens) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be a non-negative integer, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
-                             f"{self.temperature!r}")
-        if _not_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (_not_int(self.seed) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        stop_ids = tuple(self.stop_token_ids)
-        if any(_not_int(t) or t < 0 for t in stop_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {stop_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stop_ids)
+    n: Annotated[int, Field(ge=1)] = Field(1, description="completions per prompt, >= 1")
+    max_tokens: Annotated[int, Field(ge=0)] = Field(
+        16, description="tokens to generate at most, >= 1 for a request")
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        0.0, description="a finite number >= 0; 0 = greedy")
+    top_k: Annotated[int, Field(ge=-1)] = Field(
+        0, description="keep the k most likely tokens; 0 or -1 = off")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="nucleus probability mass in (0, 1]; 1 = off")
+    min_p: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="in [0, 1]; 0 = off")
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        1.0, description="> 0; 1 = off, > 1 discourages repeats")
+    presence_penalty: _Penalty = Field(0.0, description="in [-2, 2]; 0 = off")
+    frequency_penalty: _Penalty = Field(0.0, description="in [-2, 2]; 0 = off")
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
+        None, description="top log-probabilities per token, 0-20; None = off")
+    seed: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="a non-negative integer or None")
+    ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        (), description="non-negative token ids that end the request")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-def _not_int(value: object) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def make_generator(params: SamplingParams,
@@ -91,17 +106,27 @@ def _restrict(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) 
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+           generators: Sequence[torch.Generator | None],
+           prompt_token_ids: Sequence[Sequence[int]] | None = None,
+           output_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """One token id per request.
 
     logits: [num_reqs, vocab] float32; params and generators: one per row (a generator on
-    the logits' device, or None for the global RNG). Returns [num_reqs] int64 on the logits'
-    device. Raises ValueError when the lengths disagree.
+    the logits' device, or None for the global RNG); prompt_token_ids / output_token_ids:
+    each row's prompt and generated tokens, needed only when a row has a penalty. Penalties
+    apply first (greedy rows take the argmax of the penalized logits), then temperature,
+    min_p, top_k and top_p. Returns [num_reqs] int64 on the logits' device. Raises
+    ValueError when the lengths disagree or a penalty has no token history.
     """
     num_reqs = logits.shape[0]
     if len(params) != num_reqs or len(generators) != num_reqs:
         raise ValueError(f"got {num_reqs} logits rows, {len(params)} params and "
                          f"{len(generators)} generators; pass one of each per request")
+    if any(penalties_active(p) for p in params):
+        if prompt_token_ids is None or output_token_ids is None:
+            raise ValueError("a request has a penalty: pass prompt_token_ids and "
+                             "output_token_ids for every row")
+        logits = apply_penalties(logits.float(), params, prompt_token_ids, output_token_ids)
     token_ids = logits.argmax(dim=-1)  # [num_reqs]; greedy rows are done
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -110,10 +135,34 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     index = torch.tensor(rows, device=device)
     temperatures = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32,
                                 device=device)
-    top_ks = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
+    top_ks = torch.tensor([max(params[i].top_k, 0) for i in rows], dtype=torch.int64,
+                          device=device)
     top_ps = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
     scaled = logits[index].float() / temperatures[:, None]  # [num_sampled, vocab]
+    if any(params[i].min_p > 0 for i in rows):
+        min_ps = torch.tensor([params[i].min_p for i in rows], dtype=torch.float32,
+                              device=device)
+        scaled = apply_min_p(scaled, min_ps)
     probs = _restrict(scaled, top_ks, top_ps).softmax(dim=-1)
     for j, i in enumerate(rows):
         token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return token_ids
+
+
+def sample_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                    params: Sequence[SamplingParams],
+                    decode=None) -> list[dict[int, Logprob] | None]:
+    """Log-probabilities for the rows whose params ask for them (None for the others).
+
+    logits: [num_reqs, vocab] the model's own; token_ids: [num_reqs] the sampled tokens.
+    """
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[dict[int, Logprob] | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    entries = compute_logprobs(logits[index], token_ids[index],
+                               [params[i].logprobs for i in rows], decode)
+    for i, entry in zip(rows, entries):
+        out[i] = entry
+    return out

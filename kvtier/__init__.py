@@ -39,7 +39,7 @@ _EXPORTS = {
     "hash_block": "kvtier.hashing", "hash_blocks": "kvtier.hashing",
     "namespace_hash": "kvtier.hashing",
     "KVLayout": "kvtier.layout",
-    "TierConfig": "kvtier.config",
+    "TierConfig": "kvtier.config", "ConfigError": "kvtier.validation",
     "LoadId": "kvtier.manager", "PrefixHit": "kvtier.manager", "TierManager": "kvtier.manager",
     "Direction": "kvtier.stats", "ManagerStats": "kvtier.stats", "Tier": "kvtier.stats",
     "TierStats": "kvtier.stats", "TransferStats": "kvtier.stats",

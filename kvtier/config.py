@@ -6,13 +6,17 @@ values are checked once here so the tier manager can trust them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
 
 from kvtier.layout import KVLayout
 from kvtier.remote_config import RemoteConfig
+from kvtier.validation import CheckedModel
 
 SWAP_METHODS = ("auto", "dma", "staged", "triton")
+SwapMethod = Literal["auto", "dma", "staged", "triton"]
 
 #: Slots of the staging slab used for disk traffic when the host tier is off but the disk
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
@@ -20,13 +24,14 @@ DEFAULT_STAGING_SLOTS = 16
 #: Threads running host <-> disk jobs unless TierConfig says otherwise.
 DEFAULT_IO_THREADS = 2
 
+PositiveInt = Annotated[int, Field(gt=0)]
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True, slots=True)
-class TierConfig:
+class TierConfig(CheckedModel):
     """Capacities of the three tiers and the knobs of the transfer engine.
 
     num_gpu_blocks: blocks in the GPU pool (and in the `kv_cache` tensor).
@@ -42,27 +47,29 @@ class TierConfig:
     staging_slots: slab slots used for disk traffic when the host tier is off.
     remote: the shared remote tier below the disk (`RemoteConfig`); None turns it off.
 
-    Raises ValueError naming the field when a value is out of range or inconsistent.
+    Fields are checked by their types (one line each, so adding a tier's settings is one
+    line more); raises `kvtier.validation.ConfigError` (a ValueError) naming the field when
+    a value is out of range or inconsistent.
     """
 
-    num_gpu_blocks: int
-    host_capacity_bytes: int = 0
-    disk_path: str | Path | None = None
-    disk_budget_bytes: int | None = None
-    swap_method: str = "auto"
-    io_threads: int = DEFAULT_IO_THREADS
-    max_pending_io: int = 64
-    staging_slots: int = DEFAULT_STAGING_SLOTS
-    remote: RemoteConfig | None = None
+    num_gpu_blocks: PositiveInt = Field(description="blocks in the GPU pool")
+    host_capacity_bytes: Annotated[int, Field(ge=0)] = Field(
+        0, description="host tier size in bytes; 0 turns the host tier off")
+    disk_path: str | Path | None = Field(
+        None, description="disk tier directory; None turns the disk tier off")
+    disk_budget_bytes: PositiveInt | None = Field(
+        None, description="bytes the disk tier may use; required with disk_path")
+    swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
+    io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
+                                    description="threads running host <-> disk jobs")
+    max_pending_io: PositiveInt = Field(64, description="bound on queued host <-> disk jobs")
+    staging_slots: PositiveInt = Field(
+        DEFAULT_STAGING_SLOTS, description="slab slots for disk traffic without a host tier")
+    remote: RemoteConfig | None = Field(
+        None, description="the shared remote tier below the disk; None turns it off")
 
-    def __post_init__(self) -> None:
-        for field in ("num_gpu_blocks", "io_threads", "max_pending_io", "staging_slots"):
-            value = getattr(self, field)
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"TierConfig.{field} must be a positive integer, got {value!r}")
-        if not _is_int(self.host_capacity_bytes) or self.host_capacity_bytes < 0:
-            raise ValueError("TierConfig.host_capacity_bytes must be an integer >= 0 "
-                             f"(0 turns the host tier off), got {self.host_capacity_bytes!r}")
+    @model_validator(mode="after")
+    def _check_disk(self) -> TierConfig:
         if self.disk_path is not None:
             if not str(self.disk_path):
                 raise ValueError("TierConfig.disk_path must name a directory, or be None to "
@@ -70,19 +77,10 @@ class TierConfig:
             if self.disk_budget_bytes is None:
                 raise ValueError("TierConfig.disk_budget_bytes is required when disk_path is "
                                  "set: say how many bytes the disk tier may use")
-        if self.disk_budget_bytes is not None:
-            if self.disk_path is None:
-                raise ValueError("TierConfig.disk_budget_bytes is set but disk_path is None; "
-                                 "set disk_path to turn the disk tier on, or drop the budget")
-            if not _is_int(self.disk_budget_bytes) or self.disk_budget_bytes <= 0:
-                raise ValueError("TierConfig.disk_budget_bytes must be a positive integer, "
-                                 f"got {self.disk_budget_bytes!r}")
-        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
-            raise ValueError("TierConfig.remote must be a RemoteConfig or None, "
-                             f"got {type(self.remote).__name__}")
-        if self.swap_method not in SWAP_METHODS:
-            raise ValueError(f"TierConfig.swap_method must be one of {SWAP_METHODS}, "
-                             f"got {self.swap_method!r}")
+        elif self.disk_budget_bytes is not None:
+            raise ValueError("TierConfig.disk_budget_bytes is set but disk_path is None; "
+                             "set disk_path to turn the disk tier on, or drop the budget")
+        return self
 
     @classmethod
     def from_slots(cls, layout: KVLayout, num_gpu_blocks: int, num_host_slots: int = 0,

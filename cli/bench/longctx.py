@@ -239,7 +239,8 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         "max_bytes_per_step": max((sum(s["bytes_moved"].values()) for s in recorder.samples),
                                   default=0),
         "timeline": recorder.samples,
-        "token_ids": {name: [list(o.token_ids) for o in outs] for name, outs in outputs.items()},
+        "token_ids": {name: [list(o.outputs[0].token_ids) for o in outs]
+                      for name, outs in outputs.items()},
     }
 
 

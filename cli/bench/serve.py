@@ -142,15 +142,16 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         for output in llm.step():
             conversation = owner.pop(output.request_id)
             finished.append(output)
-            histories[conversation] += output.token_ids
+            histories[conversation] += output.outputs[0].token_ids
             rounds[conversation] += 1
             if rounds[conversation] < config.num_rounds:
                 send(conversation)
     elapsed = time.perf_counter() - start
     ttft = [o.metrics.ttft_s for o in finished]
-    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
-            for o in finished if len(o.token_ids) > 1]
-    num_generated = sum(len(o.token_ids) for o in finished)
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time)
+            / (len(o.outputs[0].token_ids) - 1)
+            for o in finished if len(o.outputs[0].token_ids) > 1]
+    num_generated = sum(len(o.outputs[0].token_ids) for o in finished)
     stats = llm.stats()
     return {
         "elapsed_s": elapsed,
@@ -231,7 +232,7 @@ def _engine_timings(loaded: LoadedModel, prompts: list[list[int]], num_new: int,
     arrival = min(o.metrics.arrival_time for o in outputs)
     first = max(o.metrics.first_token_time for o in outputs)
     last = max(o.metrics.finished_time for o in outputs)
-    return first - arrival, last - arrival, [list(o.token_ids) for o in outputs]
+    return first - arrival, last - arrival, [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def compare_with_hf(loaded: LoadedModel, config: ServeConfig, progress: Progress) -> dict:

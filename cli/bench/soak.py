@@ -26,7 +26,6 @@ and `checks` (name -> passed), with `ok` true when all passed.
 from __future__ import annotations
 
 import gc
-import os
 import random
 import shutil
 import tempfile
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import typer
 from kvtier.cli.common import print_json, print_table
@@ -114,20 +114,18 @@ def make_workload(num_requests: int, seed: int, config: SoakConfig,
 
 
 def _rss_bytes() -> int | None:
+    """Resident memory of this process (psutil; None where the platform cannot say)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        return psutil.Process().memory_info().rss
+    except (psutil.Error, OSError):
         return None
-    return None
 
 
 def _num_fds() -> int | None:
+    """Open file descriptors of this process (None where the platform cannot say)."""
     try:
-        return len(os.listdir("/proc/self/fd"))
-    except OSError:
+        return psutil.Process().num_fds()
+    except (psutil.Error, OSError, AttributeError):  # num_fds is POSIX only
         return None
 
 
@@ -193,7 +191,8 @@ def _phase_checks(llm: LLM, stats: ManagerStats, outputs: list[RequestOutput],
     # Every failed disk read must be such a block, never a read that went wrong.
     checks["disk_failures_are_pruned_blocks"] = (disk is not None and
                                                  tiers[Tier.DISK].failures == disk.misses)
-    checks["all_finished"] = all(o.finish_reason in ("stop", "length") for o in outputs)
+    checks["all_finished"] = all(o.outputs[0].finish_reason in ("stop", "length")
+                                 for o in outputs)
     return checks
 
 
@@ -281,7 +280,8 @@ def _soak(num_requests: int, seed: int, config: SoakConfig, disk_dir: Path,
             expected = reference.generate([work[i].prompt for i in sample],
                                           [work[i].params for i in sample])
         mismatched = [i for i, out in zip(sample, expected)
-                      if i not in outputs or out.token_ids != outputs[i].token_ids]
+                      if i not in outputs
+                      or out.outputs[0].token_ids != outputs[i].outputs[0].token_ids]
     checks["sample_matches_tiers_off"] = not mismatched
     return {
         "config": asdict(config), "num_requests": num_requests, "seed": seed,

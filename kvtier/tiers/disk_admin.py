@@ -17,15 +17,13 @@ keys and the framing, so a truncated or edited file is refused before anything i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiofiles
 import lmdb
 import xxhash
 
@@ -244,10 +242,10 @@ def export_cache(path: str | os.PathLike[str], file: str | os.PathLike[str]) -> 
     Raises like `cache_stats`, ValueError for a directory of another disk format, and
     OSError when the file cannot be written.
     """
-    return asyncio.run(_export(path, Path(file)))
+    return _export(path, Path(file))
 
 
-async def _export(path: str | os.PathLike[str], file: Path) -> int:
+def _export(path: str | os.PathLike[str], file: Path) -> int:
     index = _open(path, write=False)
     partial = file.with_name(file.name + ".partial")
     try:
@@ -258,8 +256,8 @@ async def _export(path: str | os.PathLike[str], file: Path) -> int:
             meta_bytes = json.dumps(meta, sort_keys=True).encode()
             hasher = xxhash.xxh3_64()
             num_blocks = 0
-            async with aiofiles.open(partial, "wb", opener=_private_opener) as out:
-                await out.write(_FILE_HEADER.pack(EXPORT_MAGIC, EXPORT_VERSION, len(meta_bytes))
+            with open(partial, "wb", opener=_private_opener) as out:
+                out.write(_FILE_HEADER.pack(EXPORT_MAGIC, EXPORT_VERSION, len(meta_bytes))
                                 + meta_bytes)
                 chunk = bytearray()
                 for _, block_hash in index.lru_order(txn):
@@ -273,11 +271,11 @@ async def _export(path: str | os.PathLike[str], file: Path) -> int:
                     hasher.update(value)
                     num_blocks += 1
                     if len(chunk) >= _CHUNK_BYTES:
-                        await out.write(bytes(chunk))
+                        out.write(chunk)
                         chunk.clear()
                 trailer = _END.pack(0) + _TRAILER.pack(num_blocks, hasher.intdigest())
-                await out.write(bytes(chunk) + trailer)
-                await out.flush()
+                out.write(chunk + trailer)
+                out.flush()
                 os.fsync(out.fileno())
         os.replace(partial, file)
         return num_blocks
@@ -300,11 +298,11 @@ def import_cache(path: str | os.PathLike[str], file: str | os.PathLike[str],
     Raises ValueError (nothing imported) for a file of an unknown format version, a file
     with blocks of another layout than `layout` (when given), or a damaged or truncated file.
     """
-    return asyncio.run(_import(path, Path(file), layout))
+    return _import(path, Path(file), layout)
 
 
-async def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | None) -> int:
-    async for _ in _read_export(file, layout):  # pass 1: verify everything
+def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | None) -> int:
+    for _ in _read_export(file, layout):  # pass 1: verify everything
         pass
     root = ensure_private_dir(path)
     if not (root / "data.mdb").exists():
@@ -317,7 +315,7 @@ async def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | N
                 index.set_format_version(txn, DISK_FORMAT_VERSION)
             _check_format(index, txn, root)
         num_new, batch, batch_bytes = 0, [], 0
-        async for item in _read_export(file, layout):  # pass 2: insert
+        for item in _read_export(file, layout):  # pass 2: insert
             batch.append(item)
             batch_bytes += len(item[1])
             if batch_bytes >= _IMPORT_TXN_BYTES:
@@ -335,28 +333,28 @@ def _insert(index: LmdbIndex, items: list[tuple[bytes, bytes, dict[str, str]]]) 
         return sum(index.insert(txn, key, value) for key, value, _ in items)
 
 
-async def _read_export(file: Path, layout: KVLayout | None
-                       ) -> AsyncIterator[tuple[bytes, bytes, dict[str, str]]]:
+def _read_export(file: Path, layout: KVLayout | None
+                 ) -> Iterator[tuple[bytes, bytes, dict[str, str]]]:
     """Yield (key, record, layout names) of a verified export file; ValueError on damage
     or, when `layout` is given, on a block of another layout."""
     expected_fingerprint = None if layout is None else layout.fingerprint()
-    async with aiofiles.open(file, "rb") as source:
+    with open(file, "rb") as source:
         reader = _ChunkReader(source, file)
-        magic, version, meta_len = _FILE_HEADER.unpack(await reader.read(_FILE_HEADER.size))
+        magic, version, meta_len = _FILE_HEADER.unpack(reader.read(_FILE_HEADER.size))
         if magic != EXPORT_MAGIC:
             raise ValueError(f"{file} is not a kvtier cache export (magic {magic!r})")
         if version != EXPORT_VERSION:
             raise ValueError(f"{file} has export format version {version}; this build reads "
                              f"version {EXPORT_VERSION}. Export it again with this build")
-        meta = json.loads(await reader.read(meta_len))
+        meta = json.loads(reader.read(meta_len))
         names: dict[str, str] = meta.get("layouts", {})
         hasher, num_blocks = xxhash.xxh3_64(), 0
         while True:
-            (key_len,) = _END.unpack(await reader.read(_END.size))
+            (key_len,) = _END.unpack(reader.read(_END.size))
             if key_len == 0:
                 break
-            (value_len,) = struct.unpack("<Q", await reader.read(8))
-            key, value = await reader.read(key_len), await reader.read(value_len)
+            (value_len,) = struct.unpack("<Q", reader.read(8))
+            key, value = reader.read(key_len), reader.read(value_len)
             hasher.update(_FRAME.pack(key_len, value_len) + key)
             hasher.update(value)
             num_blocks += 1
@@ -371,24 +369,24 @@ async def _read_export(file: Path, layout: KVLayout | None
                                  f"{layout.describe()}; import it for that model's layout or "
                                  "without one; nothing was imported")
             yield key, value, names
-        stored_count, stored_checksum = _TRAILER.unpack(await reader.read(_TRAILER.size))
+        stored_count, stored_checksum = _TRAILER.unpack(reader.read(_TRAILER.size))
         if (stored_count, stored_checksum) != (num_blocks, hasher.intdigest()):
             raise ValueError(f"{file} fails its trailing checksum (edited or damaged); "
                              "nothing was imported")
-        if await reader.read_rest():
+        if reader.read_rest():
             raise ValueError(f"{file} has bytes after its end marker; nothing was imported")
 
 
 class _ChunkReader:
-    """Exact-size reads over an aiofiles file, one executor call per 8 MiB."""
+    """Exact-size reads over a binary file, one read call per 8 MiB."""
 
     def __init__(self, source, file: Path) -> None:
         self._source, self._file = source, file
         self._buffer, self._pos = b"", 0
 
-    async def read(self, size: int) -> bytes:
+    def read(self, size: int) -> bytes:
         while len(self._buffer) - self._pos < size:
-            more = await self._source.read(max(_CHUNK_BYTES, size))
+            more = self._source.read(max(_CHUNK_BYTES, size))
             if not more:
                 raise ValueError(f"{self._file} is truncated; nothing was imported")
             self._buffer = self._buffer[self._pos:] + more
@@ -397,5 +395,5 @@ class _ChunkReader:
         self._pos += size
         return out
 
-    async def read_rest(self) -> bytes:
-        return self._buffer[self._pos:] + await self._source.read()
+    def read_rest(self) -> bytes:
+        return self._buffer[self._pos:] + self._source.read()

@@ -98,11 +98,11 @@ GENERATE_CASES: dict[str, tuple[Callable[[dict], list[str]], str]] = {
                                  "no config.json"),
     "model gguf damaged": (lambda p: ["hi", "--model", str(p["bad gguf"])],
                            "cannot load this GGUF"),
-    "gpu blocks zero": (lambda p: ["hi", "--gpu-blocks", "0"], "gpu_blocks must be a positive"),
+    "gpu blocks zero": (lambda p: ["hi", "--gpu-blocks", "0"], "gpu_blocks: must be > 0"),
     "gpu blocks negative": (lambda p: ["hi", "--gpu-blocks", "-3"], "gpu_blocks"),
     "gpu blocks beyond memory": (lambda p: ["hi", "--gpu-blocks", str(1 << 40)],
                                  "GiB of memory are available"),
-    "block size zero": (lambda p: ["hi", "--block-size", "0"], "block_size must be a positive"),
+    "block size zero": (lambda p: ["hi", "--block-size", "0"], "block_size: must be > 0"),
     "block size not a number": (lambda p: ["hi", "--block-size", "abc"], "Invalid value"),
     "disk budget negative": (lambda p: ["hi", "--disk-cache-gb", "-1"], "disk_cache_gb"),
     "disk budget nan": (lambda p: ["hi", "--disk-cache-gb", "nan"], "disk_cache_gb"),
@@ -131,10 +131,11 @@ GENERATE_CASES: dict[str, tuple[Callable[[dict], list[str]], str]] = {
     "max tokens negative": (lambda p: ["hi", "--max-tokens", "-4"], "max_tokens"),
     "temperature negative": (lambda p: ["hi", "--temperature", "-1"], "temperature"),
     "top-p zero": (lambda p: ["hi", "--top-p", "0"], "top_p"),
-    "top-k negative": (lambda p: ["hi", "--top-k", "-1"], "top_k"),
+    "top-k negative": (lambda p: ["hi", "--top-k", "-2"], "top_k"),
     "seed negative": (lambda p: ["hi", "--temperature", "1", "--seed", "-1"], "seed"),
     "device unknown": (lambda p: ["hi", "--device", "tpu"], "unknown device"),
-    "dtype unknown": (lambda p: ["hi", "--dtype", "int8"], "unknown --dtype"),
+    "dtype unknown": (lambda p: ["hi", "--dtype", "int8"], "'int8' is not one of"),
+    "hash algorithm unknown": (lambda p: ["hi", "--hash-algorithm", "md5"], "'md5' is not"),
     "prompt longer than the model": (lambda p: [LONG_PROMPT], "context is 1024"),
     "prompt longer than the gpu budget": (lambda p: ["y" * 100, "--gpu-blocks", "2"],
                                           "GPU block budget is 2"),
@@ -222,7 +223,7 @@ def test_a_real_process_prints_one_line_and_exits_non_zero(tmp_path, private_cac
         env=dict(os.environ, KVTIER_CACHE_DIR=str(private_cache_dir)))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "error: block_size must be a positive integer, got 0"]
+        "error: EngineConfig.block_size: must be > 0, got 0 (tokens per KV block)"]
     assert result.stdout == ""
 
 
@@ -239,7 +240,7 @@ def tiny():
 LLM_CASES = {
     "max_num_seqs": dict(max_num_seqs=0),
     "max_num_batched_tokens": dict(max_num_batched_tokens=-1),
-    "gpu_memory_fraction": dict(gpu_memory_fraction=1.5),
+    "gpu_memory_utilization": dict(gpu_memory_utilization=1.5),
     "hash_algorithm": dict(hash_algorithm="md5"),
     "attn_backend": dict(attn_backend="cuda-magic"),
     "seed": dict(seed=-1),

@@ -42,16 +42,21 @@ def test_json_output_matches_the_library(runner, model_dir) -> None:
     assert report["stats"]["gpu"]["num_blocks"] == 64
     with LLM(str(model_dir), device="cpu", gpu_blocks=64, disk_cache=False,
              host_cache=False) as llm:
-        expected = llm.generate(prompts, SamplingParams(max_tokens=5))
+        # The command applies the chat template, as LLM.chat does.
+        expected = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                            SamplingParams(max_tokens=5))
     assert len(report["outputs"]) == 2
     for entry, output in zip(report["outputs"], expected):
         assert entry["prompt_token_ids"] == list(output.prompt_token_ids)
-        assert entry["token_ids"] == list(output.token_ids)
-        assert entry["text"] == output.text
-        assert entry["finish_reason"] in ("stop", "length")
+        (completion,) = entry["outputs"]
+        assert completion["token_ids"] == list(output.outputs[0].token_ids)
+        assert completion["text"] == output.outputs[0].text
+        assert completion["finish_reason"] in ("stop", "length")
+        assert completion["index"] == 0 and completion["logprobs"] is None
+        assert entry["finished"] is True
         assert entry["cached_tokens"] == {"gpu": 0, "host": 0, "disk": 0}
         assert entry["computed_tokens"] == len(entry["prompt_token_ids"]) \
-            + len(entry["token_ids"]) - 1
+            + len(completion["token_ids"]) - 1
         assert entry["ttft_s"] >= 0
 
 
@@ -70,7 +75,9 @@ def test_prompt_files_raw_prompts_and_the_table(runner, model_dir, tmp_path) -> 
         assert [o["prompt_token_ids"] for o in outputs] == [tokenizer.encode(t) for t in texts]
     result = runner.invoke(app, generate_args(model_dir, "hello", "--no-disk-cache"))
     assert result.exit_code == 0, result.output
-    assert "computed" in result.stdout and "--- [0]" in result.stdout
+    # Answers on stdout, the statistics table on stderr (so `> out.txt` keeps only answers).
+    assert "--- [0]" in result.stdout and "computed" not in result.stdout
+    assert "computed" in result.stderr
 
 
 def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) -> None:
@@ -82,12 +89,11 @@ def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) ->
     num_full = (len(first["prompt_token_ids"]) - 1) // 16
     assert num_full >= 4
     assert second["cached_tokens"] == {"gpu": 0, "host": 0, "disk": num_full * 16}
-    assert second["token_ids"] == first["token_ids"]
+    assert second["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
 
 
 @pytest.mark.parametrize("extra, message", [
     (["hi", "--device", "tpu"], "unknown device"),
-    (["hi", "--dtype", "int8"], "unknown --dtype"),
     (["hi", "--max-tokens", "-1"], "max_tokens"),
     (["hi", "--max-tokens", "0"], "at least 1"),
     (["hi", "--gpu-blocks", "0"], "gpu_blocks"),

@@ -48,7 +48,7 @@ def run(args: dict) -> dict:
         doc_tokens = len(llm.tokenizer.encode(document))
         metrics = output.metrics
         return {
-            "output_token_ids": list(output.token_ids),
+            "output_token_ids": list(output.outputs[0].token_ids),
             "prompt_tokens": len(output.prompt_token_ids),
             "doc_tokens": doc_tokens,
             "cached_remote": metrics.cached_tokens_remote,

@@ -64,7 +64,7 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 def tiers_off(model: LoadedModel, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     with LLM(model, gpu_blocks=256, host_cache=False, disk_cache=False) as llm:
-        return [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
 
 
 def slots_gb(model: LoadedModel, num_slots: int) -> float:
@@ -108,7 +108,7 @@ def warm(model: LoadedModel, disk_dir: Path, prompts: list[list[int]]) -> None:
 def block_hashes(model: LoadedModel, prompt: list[int]) -> list[bytes]:
     """The disk keys of a prompt's full blocks (default salt and hash algorithm)."""
     layout = model.config.kv_layout(16, torch.float32)
-    return hash_blocks(namespace_hash(model.model_id, layout), prompt, 16)
+    return hash_blocks(namespace_hash(model.cache_identity, layout), prompt, 16)
 
 
 # ---- a killed process ----------------------------------------------------------------------
@@ -127,7 +127,7 @@ def child_main(disk_dir: str, seed: int) -> None:
         while True:
             for prompt in prompts:
                 output = llm.generate([prompt], PARAMS)[0]
-                print(*output.token_ids, flush=True)
+                print(*output.outputs[0].token_ids, flush=True)
 
 
 @pytest.mark.timeout(300)
@@ -164,7 +164,7 @@ def test_a_warm_directory_left_by_a_killed_engine_gives_the_same_answers(tiny, t
         outputs = run(llm, prompts)
         stats = llm.stats()
         check_idle(llm)
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert sum(o.metrics.cached_tokens_disk for o in outputs) > 0, "nothing came from disk"
     assert stats.disk.rejected == 0 and stats.tiers[Tier.DISK].failures == 0
 
@@ -207,13 +207,13 @@ def test_damaged_disk_values_are_recomputed_and_counted(tiny, tmp_path):
         outputs = run(llm, prompts)
         stats = llm.stats()
         check_idle(llm)
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert stats.disk.rejected == num_damaged == len(prompts) // 2
     assert stats.tiers[Tier.DISK].failures == stats.disk.rejected
     assert sum(o.metrics.cached_tokens_disk for o in outputs) > 0, "intact blocks are served"
     # The rejected values were removed: a third engine finds only whole blocks.
     with tiny_llm(tiny, disk_dir) as llm:
-        assert [o.token_ids for o in run(llm, prompts)] == expected
+        assert [o.outputs[0].token_ids for o in run(llm, prompts)] == expected
         assert llm.stats().disk.rejected == 0
 
 
@@ -230,7 +230,7 @@ def test_a_disk_cache_of_an_older_format_is_cleared(tiny, tmp_path):
     with tiny_llm(tiny, disk_dir) as llm:
         assert llm.manager.disk.format_reset
         outputs = run(llm, prompts)
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert outputs[0].metrics.cached_tokens_disk == 0  # nothing of the old format served
 
 
@@ -294,7 +294,7 @@ def test_failing_transfers_are_recomputed_and_the_engine_keeps_serving(
         stats = llm.stats()
         monkeypatch.undo()  # let close() flush through sound seams
         check_idle(llm)
-    assert [o.token_ids for o in outputs] == expected + expected[::-1]
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected[::-1]
     assert disk_class.num_failed > 0 and copies_failed[0] > 0, "no fault was injected"
     assert stats.tiers[Tier.DISK].failures + stats.tiers[Tier.HOST].failures > 0
     assert sum(t.failures for t in stats.transfers.values()) > 0
@@ -338,7 +338,8 @@ def test_a_stalled_disk_read_does_not_stop_other_requests(tiny, tmp_path, monkey
         while llm.has_unfinished():
             done.update((o.request_id, o) for o in llm.step())
         check_idle(llm)
-    assert done[a].token_ids == expected[0] and done[b].token_ids == expected[2]
+    assert done[a].outputs[0].token_ids == expected[0]
+    assert done[b].outputs[0].token_ids == expected[2]
     assert done[a].metrics.cached_tokens_disk > 0
 
 
@@ -354,7 +355,7 @@ def test_a_disk_budget_of_three_blocks_prunes_and_keeps_serving(tiny, tmp_path):
         outputs = run(llm, prompts) + run(llm, prompts)
         disk = llm.stats().disk
         check_idle(llm)
-    assert [o.token_ids for o in outputs] == expected + expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected
     assert disk.pruned > 0 and disk.num_blocks <= 3
     assert disk.bytes_used <= disk.budget_bytes
 
@@ -376,7 +377,7 @@ def test_a_full_lmdb_map_prunes_or_refuses_and_keeps_serving(tiny, tmp_path, mon
         outputs = run(llm, prompts) + run(llm, prompts)
         disk = llm.stats().disk
         check_idle(llm)
-    assert [o.token_ids for o in outputs] == expected + expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected + expected
     assert disk.pruned + disk.refused > 0
     assert disk.bytes_used < 160 << 10
 

@@ -47,8 +47,9 @@ def hf_greedy(hf_model, prompt_token_ids: list[int], max_tokens: int = MAX_TOKEN
 def assert_same_tokens(outputs, prompts, references) -> None:
     for index, (output, prompt, reference) in enumerate(zip(outputs, prompts, references)):
         assert list(output.prompt_token_ids) == list(prompt)
-        assert list(output.token_ids) == reference, \
-            f"prompt {index} ({len(prompt)} tokens): {list(output.token_ids)} != {reference}"
+        generated = list(output.outputs[0].token_ids)
+        assert generated == reference, \
+            f"prompt {index} ({len(prompt)} tokens): {generated} != {reference}"
 
 
 # ---- tiny random models ------------------------------------------------------------------
@@ -112,7 +113,7 @@ def test_tiny_models_match_transformers_batched_and_one_by_one(tiny: TinyModel) 
     for prompt, reference in zip(tiny.prompts, tiny.references):
         with tiny_llm(tiny) as llm:
             (output,) = llm.generate([prompt], params)
-        assert list(output.token_ids) == reference
+        assert list(output.outputs[0].token_ids) == reference
         assert output.metrics.cached_tokens == 0
         assert output.metrics.computed_tokens == len(prompt) + len(reference) - 1
 
@@ -172,19 +173,32 @@ def test_smollm2_matches_transformers_batched_then_one_by_one(smollm2, smollm2_c
         + MAX_TOKENS - 1
 
 
-def test_smollm2_string_prompts_use_the_chat_template(smollm2, smollm2_case) -> None:
+def test_smollm2_generate_is_raw_and_chat_uses_the_template(smollm2, smollm2_case) -> None:
     prompts, references = smollm2_case
+    params = SamplingParams(max_tokens=MAX_TOKENS)
     with LLM(smollm2, gpu_blocks=64, host_cache=False, disk_cache=False) as llm:
-        (chat, raw) = llm.generate(["What is the capital of France?", "The sky is"],
-                                   [SamplingParams(max_tokens=MAX_TOKENS)] * 2)
-        (raw_too,) = llm.generate("The sky is", SamplingParams(max_tokens=MAX_TOKENS),
-                                  raw=True)
+        (raw,) = llm.generate("The sky is", params)
+        (chat,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           params)
+        (by_mapping,) = llm.generate([{"prompt": "The sky is"}], params)
+        (with_system,) = llm.chat([{"role": "system", "content": "Answer in French."},
+                                   {"role": "user", "content": "What is the capital of France?"}],
+                                  params)
+    assert list(raw.prompt_token_ids) == prompts[1] and raw.prompt == "The sky is"
+    assert list(raw.outputs[0].token_ids) == references[1]
+    assert list(by_mapping.outputs[0].token_ids) == references[1]
     assert list(chat.prompt_token_ids) == prompts[0]
-    assert list(chat.token_ids) == references[0] and chat.text.startswith("The capital")
-    assert chat.prompt == "What is the capital of France?"
-    assert len(raw.prompt_token_ids) > len(prompts[1])  # templated
-    assert list(raw_too.prompt_token_ids) == prompts[1]
-    assert list(raw_too.token_ids) == references[1]
+    assert list(chat.outputs[0].token_ids) == references[0]
+    assert chat.outputs[0].text.startswith("The capital")
+    assert chat.prompt is not None and chat.prompt.endswith("assistant\n")
+    # The system prompt reaches the model through the template, before the user's turn.
+    template = smollm2.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer in French."},
+         {"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=False)
+    assert with_system.prompt == template and "Answer in French." in template
+    assert list(with_system.prompt_token_ids) == smollm2.tokenizer.encode(
+        template, add_special_tokens=False)
 
 
 # ---- API behaviour (tiny model) ----------------------------------------------------------
@@ -215,7 +229,8 @@ def test_bad_input_is_rejected_with_a_clear_error(tiny_llama: TinyModel) -> None
         assert not llm.has_unfinished()  # nothing of a rejected batch was queued
         # A prompt that fits exactly still runs; it ends when no block is left to grow into.
         (output,) = llm.generate([[5] * 320], SamplingParams(max_tokens=4))
-        assert output.finish_reason == "length" and len(output.token_ids) == 1
+        (completion,) = output.outputs
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 1
     with pytest.raises(ValueError, match="closed"):
         llm.generate([[5, 6]])
 
@@ -231,7 +246,7 @@ def test_step_interface_and_cache_salt(tiny_llama: TinyModel) -> None:
         while llm.has_unfinished():
             outputs += llm.step()
         assert [o.request_id for o in outputs] == [first]
-        assert list(outputs[0].token_ids) == tiny_llama.references[1]
+        assert list(outputs[0].outputs[0].token_ids) == tiny_llama.references[1]
         # Same salt (none) hits the cached blocks; another tenant's salt does not.
         same = llm.add_request(prompt, params)
         salted = llm.add_request(prompt, params, cache_salt="tenant-2")
@@ -240,7 +255,7 @@ def test_step_interface_and_cache_salt(tiny_llama: TinyModel) -> None:
             done.update((o.request_id, o) for o in llm.step())
         assert done[same].metrics.cached_tokens_gpu == 32
         assert done[salted].metrics.cached_tokens == 0
-        assert list(done[salted].token_ids) == tiny_llama.references[1]
+        assert list(done[salted].outputs[0].token_ids) == tiny_llama.references[1]
         assert done[same].metrics.ttft_s is not None and done[same].metrics.ttft_s >= 0
         stats = llm.stats()
         assert stats.pool.num_blocks == 400
@@ -250,9 +265,9 @@ def test_seeded_sampling_is_reproducible(tiny_llama: TinyModel) -> None:
     prompts = tiny_llama.prompts[:2]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=7)
     with tiny_llm(tiny_llama) as llm:
-        first = [o.token_ids for o in llm.generate(prompts, params)]
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     with tiny_llm(tiny_llama) as llm:
-        alone = llm.generate([prompts[1]], params)[0].token_ids
+        alone = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
     assert alone == first[1]  # a seeded request draws the same tokens in any batch
     # Sampling, not greedy decoding, produced them.
     assert any(first[i][:MAX_TOKENS] != tuple(tiny_llama.references[i]) for i in range(2))

@@ -78,7 +78,7 @@ def make_prompts(seed: int, num_prompts: int = 4) -> list[list[int]]:
 
 def tiers_off(model: LoadedModel, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     with LLM(model, gpu_blocks=128, host_cache=False, disk_cache=False) as llm:
-        return [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
 
 
 def disk_llm(model: LoadedModel, disk_dir: Path | None, **kwargs) -> LLM:
@@ -115,18 +115,18 @@ def test_two_models_sharing_a_directory_never_hit_each_others_blocks(models, tmp
     assert expected_a != expected_b, "test setup: the models must answer differently"
     disk_dir = tmp_path / "kv"
     with disk_llm(a, disk_dir) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected_a
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected_a
     with disk_llm(b, disk_dir) as llm:  # same tokens, same shapes, other weights
         outputs = [serve(llm, p) for p in prompts]
         stats = llm.stats()
-    assert [o.token_ids for o in outputs] == expected_b
+    assert [o.outputs[0].token_ids for o in outputs] == expected_b
     assert cached(outputs) == 0
     assert stats.tiers[Tier.DISK].hits == 0 and stats.disk.rejected == 0
     assert stats.disk.num_blocks > 0
     with disk_llm(a, disk_dir) as llm:  # A's blocks are still there, and B's beside them
         outputs = [serve(llm, p) for p in prompts]
         assert llm.stats().disk.rejected == 0
-    assert [o.token_ids for o in outputs] == expected_a
+    assert [o.outputs[0].token_ids for o in outputs] == expected_a
     assert sum(o.metrics.cached_tokens_disk for o in outputs) > 0
 
 
@@ -139,7 +139,7 @@ def test_two_block_sizes_of_one_model_never_hit_each_others_blocks(tiny, tmp_pat
     with disk_llm(tiny, disk_dir, block_size=8) as llm:
         outputs = [serve(llm, p) for p in prompts]
         stats = llm.stats()
-    assert [o.token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert cached(outputs) == 0 and stats.disk.rejected == 0
 
 
@@ -155,7 +155,7 @@ def test_cache_salt_keeps_tenants_prefixes_apart(tiny, tmp_path):
         other = serve(llm, prompt, cache_salt="tenant-b")
         unsalted = serve(llm, prompt)
         same = serve(llm, prompt, cache_salt="tenant-a")
-    assert [o.token_ids for o in (first, other, unsalted, same)] == [expected] * 4
+    assert [o.outputs[0].token_ids for o in (first, other, unsalted, same)] == [expected] * 4
     assert first.metrics.cached_tokens == 0
     assert other.metrics.cached_tokens == 0 and unsalted.metrics.cached_tokens == 0
     assert same.metrics.cached_tokens_gpu == num_full
@@ -164,7 +164,7 @@ def test_cache_salt_keeps_tenants_prefixes_apart(tiny, tmp_path):
         stranger = serve(llm, prompt, cache_salt="tenant-c")
         owner = serve(llm, prompt, cache_salt="tenant-a")
         assert llm.stats().disk.rejected == 0
-    assert stranger.token_ids == owner.token_ids == expected
+    assert stranger.outputs[0].token_ids == owner.outputs[0].token_ids == expected
     assert stranger.metrics.cached_tokens == 0
     assert owner.metrics.cached_tokens_disk == num_full
 
@@ -174,7 +174,7 @@ def test_sha256_block_hashes_end_to_end(tiny, tmp_path):
     expected = tiers_off(tiny, prompts)
     disk_dir = tmp_path / "kv"
     with disk_llm(tiny, disk_dir, hash_algorithm="sha256") as llm:
-        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)] == expected
     env = lmdb.open(str(disk_dir), max_dbs=8, readonly=True, lock=False)
     with env.begin(db=env.open_db(b"blocks", create=False)) as txn:
         key_lengths = {len(key) for key, _ in txn.cursor()}
@@ -182,12 +182,12 @@ def test_sha256_block_hashes_end_to_end(tiny, tmp_path):
     assert key_lengths == {32}
     with disk_llm(tiny, disk_dir, hash_algorithm="sha256") as llm:
         restored = [serve(llm, p) for p in prompts]
-    assert [o.token_ids for o in restored] == expected
+    assert [o.outputs[0].token_ids for o in restored] == expected
     assert sum(o.metrics.cached_tokens_disk for o in restored) > 0
     with disk_llm(tiny, disk_dir) as llm:  # xxh3_128: another namespace
         other = [serve(llm, p) for p in prompts]
         assert llm.stats().disk.rejected == 0
-    assert [o.token_ids for o in other] == expected and cached(other) == 0
+    assert [o.outputs[0].token_ids for o in other] == expected and cached(other) == 0
 
 
 # ---- the cache directory -------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Model loading: errors, random weights, Hugging Face directories, GGUF, the smollm2 alias's
-conversion cache, and the user cache directory."""
+"""Model loading: errors, random weights, Hugging Face directories, GGUF, the conversion
+cache of GGUF files, hub ids from the local Hugging Face cache, one fingerprint for the same
+weights however they are named, and the user cache directory."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 
 import pytest
@@ -14,6 +16,7 @@ from kvtier.engine.config import named_config
 from kvtier.engine.loader import (
     SMOLLM2_ALIAS,
     converted_model_dir,
+    gguf_conversion_dir,
     load_model,
     resolve_device_dtype,
     smollm2_gguf_path,
@@ -39,10 +42,11 @@ def save_hf_twin(loaded, directory) -> torch.nn.Module:
 
 # ---- errors ---------------------------------------------------------------------------------
 
-def test_missing_paths_and_unknown_names(tmp_path):
+def test_missing_paths_and_unknown_names(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(str(tmp_path / "no-such-model"))
-    with pytest.raises(FileNotFoundError, match="never downloaded"):
+    with pytest.raises(FileNotFoundError, match="never downloads"):
         load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     with pytest.raises(ValueError, match="unknown model 'gpt-17'"):
         load_model("gpt-17")
@@ -148,7 +152,8 @@ def test_smollm2_conversion_is_cached_and_reused(smollm2, kvtier_cache_dir):
     after = weights.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert marker.exists()
-    assert again.model_id == smollm2.model_id and again.model_id.startswith("smollm2-135m@")
+    assert again.model_id == smollm2.model_id
+    assert again.model_id.startswith("SmolLM2-135M-Instruct.Q4_1@")
     assert_same_weights(again.model, smollm2.model)
     stamp = json.loads((target / "kvtier-source.json").read_text())
     assert stamp["gguf"] == smollm2_gguf_path().name
@@ -169,6 +174,85 @@ def test_gguf_file_loads_the_same_weights(smollm2):
     assert_same_weights(loaded.model, smollm2.model)
     prompt = "The capital of France is"
     assert loaded.tokenizer.encode(prompt) == smollm2.tokenizer.encode(prompt)
+
+
+def test_any_gguf_conversion_is_cached_by_content(smollm2, kvtier_cache_dir, tmp_path):
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copyfile(smollm2_gguf_path(), copy)
+    models = kvtier_cache_dir / "models"
+    target = converted_model_dir()  # the alias's conversion, made by the smollm2 fixture
+    assert gguf_conversion_dir(copy) == target and target.parent == models
+    before = sorted(p.name for p in models.iterdir())
+    weights = (target / "model.safetensors").stat()
+    loaded = load_model(str(copy), "cpu", "float32")
+    # The same bytes under another name and path: the conversion is reused, not redone
+    # (same inode, same mtime, no new directory).
+    assert (target / "model.safetensors").stat().st_ino == weights.st_ino
+    assert (target / "model.safetensors").stat().st_mtime_ns == weights.st_mtime_ns
+    assert sorted(p.name for p in models.iterdir()) == before
+    assert loaded.fingerprint == smollm2.fingerprint
+    assert_same_weights(loaded.model, smollm2.model)
+    # Edit the file: its content hash, and so its conversion directory, change.
+    with open(copy, "ab") as handle:
+        handle.write(b"\0" * 32)
+    assert gguf_conversion_dir(copy) != target
+
+
+def test_alias_gguf_path_and_converted_directory_share_cached_blocks(smollm2, tmp_path):
+    from kvtier.engine import LLM, SamplingParams
+
+    names = [SMOLLM2_ALIAS, str(smollm2_gguf_path()), str(converted_model_dir())]
+    fingerprints = {load_model(name, "cpu", "float32").fingerprint for name in names}
+    assert fingerprints == {smollm2.fingerprint}
+    assert smollm2.fingerprint.startswith("gguf:")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks
+    params = SamplingParams(max_tokens=2)
+    served = []
+    for name in names:
+        with LLM(name, device="cpu", gpu_blocks=32, host_cache=False,
+                 disk_cache_dir=tmp_path / "kv", disk_cache_gb=0.5) as llm:
+            (output,) = llm.generate(prompt, params)
+            served.append(output.metrics.cached_tokens_disk)
+    assert served[0] == 0 and served[1] > 0 and served[2] == served[1]
+
+
+def make_hub_cache(root, repo: str, source) -> str:
+    """A local Hugging Face cache holding `repo` as a copy of directory `source`, laid out
+    as huggingface_hub lays it out (refs/main -> snapshots/<commit>)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    entry = root / ("models--" + repo.replace("/", "--"))
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text(commit)
+    snapshot = entry / "snapshots" / commit
+    shutil.copytree(source, snapshot, ignore=shutil.ignore_patterns("kvtier-source.json"))
+    return commit
+
+
+def test_hub_ids_come_from_the_local_cache_only(smollm2, tmp_path, monkeypatch):
+    hub = tmp_path / "hf" / "hub"
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    commit = make_hub_cache(hub, repo, converted_model_dir())
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_model(repo, "cpu", "float32")
+    assert loaded.model_id.startswith("SmolLM2-135M-Instruct@")
+    assert_same_weights(loaded.model, smollm2.model)
+    assert loaded.tokenizer.encode("Hello") == smollm2.tokenizer.encode("Hello")
+    assert load_model(f"{repo}@{commit}", "cpu", "float32").fingerprint == loaded.fingerprint
+    # A directory is fingerprinted by its contents: a copy elsewhere is the same model.
+    copy = tmp_path / "copy"
+    shutil.copytree(hub / f"models--{repo.replace('/', '--')}" / "snapshots" / commit, copy)
+    assert load_model(str(copy), "cpu", "float32").fingerprint == loaded.fingerprint
+    # Absent from the cache: one clear error, and nothing is fetched.
+    with pytest.raises(FileNotFoundError) as info:
+        load_model("HuggingFaceTB/SmolLM2-360M-Instruct", "cpu", "float32")
+    message = str(info.value)
+    assert "not in the local Hugging Face cache" in message and str(hub) in message
+    assert "hf download HuggingFaceTB/SmolLM2-360M-Instruct" in message
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        load_model(repo, "cpu", "float32")
 
 
 # ---- the user cache directory ---------------------------------------------------------------

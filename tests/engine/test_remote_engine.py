@@ -59,7 +59,7 @@ def make_prompts(seed: int, num_prompts: int = 6) -> list[list[int]]:
 
 def tiers_off(model: LoadedModel, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     with LLM(model, gpu_blocks=256, host_cache=False, disk_cache=False) as llm:
-        return [o.token_ids for o in llm.generate(prompts, PARAMS)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS)]
 
 
 def remote(url: str, **kwargs) -> RemoteConfig:
@@ -75,7 +75,7 @@ def engine(model: LoadedModel, tmp_path: Path, config: RemoteConfig, **kwargs) -
 
 def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[int, ...]]:
     """One prompt at a time, so each one's lookup sees what earlier ones left behind."""
-    return [llm.generate([prompt], PARAMS)[0].token_ids for prompt in prompts]
+    return [llm.generate([prompt], PARAMS)[0].outputs[0].token_ids for prompt in prompts]
 
 
 def warm(model: LoadedModel, tmp_path: Path, config: RemoteConfig,
@@ -101,7 +101,7 @@ def test_engine_b_restores_what_engine_a_computed(tiny, tmp_path, redis_cluster)
     warm(tiny, tmp_path, config, prompts)
     with engine(tiny, tmp_path / "b", config) as llm:
         outputs = [llm.generate([p], PARAMS)[0] for p in prompts]
-        assert [o.token_ids for o in outputs] == expected
+        assert [o.outputs[0].token_ids for o in outputs] == expected
         # The first prompt restores all but its last block from the remote tier.
         assert outputs[0].metrics.cached_tokens_remote == 19 * 16
         assert llm.stats().tiers[Tier.REMOTE].hits >= 19
@@ -133,7 +133,7 @@ def test_a_node_lost_mid_run_turns_into_misses(tiny, tmp_path, redis_factory, ho
                 started = time.monotonic()
                 outputs += llm.step()
                 longest_step = max(longest_step, time.monotonic() - started)
-            by_id = {o.request_id: o.token_ids for o in outputs}
+            by_id = {o.request_id: o.outputs[0].token_ids for o in outputs}
             assert [by_id[f"req-{i}"] for i in range(len(prompts))] == expected
             stats = llm.stats()
             assert stats.remote.unreachable > 0 and stats.remote.nodes_down == 1
@@ -186,7 +186,7 @@ def test_bad_remote_values_are_recomputed(tiny, tmp_path, redis_cluster, damage)
     client.close()
     with engine(tiny, tmp_path / "b", config) as llm:
         outputs = [llm.generate([p], PARAMS)[0] for p in prompts]
-        assert [o.token_ids for o in outputs] == expected
+        assert [o.outputs[0].token_ids for o in outputs] == expected
         assert outputs[0].metrics.cached_tokens_remote == 5 * 16  # blocks before the bad one
         assert llm.stats().remote.rejected == 1
         assert llm.stats().tiers[Tier.REMOTE].failures == 1
@@ -240,6 +240,6 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
         prompt = f"{long_document(llm.tokenizer, 4096)}\n\n{QUESTIONS[1]}"
         [reference] = llm.generate([prompt], SamplingParams(max_tokens=8))
     print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
-    assert b["output_token_ids"] == list(reference.token_ids)
+    assert b["output_token_ids"] == list(reference.outputs[0].token_ids)
     assert b["cached_gpu_host_disk"] == 0
     assert b["cached_remote"] >= 0.95 * b["doc_tokens"], b

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvtier.engine.outputs import RequestOutput
+from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.engine.request import Request, RequestId, RequestStatus, check_token_ids
 
 from kvtier.hashing import BlockHasher, hash_blocks, namespace_hash
@@ -114,7 +114,8 @@ def test_metrics_and_output_dict_report_where_tokens_came_from() -> None:
     metrics = request.metrics()
     assert metrics.ttft_s == pytest.approx(0.5)
     assert metrics.cached_tokens == 48
-    output = RequestOutput("r", None, request.prompt_token_ids, (4,), "", "length", metrics)
+    completion = CompletionOutput(0, "", (4,), None, None, "length")
+    output = RequestOutput("r", None, request.prompt_token_ids, [completion], True, metrics)
     entry = output.to_dict()
     assert entry["cached_tokens"] == {"gpu": 0, "host": 16, "disk": 32}
-    assert entry["token_ids"] == [4] and entry["computed_tokens"] == 3
+    assert entry["outputs"][0]["token_ids"] == [4] and entry["computed_tokens"] == 3

@@ -72,7 +72,7 @@ def test_preempted_request_resumes_from_gpu_and_host(smollm2, block_prompts) -> 
         outputs = llm.generate(prompts, params)
         stats = llm.stats()
     for output, reference in zip(outputs, references):
-        assert list(output.token_ids) == reference
+        assert list(output.outputs[0].token_ids) == reference
     a, b, c = (o.metrics for o in outputs)
     assert a.num_preemptions == b.num_preemptions == 0
     assert c.num_preemptions == 1
@@ -95,7 +95,7 @@ def test_tiny_host_tier_spills_to_disk_and_restores_from_it(smollm2, block_promp
         again = llm.generate([prompts[0]], params)[0]
         stats = llm.stats()
     for output, reference in zip([*first, again], [*references, references[0]]):
-        assert list(output.token_ids) == reference
+        assert list(output.outputs[0].token_ids) == reference
     assert all(o.metrics.cached_tokens == 0 for o in first)
     # The first prompt's blocks left the GPU and the host; its prefix came back from disk.
     assert again.metrics.cached_tokens_disk > 0
@@ -114,7 +114,7 @@ def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,
     assert len(warm[0].prompt_token_ids) > 2000
     references = [hf_greedy(smollm2_hf, o.prompt_token_ids) for o in warm]
     for output, reference in zip(warm, references):
-        assert list(output.token_ids) == reference
+        assert list(output.outputs[0].token_ids) == reference
 
     prompt_file = tmp_path / "prompts.json"
     prompt_file.write_text(json.dumps(texts))
@@ -123,14 +123,14 @@ def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,
         [sys.executable, "-m", "kvtier.cli.main", "generate", "--prompt-file", str(prompt_file),
          "--device", "cpu", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
          "--gpu-blocks", "200", "--host-cache-gb", "0.25", "--disk-cache", str(disk_dir),
-         "--json"],
+         "--raw", "--json"],  # raw prompts, as LLM.generate sends them
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["model"] == smollm2.model_id
     for entry, output, reference in zip(report["outputs"], warm, references):
         assert entry["prompt_token_ids"] == list(output.prompt_token_ids)
-        assert entry["token_ids"] == reference
+        assert entry["outputs"][0]["token_ids"] == reference
         # Everything but the last prompt token's block came from disk; nothing from the
         # (new, empty) GPU pool or host tier.
         num_full = (len(output.prompt_token_ids) - 1) // 16

@@ -97,7 +97,7 @@ def test_mixed_batch_keeps_greedy_rows_greedy():
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
     ({"temperature": float("inf")}, "temperature"),
-    ({"top_k": -1}, "top_k"),
+    ({"top_k": -2}, "top_k"),  # -1 is vLLM's "off", like 0
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"seed": -3}, "seed"),

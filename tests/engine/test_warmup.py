@@ -114,7 +114,7 @@ def _serve(llm: LLM, prefix: list[int]) -> list[tuple[int, ...]]:
     outputs = llm.generate(prompts, params)
     llm.generate([prefix], params)
     outputs += llm.generate([prefix + [5, 6, 7, 8], prefix + list(range(20, 60))], params)
-    return [o.token_ids for o in outputs]
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.gpu

@@ -113,7 +113,8 @@ def test_load_arguments_are_checked(managers):
     ({"num_gpu_blocks": 4, "host_capacity_bytes": -1}, "host_capacity_bytes"),
     ({"num_gpu_blocks": 4, "disk_path": "/tmp/x"}, "disk_budget_bytes is required"),
     ({"num_gpu_blocks": 4, "disk_budget_bytes": 100}, "disk_path is None"),
-    ({"num_gpu_blocks": 4, "disk_path": "/tmp/x", "disk_budget_bytes": 0}, "positive"),
+    ({"num_gpu_blocks": 4, "disk_path": "/tmp/x", "disk_budget_bytes": 0},
+     "disk_budget_bytes: must be > 0"),
     ({"num_gpu_blocks": 4, "swap_method": "magic"}, "swap_method"),
     ({"num_gpu_blocks": 4, "io_threads": 0}, "io_threads"),
     ({"num_gpu_blocks": 4, "max_pending_io": 0}, "max_pending_io"),
@@ -129,11 +130,13 @@ def test_config_capacity_in_bytes_or_slots():
                                      num_disk_blocks=10)
     assert by_slots.host_capacity_bytes == 3 * layout.bytes_per_block
     assert by_slots.num_host_slots(layout) == 3 and by_slots.disk_enabled
-    rounded = TierConfig(4, host_capacity_bytes=3 * layout.bytes_per_block + 1)
+    rounded = TierConfig(num_gpu_blocks=4, host_capacity_bytes=3 * layout.bytes_per_block + 1)
     assert rounded.num_host_slots(layout) == 3
-    assert TierConfig(4).num_host_slots(layout) == 0 and not TierConfig(4).host_enabled
+    off = TierConfig(num_gpu_blocks=4)
+    assert off.num_host_slots(layout) == 0 and not off.host_enabled
     with pytest.raises(ValueError, match="smaller than one block"):
-        TierConfig(4, host_capacity_bytes=layout.bytes_per_block - 1).num_host_slots(layout)
+        TierConfig(num_gpu_blocks=4,
+                   host_capacity_bytes=layout.bytes_per_block - 1).num_host_slots(layout)
 
 
 # ---- the round-trip benchmark (cli/bench/roundtrip.py) on tiny sizes -----------------------
