@@ -34,6 +34,7 @@ from kvtier.layout import KVLayout
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, disk_write_job
@@ -69,9 +70,14 @@ class TierManager:
             self.host = HostTier(layout, num_host_slots or config.staging_slots,
                                  pin_memory=self.device.type == "cuda")
         self.disk: DiskTier | None = None
+        # Damaged disk files are moved aside (or the disk tier turned off) with a warning.
+        self.disk_recovery: DiskRecovery | None = None
         if config.disk_path is not None:
             assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-            self.disk = DiskTier(config.disk_path, layout, config.disk_budget_bytes)
+            self.disk, self.disk_recovery = open_disk_tier(config.disk_path, layout,
+                                                           config.disk_budget_bytes)
+            if self.disk is None and not self._host_caches:
+                self.host = None  # the staging slab only serves the disk tier
         self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
