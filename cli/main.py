@@ -134,6 +134,7 @@ def _register() -> None:
     bench_app.command("tiers")(bench_tiers.tiers)
     bench_app.command("roundtrip")(bench_roundtrip.roundtrip)
     bench_app.command("soak")(importlib.import_module("kvtier.cli.bench.soak").soak)
+    bench_app.command("damage")(importlib.import_module("kvtier.cli.bench.damage").damage)
     app.add_typer(bench_app, name="bench")
     cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True)
     for name, command in (("stats", cache.stats), ("inspect", cache.inspect),

@@ -60,7 +60,8 @@ def _page_body(directory: Path, rng: random.Random, kind: int) -> str:
     data_file = directory / "data.mdb"
     size = page_size(data_file)
     pages = page_kinds(data_file)[kind]
-    assert pages, f"no page of kind {kind:#x} in {data_file}"
+    if not pages:
+        raise LookupError(f"no page of kind {kind:#x} in {data_file}")
     page = rng.choice(pages)
     overwrite(data_file, page * size + 16, rng.randbytes(size - 16))
     return f"page {page} (flags {kind:#x}) bytes 16-{size - 1} random"

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+from kvtier.cli.bench.damage import run_damage_soak
 from kvtier.cli.bench.damage_cases import DAMAGES, P_BRANCH, copy_cache, page_kinds
 from kvtier.cli.main import app
 from kvtier.engine import LLM, SamplingParams
@@ -156,3 +157,14 @@ def test_cache_verify_reports_and_repair_moves_aside(case, pristine, tmp_path):
     assert report["moved_to"] == str(moved)
     assert os.lstat(moved / name).st_mode & 0o170000 == kind
     assert directory.is_dir() and not list(directory.iterdir())
+
+
+def test_a_short_damage_soak_has_no_crash_and_no_wrong_answer():
+    """Three runs of `kvtier bench damage`: random pages damaged after the first run, a
+    named case (a leaf page) after the second; each run is a real process."""
+    result = run_damage_soak(num_runs=3, seed=1, named_every=2, run_timeout_s=120)
+    assert result["crashes"] == 0, [r["failure"] for r in result["runs"]]
+    assert result["wrong_answers"] == 0 and result["answers"] == 30
+    assert result["ok"]
+    assert result["runs_with_disk_hits"] >= 1, "the disk tier served nothing"
+    assert [bool(r["damage"]) for r in result["runs"]] == [False, True, True]
