@@ -74,8 +74,8 @@ class TierManager:
         self.disk_recovery: DiskRecovery | None = None
         if config.disk_path is not None:
             assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-            self.disk, self.disk_recovery = open_disk_tier(config.disk_path, layout,
-                                                           config.disk_budget_bytes)
+            self.disk, self.disk_recovery = open_disk_tier(
+                config.disk_path, layout, config.disk_budget_bytes, tier_class=DiskTier)
             if self.disk is None and not self._host_caches:
                 self.host = None  # the staging slab only serves the disk tier
         self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,

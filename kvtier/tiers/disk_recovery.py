@@ -53,9 +53,11 @@ class DiskRecovery:
     message: str
 
 
-def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int,
-                   **options: object) -> tuple[DiskTier | None, DiskRecovery | None]:
+def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
+                   tier_class: type[DiskTier] = DiskTier, **options: object
+                   ) -> tuple[DiskTier | None, DiskRecovery | None]:
     """A DiskTier in `path` (see `DiskTier` for `options`), recovering from damaged files.
+    `tier_class` builds it (DiskTier or a subclass).
 
     Returns (tier, None) when the files opened as they were; (a fresh tier, recovery)
     when they were moved aside; (None, recovery) when the disk tier had to be turned off.
@@ -70,7 +72,7 @@ def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes:
             raise
         return None, _turn_off(root, str(exc).split(";")[0], "nothing can be written there")
     try:
-        return DiskTier(root, layout, budget_bytes, **options), None
+        return tier_class(root, layout, budget_bytes, **options), None
     except (OSError, lmdb.Error) as exc:
         problem = _sentence(exc)
         if _errno(exc) in _NOT_THE_FILES or (isinstance(exc, lmdb.Error)
@@ -81,7 +83,7 @@ def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes:
     except OSError as exc:
         return None, _turn_off(root, problem, f"moving them aside failed: {_sentence(exc)}")
     try:
-        tier = DiskTier(root, layout, budget_bytes, **options)
+        tier = tier_class(root, layout, budget_bytes, **options)
     except (OSError, lmdb.Error) as exc:
         return None, _turn_off(root, problem, f"the files were moved to {moved_to}, but a "
                                               f"fresh cache could not be created: "
