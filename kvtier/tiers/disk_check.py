@@ -153,16 +153,22 @@ def _exclusive(lock_file: Path, readonly: bool) -> Iterator[bool]:
         yield True  # no lock file: nobody has it open; read-only: cannot lock, check anyway
         return
     try:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            yield False
-            return
-        yield True
+        yield _try_lock(fd)
     finally:
         os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the write lock on byte 0; False when another process holds a lock there."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        # A filesystem without POSIX locks: nobody can hold LMDB's lock; check anyway.
+    return True
 
 
 def _open_in_this_process(file: Path) -> bool:
