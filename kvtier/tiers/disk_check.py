@@ -39,6 +39,7 @@ DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
 
 _U32 = struct.Struct("<I")
+_LOCK_SLOT_BYTES = 64  # LMDB's reader slot (one cache line); its header takes two more
 
 
 class DamagedDiskFiles(OSError):
@@ -63,20 +64,27 @@ class CheckReport:
     num_free_pages: int
 
 
-def check_disk_files(path: str | os.PathLike[str], *, readonly: bool = False) -> CheckReport:
+def check_disk_files(path: str | os.PathLike[str], *, readonly: bool = False,
+                     max_readers: int = 256) -> CheckReport:
     """Check the LMDB files in directory `path` (see the module docstring).
 
+    Unless `readonly`, the lock file is also given its disk blocks for `max_readers`
+    reader slots: LMDB maps it shared and writes to it, and a write to a page the
+    filesystem has no room for is a SIGBUS, so a full filesystem must be found here.
     A missing `data.mdb` passes (a new cache). Raises DamagedDiskFiles naming the file and
-    the problem, and OSError when a file cannot be read at all (e.g. EIO). Never blocks on
-    a FIFO; waits for nothing but the other processes' opens of the same directory.
+    the problem, OSError (ENOSPC) when the lock file cannot be allocated, and OSError when
+    a file cannot be read at all (e.g. EIO). Never blocks on a FIFO; waits for nothing but
+    the other processes' opens of the same directory.
     """
     root = Path(path)
     data_file, lock_file = root / DATA_FILE, root / LOCK_FILE
     for file in (data_file, lock_file):
         _check_kind(file)
-    with _exclusive(lock_file, readonly) as alone:
+    with _exclusive(lock_file, readonly) as (alone, lock_fd):
         if lock_file.exists() and alone:
             _check_lock_file(lock_file)
+        if lock_fd is not None and alone and not readonly:
+            _allocate(lock_fd, lock_file, _LOCK_SLOT_BYTES * (max_readers + 8))
         if not data_file.exists():
             return CheckReport(alone, 0, 0, 0, 0)
         fd = _open_regular(data_file, os.O_RDONLY)
@@ -135,25 +143,37 @@ def _open_regular(file: Path, flags: int) -> int:
     return fd
 
 
+def _allocate(fd: int, file: Path, num_bytes: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # cannot reserve blocks here; LMDB goes on as it always did
+        raise OSError(exc.errno, f"no room for LMDB's lock file {file} ({exc.strerror}): "
+                                 "the filesystem is full") from exc
+
+
 @contextmanager
-def _exclusive(lock_file: Path, readonly: bool) -> Iterator[bool]:
+def _exclusive(lock_file: Path, readonly: bool) -> Iterator[tuple[bool, int | None]]:
     """Hold LMDB's exclusive lock (a write lock on byte 0 of lock.mdb, which every process
-    with the environment open holds shared); yield whether we got it. POSIX locks belong
-    to the process and closing any of its descriptors of the file drops them all, so a
-    lock file this process already has open is not touched (yields False)."""
+    with the environment open holds shared); yield whether we got it, and our descriptor
+    (None without one). POSIX locks belong to the process and closing any of its
+    descriptors of the file drops them all, so a lock file this process already has open
+    is not touched (yields False)."""
     if _open_in_this_process(lock_file):
         # Opening and closing lock.mdb here would drop the locks LMDB holds through its
         # own descriptor: leave it alone. (Opening an environment twice in one process is
         # against LMDB's rules anyway; the LMDB open that follows will say so.)
-        yield False
+        yield False, None
         return
     try:
         fd = _open_regular(lock_file, os.O_RDWR | (0 if readonly else os.O_CREAT))
     except (FileNotFoundError, PermissionError):
-        yield True  # no lock file: nobody has it open; read-only: cannot lock, check anyway
+        # No lock file: nobody has it open; read-only: cannot lock, check anyway.
+        yield True, None
         return
     try:
-        yield _try_lock(fd)
+        yield _try_lock(fd), fd
     finally:
         os.close(fd)
 

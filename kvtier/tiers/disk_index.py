@@ -63,7 +63,7 @@ class LmdbIndex:
         lmdb.Error subclasses for other LMDB failures, and FileNotFoundError when a
         read-only open finds no disk tier databases.
         """
-        check_disk_files(path, readonly=readonly)
+        check_disk_files(path, readonly=readonly, max_readers=max_readers)
         try:
             env = lmdb.open(os.fspath(path), map_size=map_size, subdir=True,
                             readonly=readonly, create=not readonly, lock=True, max_dbs=8,

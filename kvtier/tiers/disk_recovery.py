@@ -151,10 +151,10 @@ def _errno(exc: BaseException) -> int | None:
 
 
 def _sentence(exc: BaseException) -> str:
-    text = exc.strerror if isinstance(exc, OSError) and exc.filename and exc.strerror \
-        else str(exc)
-    if isinstance(exc, OSError) and exc.filename:
-        text = f"{exc.filename}: {text}"
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    else:
+        text = str(exc)
     return text.rstrip(".")
 
 

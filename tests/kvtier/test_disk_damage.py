@@ -239,6 +239,41 @@ def test_a_directory_nothing_can_be_written_to_turns_the_tier_off(pristine, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kv"]
 
 
+def test_a_full_filesystem_turns_the_tier_off_without_a_crash(tmp_path):
+    """On a full filesystem LMDB's first write to its shared, mapped lock file is a SIGBUS.
+    The check reserves the lock file's blocks first, so a full disk is an error it can
+    report: the tier is off for the run (here in a child, so a crash would show)."""
+    mount_point = tmp_path / "small-fs"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs",
+                              str(mount_point)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        directory = mount_point / "kv"
+        directory.mkdir(mode=0o700)
+        with open(mount_point / "filler", "wb") as filler:
+            try:
+                while True:
+                    filler.write(bytes(1 << 16))
+                    filler.flush()
+            except OSError:
+                pass
+        (result,) = run_in_children((open_on_full_disk, str(directory)))
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+    assert result["disk_off"] and result["moved_to"] is None
+    assert "the filesystem is full" in result["message"]
+    assert "the disk tier is off for this run" in result["message"]
+
+
+def open_on_full_disk(path: str) -> dict:
+    tier, recovery = open_disk_tier(path, SMALL, BUDGET)
+    assert tier is None and recovery is not None
+    return {"disk_off": recovery.disk_off, "moved_to": recovery.moved_to,
+            "message": recovery.message}
+
+
 def test_configuration_errors_are_still_raised(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
