@@ -75,9 +75,12 @@ def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes:
         return tier_class(root, layout, budget_bytes, **options), None
     except (OSError, lmdb.Error) as exc:
         problem = _sentence(exc)
-        if _errno(exc) in _NOT_THE_FILES or (isinstance(exc, lmdb.Error)
-                                             and is_disk_full(exc)):
-            return None, _turn_off(root, problem, os.strerror(_errno(exc) or 0).lower())
+        lmdb_error = exc if isinstance(exc, lmdb.Error) else exc.__cause__
+        if _errno(exc) in _NOT_THE_FILES or (isinstance(lmdb_error, lmdb.Error)
+                                             and is_disk_full(lmdb_error)):
+            code = _errno(exc)
+            why = os.strerror(code).lower() if code else "the disk is full or failing"
+            return None, _turn_off(root, problem, why)
     try:
         moved_to = move_aside(root)
     except OSError as exc:
