@@ -166,5 +166,6 @@ def test_a_short_damage_soak_has_no_crash_and_no_wrong_answer():
     assert result["crashes"] == 0, [r["failure"] for r in result["runs"]]
     assert result["wrong_answers"] == 0 and result["answers"] == 30
     assert result["ok"]
-    assert result["runs_with_disk_hits"] >= 1, "the disk tier served nothing"
     assert [bool(r["damage"]) for r in result["runs"]] == [False, True, True]
+    for run in result["runs"][1:]:  # the damaged tier served blocks, rejected some, or
+        assert run["disk_tokens"] or run["rejected"] or run["recovery"], run  # was replaced
