@@ -191,6 +191,8 @@ OTHER_CASES: dict[str, tuple[Callable[[dict], list[str]], str]] = {
                                   "cannot hold a prompt"),
     "soak model missing": (lambda p: ["bench", "soak", "--num-requests", "1", "--model",
                                       "/nonexistent/m"], "does not exist"),
+    "damage no runs": (lambda p: ["bench", "damage", "--num-runs", "0"],
+                       "--num-runs must be positive"),
     "pool no requests": (lambda p: ["bench", "pool", "--num-requests", "0"],
                          "--num-requests must be positive"),
     "serve no rounds": (lambda p: ["bench", "serve", "--model", "random:tiny-llama",
