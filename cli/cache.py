@@ -92,9 +92,12 @@ def verify(
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
     remote: str | None = _REMOTE, key_prefix: str = _PREFIX,
 ) -> None:
-    """Check every block's header and checksum and the access index.
+    """Check LMDB's files, every block's header and checksum, and the access index.
 
-    Exits with status 1 when damage was found and --repair was not given.
+    Damaged LMDB files (a page, the length or the kind of data.mdb, lock.mdb) cannot be
+    mended: --repair moves them aside to <dir>.damaged-<time>, as the engine does, and the
+    next run starts an empty cache. Exits with status 1 when damage was found and --repair
+    was not given.
     """
     if remote is not None:
         return cache_remote.verify(remote, key_prefix, repair, json_output)
@@ -103,7 +106,16 @@ def verify(
         print_json({"num_checked": report.num_checked, "ok": report.ok,
                     "bad": [{"hash": key, "reason": reason} for key, reason in report.bad],
                     "index_errors": report.index_errors, "num_removed": report.num_removed,
-                    "repaired": report.repaired})
+                    "repaired": report.repaired, "files_problem": report.files_problem,
+                    "moved_to": report.moved_to})
+    elif report.files_problem is not None:
+        typer.echo(f"damaged files: {report.files_problem}")
+        if report.moved_to is not None:
+            typer.echo(f"repaired: moved the damaged files to {report.moved_to} (kept, not "
+                       "deleted); the next run starts an empty disk cache")
+        else:
+            typer.echo("run `kvtier cache verify --repair` to move them aside (nothing is "
+                       "deleted); the engine does the same when it meets them")
     else:
         rows = [("blocks checked", f"{report.num_checked:,}"),
                 ("damaged blocks", len(report.bad)),

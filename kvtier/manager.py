@@ -40,6 +40,7 @@ from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
 from kvtier.remote_io import RemoteWrites, remote_read_job
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, disk_write_job
@@ -75,9 +76,14 @@ class TierManager:
             self.host = HostTier(layout, num_host_slots or config.staging_slots,
                                  pin_memory=self.device.type == "cuda")
         self.disk: DiskTier | None = None
+        # Damaged disk files are moved aside (or the disk tier turned off) with a warning.
+        self.disk_recovery: DiskRecovery | None = None
         if config.disk_path is not None:
             assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-            self.disk = DiskTier(config.disk_path, layout, config.disk_budget_bytes)
+            self.disk, self.disk_recovery = open_disk_tier(
+                config.disk_path, layout, config.disk_budget_bytes, tier_class=DiskTier)
+            if self.disk is None and not self._host_caches:
+                self.host = None  # the staging slab only serves the disk tier
         self.remote = None
         if config.remote is not None:
             from kvtier.tiers.remote import RemoteTier  # imports redis: only when asked for

@@ -30,6 +30,7 @@ import xxhash
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, LmdbIndex
+from kvtier.tiers.disk_recovery import move_aside
 from kvtier.tiers.record import RECORD_VERSION, CorruptRecord, decode_header, decode_record
 
 EXPORT_MAGIC = b"KVTX"
@@ -47,25 +48,30 @@ _MAP_SLACK = 64 << 20
 @dataclass(frozen=True, slots=True)
 class VerifyReport:
     """What `verify` found. `bad` lists (block hash hex, reason) of damaged values;
-    `index_errors` counts access-order entries and counters that did not add up."""
+    `index_errors` counts access-order entries and counters that did not add up;
+    `files_problem` says why LMDB's files could not be opened or failed their structural
+    check (nothing else was then checked), and `moved_to` where a repair moved them."""
 
     num_checked: int
     bad: tuple[tuple[str, str], ...]
     index_errors: int
     num_removed: int
     repaired: bool
+    files_problem: str | None = None
+    moved_to: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.bad and not self.index_errors
+        return not self.bad and not self.index_errors and self.files_problem is None
 
 
 def _open(path: str | os.PathLike[str], *, write: bool, extra_bytes: int = 0) -> LmdbIndex:
     root = ensure_private_dir(path, create=False)
     data_file = root / "data.mdb"
-    if not data_file.exists():
+    if not os.path.lexists(data_file):
         raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
-    map_size = data_file.stat().st_size + extra_bytes + (_MAP_SLACK if write else 0)
+    data_bytes = os.lstat(data_file).st_size if data_file.is_file() else 0
+    map_size = data_bytes + extra_bytes + (_MAP_SLACK if write else 0)
     return LmdbIndex.open(root, readonly=not write, durable=True, map_size=map_size,
                           mode=PRIVATE_FILE_MODE)
 
@@ -148,9 +154,20 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
 
     With `repair`, damaged values are deleted, index entries rebuilt and the byte counter
     recomputed (in one write transaction, re-checking each value first, so a value replaced
-    meanwhile by a running tier is kept). Raises like `cache_stats`.
+    meanwhile by a running tier is kept). LMDB's files are checked first
+    (`kvtier.tiers.disk_check`); when they cannot be opened or fail that check, the report
+    says why and, with `repair`, they are moved aside as the engine would
+    (`kvtier.tiers.disk_recovery.move_aside`; nothing is deleted). Raises like
+    `cache_stats` otherwise (no cache there, an unsafe directory).
     """
-    index = _open(path, write=repair)
+    root = ensure_private_dir(path, create=False)
+    if not os.path.lexists(root / "data.mdb"):
+        raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
+    try:
+        index = _open(path, write=repair)
+    except (OSError, lmdb.Error) as exc:
+        moved_to = str(move_aside(root)) if repair else None
+        return VerifyReport(0, (), 0, 0, repair, files_problem=str(exc), moved_to=moved_to)
     try:
         with index.env.begin(buffers=True) as txn:
             bad = []

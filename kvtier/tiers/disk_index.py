@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import lmdb
 
 from kvtier.hashing import BlockHash
+from kvtier.tiers.disk_check import check_disk_files
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -56,10 +57,13 @@ class LmdbIndex:
 
         No writemap (a sparse file the size of the map is a surprise on some filesystems);
         with `durable`, data pages are fsynced at commit and the meta page with the next one.
-        Raises OSError when the files are not LMDB's or are damaged (cut short, another
-        LMDB version), lmdb.Error subclasses for other LMDB failures, and FileNotFoundError
-        when a read-only open finds no disk tier databases.
+        The files are checked first (`kvtier.tiers.disk_check`): LMDB itself would follow
+        damaged pages and kill the process. Raises DamagedDiskFiles (an OSError) when they
+        are not LMDB's or are damaged, OSError naming the file when LMDB cannot open them,
+        lmdb.Error subclasses for other LMDB failures, and FileNotFoundError when a
+        read-only open finds no disk tier databases.
         """
+        check_disk_files(path, readonly=readonly, max_readers=max_readers)
         try:
             env = lmdb.open(os.fspath(path), map_size=map_size, subdir=True,
                             readonly=readonly, create=not readonly, lock=True, max_dbs=8,
@@ -67,6 +71,8 @@ class LmdbIndex:
                             writemap=False, mode=mode)
         except (lmdb.InvalidError, lmdb.VersionMismatchError, lmdb.CorruptedError) as exc:
             raise OSError(_damaged_message(path, str(exc))) from exc
+        except lmdb.Error as exc:
+            raise OSError(open_error_message(path, exc)) from exc
         try:
             _check_not_truncated(env, path)
             env.reader_check()  # drop reader slots left behind by dead processes
@@ -329,6 +335,20 @@ class GuardedEnv:
 def _damaged_message(path: str | os.PathLike[str], detail: str) -> str:
     return (f"{path} is not a kvtier disk cache or its files are damaged ({detail}); "
             "remove the directory (its blocks are only a cache) or choose another one")
+
+
+def open_error_message(path: str | os.PathLike[str], exc: lmdb.Error) -> str:
+    """A sentence for an LMDB failure to open the files in `path`: which file, and the
+    operating system's reason without LMDB's "path: " prefix."""
+    reason = str(exc)
+    prefix = os.fspath(path)
+    for candidate in (os.path.join(prefix, "data.mdb"), os.path.join(prefix, "lock.mdb"),
+                      prefix):
+        if reason.startswith(candidate + ":"):
+            reason = reason[len(candidate) + 1:].strip()
+            break
+    return (f"LMDB cannot open the disk cache files in {path} ({reason}); check that "
+            "data.mdb and lock.mdb there are kvtier's, readable and writable")
 
 
 def _check_not_truncated(env: lmdb.Environment, path: str | os.PathLike[str]) -> None:

@@ -279,10 +279,18 @@ def test_a_data_file_that_is_not_lmdb_is_refused_clearly(tmp_path, content):
         data_file.write_bytes(bytes(size))
     else:
         data_file.write_bytes(data_file.read_bytes()[:100])
-    with pytest.raises(OSError, match="not a kvtier disk cache|damaged"):
+    damaged = data_file.read_bytes()
+    with pytest.raises(OSError, match="not a kvtier disk cache|damaged|cut short"):
         DiskTier(tmp_path, LAYOUT, BUDGET)
-    with pytest.raises(OSError, match="remove"):
-        TierManager(LAYOUT, TierConfig.from_slots(LAYOUT, 4, 0, tmp_path, 64))
+    # The tier manager keeps going: the files are moved aside and a fresh tier replaces them
+    # (tests/kvtier/test_disk_damage.py covers every kind of damage).
+    manager = TierManager(LAYOUT, TierConfig.from_slots(LAYOUT, 4, 0, tmp_path, 64))
+    try:
+        recovery = manager.disk_recovery
+        assert manager.disk is not None and recovery is not None
+        assert (recovery.moved_to / "data.mdb").stat().st_size == len(damaged)
+    finally:
+        manager.close()
 
 
 CUT_CHILD = """
