@@ -11,6 +11,7 @@ use `add_request` / `step` / `has_unfinished` instead of `generate`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -26,6 +27,7 @@ from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.sampler import SamplingParams, sample
 from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.streaming import OutputTracker, RequestDelta
 
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
@@ -122,6 +124,8 @@ class LLM:
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self._unclaimed: list[RequestOutput] = []
+        self._tracker = OutputTracker(self.tokenizer)
+        self._stopped: list[Request] = []  # aborted, reported by the next step
         self._request_counter = itertools.count()
         self._closed = False
 
@@ -258,34 +262,70 @@ class LLM:
     # ---- stepping ------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._stopped)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that finished in it (and any finished
         earlier that `generate` did not claim). Raises RuntimeError if no request can make
         progress (a scheduling bug; never expected)."""
+        _, finished = self._run_step()
+        outputs, self._unclaimed = self._unclaimed, []
+        outputs += [self._retire(request) for request in finished]
+        return outputs
+
+    def stream_step(self) -> list[RequestDelta]:
+        """Run one engine step; return a `RequestDelta` (new tokens, new text, finish reason)
+        for every request that got a token or finished in it, aborted ones included. The
+        last delta of a request carries its `RequestOutput`. Raises as `step`."""
+        stepped, finished = self._run_step()
+        deltas = [self._tracker.delta(r) for r in stepped if not r.is_finished]
+        for request in finished:
+            delta = self._tracker.delta(request)
+            deltas.append(dataclasses.replace(delta, output=self._retire(request)))
+        return deltas
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now: it leaves the queues and its blocks are freed at once (its full
+        blocks stay cached). The next step reports it with finish reason "abort". Returns
+        False when no unfinished request has that id."""
+        request = self._requests.get(RequestId(request_id))
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.stop(request, "abort")
+        self._stopped.append(request)
+        return True
+
+    def _run_step(self) -> tuple[list[Request], list[Request]]:
+        """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
-        finished = self.scheduler.update(plan, sampled)
+        finished = self._stopped + self.scheduler.update(plan, sampled)
+        self._stopped = []
+        stepped = [s.request for s in plan.scheduled if s.samples]
+        for request in stepped:
+            if not request.is_finished and self._tracker.check_stop(request):
+                self.scheduler.stop(request, "stop")
+                finished.append(request)
         if not plan.scheduled and not finished and self.scheduler.has_unfinished():
             # Only transfers can free blocks or finish loads now: wait for them a little.
             if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
                 raise RuntimeError("the scheduler could not run any request and no transfer "
                                    "is in flight to make room")
             time.sleep(_IDLE_WAIT_S)
-        outputs, self._unclaimed = self._unclaimed, []
-        for request in finished:
-            outputs.append(self._output(request))
-            del self._requests[request.request_id]
-            self._generators.pop(request.request_id, None)
-        return outputs
+        return stepped, finished
+
+    def _retire(self, request: Request) -> RequestOutput:
+        """The final output of a finished request, which the engine then forgets."""
+        output = self._output(request)
+        del self._requests[request.request_id]
+        self._generators.pop(request.request_id, None)
+        self._tracker.forget(request.request_id)
+        return output
 
     def _output(self, request: Request) -> RequestOutput:
         output_ids = tuple(request.output_token_ids)
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        text = self._tracker.final_text(request)  # stop strings cut, stop token's text left out
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              output_ids, text, request.finish_reason, request.metrics())
 

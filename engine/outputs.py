@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +51,10 @@ class RequestMetrics:
 class RequestOutput:
     """A finished (or, from `step`, possibly finished) request.
 
-    finish_reason is "stop" (an end-of-sequence or stop token was generated; it is kept in
-    `token_ids`) or "length" (max_tokens, the model's context, or the GPU block budget was
-    reached); None while the request is still running.
+    finish_reason is "stop" (an end-of-sequence or stop token was generated: it is kept in
+    `token_ids`, its text is not; or a stop string was: the text ends before it), "length"
+    (max_tokens, the model's context, or the GPU block budget was reached) or "abort"
+    (`LLM.abort`); None while the request is still running.
     """
 
     request_id: str

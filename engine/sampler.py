@@ -23,6 +23,8 @@ class SamplingParams:
     likely tokens (0 = off). top_p: keep the smallest set of tokens whose probability sums
     to at least top_p (1.0 = off). seed: per-request seed (None = the global RNG).
     stop_token_ids: extra ids that end the request. ignore_eos: keep going past EOS.
+    stop: strings that end the request; the text returned stops before the first of them
+    (a str is taken as one stop string).
     Raises ValueError naming the field for a value out of range.
     """
 
@@ -33,6 +35,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Stop strings (issue 16); matched on the detokenized output by engine.streaming.
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if _not_int(self.max_tokens) or self.max_tokens < 0:
@@ -52,6 +56,10 @@ class SamplingParams:
         if any(_not_int(t) or t < 0 for t in stop_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {stop_ids!r}")
         object.__setattr__(self, "stop_token_ids", stop_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(text, str) and text for text in stop):
+            raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
