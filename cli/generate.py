@@ -89,6 +89,28 @@ def output_dict(output: RequestOutput) -> dict[str, Any]:
     return entry
 
 
+def engine_options(model: str, device: str, dtype: str, block_size: int,
+                   gpu_blocks: int | None, host_cache_gb: float, no_host_cache: bool,
+                   disk_cache: Path | None, no_disk_cache: bool,
+                   disk_cache_gb: float) -> dict[str, Any]:
+    """`LLM` keyword arguments from the model and cache options of `generate` (which
+    `kvtier serve` shares under the same names). Raises ValueError for a bad or
+    contradictory option, before any model is loaded."""
+    if disk_cache is not None and no_disk_cache:
+        raise ValueError("--disk-cache and --no-disk-cache contradict each other; pick one")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if dtype != "auto":
+        parse_dtype(dtype)
+    resolve_device(device)
+    options: dict[str, Any] = {
+        "block_size": block_size, "gpu_blocks": gpu_blocks, "host_cache": not no_host_cache,
+        "host_cache_gb": host_cache_gb, "disk_cache": not no_disk_cache,
+        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb}
+    EngineConfig(**options)  # reject bad sizes before the model is loaded
+    return {"model": model, "device": device, "dtype": dtype, **options}
+
+
 def generate(
     prompts: list[str] | None = typer.Argument(None, help="Prompts (each one request)."),
     prompt_file: Path | None = typer.Option(
@@ -121,23 +143,15 @@ def generate(
         texts += read_prompt_file(prompt_file)
     if not texts:
         raise ValueError("no prompt given; pass PROMPT arguments or --prompt-file FILE")
-    if disk_cache is not None and no_disk_cache:
-        raise ValueError("--disk-cache and --no-disk-cache contradict each other; pick one")
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown --dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    if dtype != "auto":
-        parse_dtype(dtype)
-    resolve_device(device)
+    options = engine_options(model=model, device=device, dtype=dtype, block_size=block_size,
+                             gpu_blocks=gpu_blocks, host_cache_gb=host_cache_gb,
+                             no_host_cache=no_host_cache, disk_cache=disk_cache,
+                             no_disk_cache=no_disk_cache, disk_cache_gb=disk_cache_gb)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, ignore_eos=ignore_eos)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
-    options: dict[str, Any] = {
-        "block_size": block_size, "gpu_blocks": gpu_blocks, "host_cache": not no_host_cache,
-        "host_cache_gb": host_cache_gb, "disk_cache": not no_disk_cache,
-        "disk_cache_dir": disk_cache, "disk_cache_gb": disk_cache_gb}
-    EngineConfig(**options)  # reject bad sizes before the model is loaded
-    with LLM(model, device=device, dtype=dtype, **options) as llm:
+    with LLM(**options) as llm:
         outputs = llm.generate(texts, params, raw=raw)
         stats = stats_dict(llm.stats())
         model_id = llm.model_id

@@ -126,6 +126,7 @@ def _register() -> None:
     app.command("info")(info)
     app.command("demo")(demo.demo)
     app.command("generate")(importlib.import_module("kvtier.cli.generate").generate)
+    app.command("serve")(importlib.import_module("kvtier.cli.serve").serve)
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
     bench_app.command("serve")(bench_commands.serve)
