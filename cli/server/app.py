@@ -242,6 +242,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                 lambda usage_: response([], usage=usage_), first=None)
         result = await _collect_unless_gone(request, stream)
         if result is None:
+            server.metrics.requests.labels("completions", "abort").inc()
             return Response(status_code=499)
         _observe(server, "completions", result)
         extra = {"prompt_token_ids": list(prompt_ids)} if body.return_token_ids else {}
@@ -280,6 +281,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                 usage_chunk, first=chunk({"role": "assistant", "content": ""}, None))
         result = await _collect_unless_gone(request, stream)
         if result is None:
+            server.metrics.requests.labels("chat", "abort").inc()
             return Response(status_code=499)
         _observe(server, "chat", result)
         entry: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
@@ -312,6 +314,7 @@ def _streaming_response(server: _Server, endpoint: str, stream: RequestStream, b
     async def events() -> AsyncIterator[str]:
         result = _Result()
         sent: list[int] = []
+        finished = False
         try:
             if first is not None:
                 yield _sse(first)
@@ -321,6 +324,7 @@ def _streaming_response(server: _Server, endpoint: str, stream: RequestStream, b
                     result.finished = read_output(delta.output)
                 if delta.text or delta.token_ids or delta.finished:
                     yield _sse(make_chunk(delta))
+            finished = True
             result.token_ids = tuple(sent)
             _observe(server, endpoint, result)
             if body.include_usage:
@@ -328,7 +332,9 @@ def _streaming_response(server: _Server, endpoint: str, stream: RequestStream, b
         except EngineClosedError as exc:
             yield _sse(APIError(503, str(exc), type_="server_unavailable").body())
         finally:
-            stream.abort()  # a no-op once the request finished
+            if not finished:  # the client left (or the engine stopped): abort it
+                stream.abort()
+                server.metrics.requests.labels(endpoint, "abort").inc()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",
