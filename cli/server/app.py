@@ -153,10 +153,11 @@ async def _collect_unless_gone(request: Request, stream: RequestStream) -> _Resu
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not collect.done():
+        gone = not collect.done()
+        if gone:
             stream.abort()
             collect.cancel()
-    return collect.result() if not collect.cancelled() else None
+    return None if gone else collect.result()
 
 
 def _sse(data: dict[str, Any]) -> str:

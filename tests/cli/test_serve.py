@@ -282,6 +282,29 @@ def test_clients_leaving_mid_stream_abort_their_requests(served) -> None:
     assert after["kvtier_generation_tokens_total"] == before["kvtier_generation_tokens_total"]
 
 
+def test_a_client_leaving_a_plain_request_aborts_it(served) -> None:
+    before = served.metrics()
+    body = {"model": MODEL_NAME, "prompt": "A long list:", "max_tokens": 400,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{served.url}/v1/completions", json=body,
+                   timeout=httpx.Timeout(120, read=1.0))
+    check_pool_is_free(served)
+    after = served.metrics()
+    aborted = 'kvtier_requests_total{endpoint="completions",finish_reason="abort"}'
+    assert after.get(aborted, 0) - before.get(aborted, 0) == 1
+
+
+def test_seeded_sampling_repeats(served) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Pick a word:", "max_tokens": 8,
+            "temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": 7,
+            "return_token_ids": True}
+    url = f"{served.url}/v1/completions"
+    runs = [httpx.post(url, json=body, timeout=120).json()["choices"][0]["token_ids"]
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) >= 1
+
+
 def test_cache_salts_keep_tenants_apart(served, model) -> None:
     document = model.tokenizer.encode("Tenant document: the quarterly river survey notes "
                                       "that water levels rose in spring. " * 4)

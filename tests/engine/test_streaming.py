@@ -20,7 +20,13 @@ from kvtier.engine import LLM, RequestStatus, SamplingParams
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.loader import LoadedModel
 
-PROMPTS = ["Write one sentence about rivers.", "List three colours."]
+TEXTS = ["Write one sentence about rivers.", "List three colours."]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[list[int]]:
+    """The prompts as token ids (no chat template on any path)."""
+    return [smollm2.tokenizer.encode(text) for text in TEXTS]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,12 +75,12 @@ def test_detokenizer_deltas_add_up_to_a_full_decode(smollm2) -> None:
             assert not any("\ufffd" in p for p in pieces), pieces  # no half character
 
 
-def test_stream_step_deltas_equal_generate(smollm2) -> None:
+def test_stream_step_deltas_equal_generate(smollm2, prompts) -> None:
     params = SamplingParams(max_tokens=12)
     with make_llm(smollm2) as llm:
-        expected = llm.generate(PROMPTS, params)
+        expected = llm.generate(prompts, params)
     with make_llm(smollm2) as llm:
-        ids = [llm.add_request(p, params) for p in PROMPTS]
+        ids = [llm.add_request(p, params) for p in prompts]
         seen = stream_all(llm)
         llm.manager.pool.check_invariants()
     for rid, output in zip(ids, expected):
@@ -86,17 +92,17 @@ def test_stream_step_deltas_equal_generate(smollm2) -> None:
         assert len(entry["pieces"]) >= len(output.token_ids)  # one delta per step at least
 
 
-def test_stop_strings_cut_the_text_and_end_the_request(smollm2) -> None:
+def test_stop_strings_cut_the_text_and_end_the_request(smollm2, prompts) -> None:
     with make_llm(smollm2) as llm:
-        [free] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True))
+        [free] = llm.generate(prompts[:1], SamplingParams(max_tokens=16, ignore_eos=True))
     text = free.text
     stop = text[6:9]  # a stop string in the middle of the greedy answer
     assert stop and text.find(stop) >= 1
     never = text[:3] + "\x00never"  # begins like the text but never completes
     params = SamplingParams(max_tokens=16, ignore_eos=True, stop=(never, stop))
     with make_llm(smollm2) as llm:
-        [cut] = llm.generate(PROMPTS[:1], params)
-        rid = llm.add_request(PROMPTS[0], params)
+        [cut] = llm.generate(prompts[:1], params)
+        rid = llm.add_request(prompts[0], params)
         seen = stream_all(llm)[rid]
         llm.manager.pool.check_invariants()
     assert cut.finish_reason == "stop"
@@ -107,16 +113,16 @@ def test_stop_strings_cut_the_text_and_end_the_request(smollm2) -> None:
     assert seen["reason"] == "stop"
     # Held back until it could no longer start `never`, then handed out.
     with make_llm(smollm2) as llm:
-        [held] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True,
+        [held] = llm.generate(prompts[:1], SamplingParams(max_tokens=16, ignore_eos=True,
                                                           stop=(never,)))
     assert held.text == text and held.finish_reason == "length"
 
 
-def test_a_stop_token_ends_the_request_without_its_text(smollm2) -> None:
+def test_a_stop_token_ends_the_request_without_its_text(smollm2, prompts) -> None:
     with make_llm(smollm2) as llm:
-        [free] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, ignore_eos=True))
+        [free] = llm.generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))
         stop_id = free.token_ids[4]
-        [cut] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=12, ignore_eos=True,
+        [cut] = llm.generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True,
                                                          stop_token_ids=(stop_id,)))
     first = free.token_ids.index(stop_id)
     assert cut.token_ids == free.token_ids[:first + 1] and cut.finish_reason == "stop"
@@ -124,14 +130,14 @@ def test_a_stop_token_ends_the_request_without_its_text(smollm2) -> None:
                                                 skip_special_tokens=True)
 
 
-def test_abort_frees_blocks_at_once_and_keeps_full_ones_cached(smollm2) -> None:
+def test_abort_frees_blocks_at_once_and_keeps_full_ones_cached(smollm2, prompts) -> None:
     prompt = smollm2.tokenizer.encode("The history of the river valley is long and " * 6)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     with make_llm(smollm2) as llm:
-        [expected] = llm.generate(["List three colours."], params)
+        [expected] = llm.generate(prompts[1:], params)
     with make_llm(smollm2) as llm:
         victim = llm.add_request(prompt, params)
-        other = llm.add_request("List three colours.", params)
+        other = llm.add_request(prompts[1], params)
         for _ in range(3):
             llm.stream_step()
         pool = llm.manager.pool

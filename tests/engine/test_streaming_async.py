@@ -31,7 +31,7 @@ def make_llm(smollm2) -> LLM:
 
 
 def smollm2_encode(llm: LLM, prompt: str) -> list[int]:
-    return list(llm.tokenize(prompt, raw=True))
+    return list(llm.tokenizer.encode(prompt))
 
 
 async def consume(engine: AsyncLLM, token_ids: list[int], params: SamplingParams) -> dict:
