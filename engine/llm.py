@@ -304,7 +304,11 @@ class LLM:
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]
         for request in stepped:
-            if not request.is_finished and self._tracker.check_stop(request):
+            if not self._tracker.check_stop(request):
+                continue
+            if request.is_finished:  # its last token also reached a limit: the stop string wins
+                request.finish_reason = "stop"
+            else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
         if not plan.scheduled and not finished and self.scheduler.has_unfinished():

@@ -102,12 +102,16 @@ def test_stop_strings_cut_the_text_and_end_the_request(smollm2, prompts) -> None
     params = SamplingParams(max_tokens=16, ignore_eos=True, stop=(never, stop))
     with make_llm(smollm2) as llm:
         [cut] = llm.generate(prompts[:1], params)
+        # The token that completes the stop string is also the last one max_tokens allows.
+        [edge] = llm.generate(prompts[:1], SamplingParams(
+            max_tokens=len(cut.token_ids), ignore_eos=True, stop=(stop,)))
         rid = llm.add_request(prompts[0], params)
         seen = stream_all(llm)[rid]
         llm.manager.pool.check_invariants()
     assert cut.finish_reason == "stop"
     assert cut.text == text[:text.find(stop)]
     assert len(cut.token_ids) < len(free.token_ids)
+    assert (edge.text, edge.finish_reason, edge.token_ids) == (cut.text, "stop", cut.token_ids)
     assert cut.token_ids == free.token_ids[:len(cut.token_ids)]
     assert "".join(seen["pieces"]) == cut.text
     assert seen["reason"] == "stop"
