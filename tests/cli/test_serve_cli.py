@@ -132,3 +132,15 @@ def test_serve_process_key_bench_and_graceful_shutdown(cache_dir, tmp_path) -> N
     stats = CliRunner().invoke(app, ["cache", "stats", "--dir", str(disk), "--json"])
     assert stats.exit_code == 0, stats.output
     assert json.loads(stats.stdout)["num_blocks"] >= host_cached
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--dtype", "bogus"], "unknown --dtype"),
+    (["--port", "70000"], "--port must lie in"),
+    (["--disk-cache", "/tmp/x", "--no-disk-cache"], "contradict"),
+    (["--max-num-requests", "0"], "at least 1"),
+])
+def test_bad_options_fail_before_loading_the_model(args, message) -> None:
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 1
+    assert message in result.output and result.output.startswith("error: ")
