@@ -95,6 +95,35 @@ def output_dict(output: RequestOutput) -> dict[str, Any]:
     return entry
 
 
+def engine_options(config: Path | None, model: str | None, device: str | None,
+                   dtype: str | None, block_size: int | None, gpu_blocks: int | None,
+                   gpu_memory_utilization: float | None, max_model_len: int | None,
+                   max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                   host_cache_gb: float | None, no_host_cache: bool,
+                   disk_cache: Path | None, no_disk_cache: bool, disk_cache_gb: float | None,
+                   hash_algorithm: str | None, cache_salt: str | None,
+                   attn_backend: str | None, remote_cache: str | None) -> dict[str, Any]:
+    """`LLM` keyword arguments from the model and cache options of `generate` (which
+    `kvtier serve` shares under the same names); options left None come from the config
+    file, the environment or the defaults. Raises ValueError for a bad or contradictory
+    option, before any model is loaded."""
+    if disk_cache is not None and no_disk_cache:
+        raise ValueError("--disk-cache and --no-disk-cache contradict each other; pick one")
+    options: dict[str, Any] = {
+        "model": model, "device": device, "dtype": dtype, "block_size": block_size,
+        "gpu_blocks": gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "host_cache": False if no_host_cache else None, "host_cache_gb": host_cache_gb,
+        "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
+        "disk_cache_gb": disk_cache_gb, "hash_algorithm": hash_algorithm,
+        "cache_salt": cache_salt, "attn_backend": attn_backend,
+        "remote_cache": remote_cache}
+    settings = load_engine_config(options, config)  # reject bad settings before loading
+    resolve_device(settings.device)
+    return {"config": config, **options}
+
+
 def generate(
     prompts: list[str] | None = typer.Argument(None, help="Prompts (each one request)."),
     prompt_file: Path | None = typer.Option(
@@ -164,28 +193,22 @@ def generate(
         texts += read_prompt_file(prompt_file)
     if not texts:
         raise ValueError("no prompt given; pass PROMPT arguments or --prompt-file FILE")
-    if disk_cache is not None and no_disk_cache:
-        raise ValueError("--disk-cache and --no-disk-cache contradict each other; pick one")
     if raw and system is not None:
         raise ValueError("--system needs the chat template; drop --raw or --system")
+    options = engine_options(
+        config=config, model=model, device=device, dtype=dtype, block_size=block_size,
+        gpu_blocks=gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, host_cache_gb=host_cache_gb,
+        no_host_cache=no_host_cache, disk_cache=disk_cache, no_disk_cache=no_disk_cache,
+        disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm, cache_salt=cache_salt,
+        attn_backend=attn_backend, remote_cache=remote_cache)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                             seed=seed, ignore_eos=ignore_eos)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
-    options: dict[str, Any] = {
-        "model": model, "device": device, "dtype": dtype, "block_size": block_size,
-        "gpu_blocks": gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "host_cache": False if no_host_cache else None, "host_cache_gb": host_cache_gb,
-        "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
-        "disk_cache_gb": disk_cache_gb, "hash_algorithm": hash_algorithm,
-        "cache_salt": cache_salt, "attn_backend": attn_backend,
-        "remote_cache": remote_cache}
-    settings = load_engine_config(options, config)  # reject bad settings before loading
-    resolve_device(settings.device)
-    with LLM(config=config, **options) as llm:
+    with LLM(**options) as llm:
         if raw:
             outputs = llm.generate(texts, params)
         else:

@@ -28,6 +28,8 @@ LAZY_COMMANDS = (
     ("demo", "kvtier.cli.demo:demo",
      "Play a multi-turn long-document session whose KV spills GPU -> host -> disk and comes "
      "back; show per-turn restores and check every answer against a tiers-off run."),
+    ("serve", "kvtier.cli.serve:serve",
+     "Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics)."),
     ("bench", "kvtier.cli.groups:bench_app",
      "Benchmarks (fixed seeds, medians; --json for machines)."),
     ("cache", "kvtier.cli.groups:cache_app",

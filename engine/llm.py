@@ -15,6 +15,7 @@ use `add_request` / `step` / `has_unfinished` instead of `generate`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,7 @@ from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, comb
 from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.sampler import SamplingParams, sample, sample_logprobs
 from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, use_user_triton_cache, warm_up
 
 from kvtier.config import TierConfig
@@ -160,6 +162,8 @@ class LLM:
         self._parents: dict[str, _ParentRequest] = {}
         self._child_parent: dict[RequestId, tuple[str, int]] = {}
         self._unclaimed: list[RequestOutput] = []
+        self._tracker = OutputTracker(self.tokenizer)
+        self._stopped: list[Request] = []  # aborted, reported by the next step
         self._request_counter = itertools.count()
         self._closed = False
 
@@ -339,29 +343,69 @@ class LLM:
     # ---- stepping ------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._stopped)
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the requests that finished in it (and any finished
         earlier that `generate` did not claim). A request with n > 1 is returned once all
         its completions have finished. Raises RuntimeError if no request can make progress
         (a scheduling bug; never expected)."""
-        self._check_open()
-        plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
-        finished = self.scheduler.update(plan, sampled)
-        if not plan.scheduled and not finished and self.scheduler.has_unfinished():
-            # Only transfers can free blocks or finish loads now: wait for them a little.
-            if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
-                raise RuntimeError("the scheduler could not run any request and no transfer "
-                                   "is in flight to make room")
-            time.sleep(_IDLE_WAIT_S)
+        _, finished = self._run_step()
         outputs, self._unclaimed = self._unclaimed, []
         for request in finished:
             output = self._complete(request)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def stream_step(self) -> list[RequestDelta]:
+        """Run one engine step; return a `RequestDelta` (new tokens, new text, finish reason)
+        for every engine request that got a token or finished in it, aborted ones included
+        (with n > 1, each completion streams as its own engine request, `<i>_<id>`). The
+        last delta of a request carries its `RequestOutput` (with n > 1: the last delta of
+        the last completion to finish). Raises as `step`."""
+        stepped, finished = self._run_step()
+        deltas = [self._tracker.delta(r) for r in stepped if not r.is_finished]
+        for request in finished:
+            delta = self._tracker.delta(request)
+            deltas.append(dataclasses.replace(delta, output=self._complete(request)))
+        return deltas
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (every completion of it, with n > 1): it leaves the queues and
+        its blocks are freed at once (its full blocks stay cached). The next step reports it
+        with finish reason "abort". Returns False when no unfinished request has that id."""
+        targets = [request for rid, request in self._requests.items()
+                   if self._child_parent[rid][0] == request_id and not request.is_finished
+                   and request not in self._stopped]
+        for request in targets:
+            self.scheduler.stop(request, "abort")
+            self._stopped.append(request)
+        return bool(targets)
+
+    def _run_step(self) -> tuple[list[Request], list[Request]]:
+        """One engine step: (requests that sampled a token, requests that finished)."""
+        self._check_open()
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        finished = self._stopped + self.scheduler.update(plan, sampled)
+        self._stopped = []
+        stepped = [s.request for s in plan.scheduled if s.samples]
+        for request in stepped:
+            if not self._tracker.check_stop(request):
+                continue
+            if request.is_finished:  # its last token also reached a limit: the stop string wins
+                request.finish_reason = "stop"
+            else:
+                self.scheduler.stop(request, "stop")
+                finished.append(request)
+        if not plan.scheduled and not finished and self.scheduler.has_unfinished():
+            # Only transfers can free blocks or finish loads now: wait for them a little.
+            if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
+                raise RuntimeError("the scheduler could not run any request and no transfer "
+                                   "is in flight to make room")
+            time.sleep(_IDLE_WAIT_S)
+        return stepped, finished
 
     def _complete(self, request: Request) -> RequestOutput | None:
         """Record a finished engine request; the parent's output once all its completions
@@ -372,9 +416,8 @@ class LLM:
         parent_id, completion = self._child_parent.pop(rid)
         parent = self._parents[parent_id]
         output_ids = tuple(request.output_token_ids)
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        text = self._tracker.final_text(request)  # stop strings cut, stop token's text left out
+        self._tracker.forget(rid)
         logprobs = self._logprobs.pop(rid, None)
         cumulative = None if logprobs is None else \
             sum(entry[token].logprob for entry, token in zip(logprobs, output_ids))

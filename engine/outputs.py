@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FINISH_REASONS = ("stop", "length")
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,9 +66,10 @@ class CompletionOutput:
 
     index: which of the request's `n` completions this is. token_ids: the generated tokens
     (an end-of-sequence or stop token that ended it is kept). finish_reason: "stop" (an
-    end-of-sequence or stop token), "length" (max_tokens, the model's context, or the GPU
-    block budget), or None while it runs. logprobs: with `SamplingParams.logprobs`, one
-    {token id: Logprob} per generated token (the chosen token and the most likely ones);
+    end-of-sequence or stop token; its id is kept in `token_ids`, its text is not; or a stop
+    string: the text ends before it), "length" (max_tokens, the model's context, or the GPU
+    block budget), "abort" (`LLM.abort`), or None while it runs. logprobs: with
+    `SamplingParams.logprobs`, one {token id: Logprob} per generated token (the chosen token and the most likely ones);
     cumulative_logprob: the sum of the chosen tokens' log-probabilities (None without
     logprobs).
     """

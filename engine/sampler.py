@@ -22,7 +22,7 @@ from kvtier.engine.logits_processors import (
     penalties_active,
 )
 from kvtier.engine.outputs import Logprob
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kvtier.validation import CheckedModel
 
@@ -44,7 +44,8 @@ class SamplingParams(CheckedModel):
     token and of this many most likely tokens (None = off; 0 = the chosen token only); they
     are the model's own distribution, before penalties and temperature. seed: per-request
     seed (None = the engine's seed and the arrival order). ignore_eos: keep going past EOS.
-    stop_token_ids: extra ids that end the request.
+    stop_token_ids: extra ids that end the request. stop: strings that end the request; the
+    text returned stops before the first of them (a str is taken as one stop string).
     Raises `kvtier.validation.ConfigError` (a ValueError) naming the field for a value out
     of range.
     """
@@ -71,6 +72,20 @@ class SamplingParams(CheckedModel):
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
         (), description="non-negative token ids that end the request")
+    # Stop strings, matched on the detokenized output by `kvtier.engine.streaming`.
+    stop: tuple[str, ...] = Field((), description="non-empty strings that end the request")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stop_strings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not all(value):
+            raise ValueError("stop strings must not be empty")
+        return value
 
     @property
     def greedy(self) -> bool:

@@ -107,7 +107,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._loads)
 
     @property
     def num_loading(self) -> int:
@@ -225,6 +225,10 @@ class Scheduler:
         for request_id, pending in list(self._loads.items()):
             if self.manager.is_load_ready(pending.load_id):
                 del self._loads[request_id]
+                if pending.request.is_finished:  # stopped while loading: cache, then free
+                    self.manager.complete_load(pending.load_id)
+                    self.manager.free(pending.request.reset_blocks())
+                    continue
                 self._complete_load(pending)
 
     def _complete_load(self, pending: _PendingLoad) -> None:
@@ -318,6 +322,22 @@ class Scheduler:
             self.waiting.appendleft(request)
         self._release(request)
         out.preempted.append(request)
+
+    def stop(self, request: Request, reason: str) -> None:
+        """End `request` outside `update` (an abort, a stop string): it leaves the queues and
+        its blocks are freed now, full ones staying cached. A load in flight keeps its blocks
+        until it completes (`complete_load` runs for every load); they are freed then."""
+        if request.is_finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self._admissions.pop(request.request_id, None)
+        if request.request_id in self._loads:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            request.finished_time = self.clock()
+            return
+        self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self.running:

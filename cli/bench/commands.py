@@ -198,12 +198,31 @@ def serve(
     hf_new_tokens: int = typer.Option(32, help="Generated tokens in the comparison."),
     repeats: int = typer.Option(3, help="Timed runs of the comparison; figures are medians."),
     seed: int = typer.Option(0, help="Seed of the token ids."),
+    url: str | None = typer.Option(None, "--url", help="Drive the workload over HTTP at a "
+                                   "running `kvtier serve` (e.g. http://127.0.0.1:8000); the "
+                                   "engine options are then the server's."),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="KVTIER_API_KEY",
+                                       help="API key of the server at --url."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
         "(a fresh key prefix per engine)."),
 ) -> None:
-    """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk."""
+    """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk
+    (or, with --url, against a running server)."""
+    if url is not None:
+        from kvtier.cli.bench.serve_http import print_remote, run_remote_serve_bench
+
+        config = ServeConfig(num_conversations=num_conversations, num_rounds=num_rounds,
+                             system_tokens=system_tokens, user_tokens=user_tokens,
+                             max_tokens=max_tokens, seed=seed)
+        result = _with_status("bench serve", lambda update: run_remote_serve_bench(
+            url, config, api_key, progress=update))
+        if json_output:
+            print_json(result)
+        else:
+            print_remote(result)
+        return
     config = ServeConfig(model=model, device=device, dtype=dtype,
                          num_conversations=num_conversations, num_rounds=num_rounds,
                          system_tokens=system_tokens, user_tokens=user_tokens,

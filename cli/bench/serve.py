@@ -101,6 +101,17 @@ class ServeConfig:
         return max(self.request_blocks + 2, self.working_set_blocks // 3)
 
 
+def make_conversations(config: ServeConfig,
+                       vocab_size: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The workload's seeded token ids: the shared system prompt, and per conversation its
+    `num_rounds` questions (also driven over HTTP by `kvtier bench serve --url`)."""
+    rng = np.random.default_rng(config.seed)
+    system = rng.integers(16, vocab_size, config.system_tokens).tolist()
+    questions = [[rng.integers(16, vocab_size, config.user_tokens).tolist()
+                  for _ in range(config.num_rounds)] for _ in range(config.num_conversations)]
+    return system, questions
+
+
 def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[str, Any]:
     everything = config.num_conversations * config.request_blocks * bytes_per_block
     options: dict[str, Any] = {"gpu_blocks": config.num_gpu_blocks,
@@ -294,11 +305,7 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
                          "fewer rounds or shorter prompts")
     weight = next(loaded.model.parameters())
     layout = loaded.config.kv_layout(config.block_size, weight.dtype)
-    rng = np.random.default_rng(config.seed)
-    vocab = loaded.config.vocab_size
-    system = rng.integers(16, vocab, config.system_tokens).tolist()
-    questions = [[rng.integers(16, vocab, config.user_tokens).tolist()
-                  for _ in range(config.num_rounds)] for _ in range(config.num_conversations)]
+    system, questions = make_conversations(config, loaded.config.vocab_size)
     # One-time costs (kernel compilation for every batch shape, allocator growth) must not
     # land on the first mode: play the whole workload once, untimed, with its options.
     report("warming up")

@@ -1,0 +1,1 @@
+"""The HTTP app of `kvtier serve`: routes, request bodies, metrics."""
