@@ -70,8 +70,8 @@ class CompletionOutput:
     string: the text ends before it), "length" (max_tokens, the model's context, or the GPU
     block budget), "abort" (`LLM.abort`), or None while it runs. logprobs: with
     `SamplingParams.logprobs`, one {token id: Logprob} per generated token (the chosen
-    token and the most likely ones); cumulative_logprob: the sum of the chosen tokens' log-probabilities (None without
-    logprobs).
+    token and the most likely ones); cumulative_logprob: the sum of the chosen tokens'
+    log-probabilities (None without logprobs).
     """
 
     index: int
