@@ -135,7 +135,7 @@ def test_serve_process_key_bench_and_graceful_shutdown(cache_dir, tmp_path) -> N
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--dtype", "bogus"], "unknown --dtype"),
+    (["--block-size", "0"], "block_size"),
     (["--port", "70000"], "--port must lie in"),
     (["--disk-cache", "/tmp/x", "--no-disk-cache"], "contradict"),
     (["--max-num-requests", "0"], "at least 1"),

@@ -159,7 +159,7 @@ def test_abort_frees_blocks_at_once_and_keeps_full_ones_cached(smollm2, prompts)
         [ended] = [d for d in deltas if d.request_id == victim]
         assert ended.finish_reason == "abort" and ended.output is not None
         seen = stream_all(llm)
-        assert seen[other]["output"].token_ids == expected.outputs[0].token_ids
+        assert seen[other]["output"].outputs[0].token_ids == expected.outputs[0].token_ids
         pool.check_invariants()
         assert pool.num_free_blocks == pool.num_blocks
         # The aborted prompt's full blocks are served from the GPU cache.
@@ -191,7 +191,7 @@ def test_abort_while_the_prefix_loads_from_disk(smollm2, tmp_path: Path) -> None
         outputs = []
         while llm.has_unfinished():
             outputs += llm.step()
-        assert [o.finish_reason for o in outputs] == ["abort"]
+        assert [o.outputs[0].finish_reason for o in outputs] == ["abort"]
         manager = llm.manager
         manager.pool.check_invariants()
         assert manager.pool.num_free_blocks == manager.pool.num_blocks
