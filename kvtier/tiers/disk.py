@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -42,6 +42,7 @@ from kvtier.tiers.record import (
     decode_header,
     decode_record,
     dest_array,
+    payload_checksum,
     payload_view,
     record_size,
 )
@@ -92,7 +93,8 @@ class DiskTier:
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
                  initial_map_bytes: int | None = None, durable: bool = True,
-                 touch_flush_every: int = 1024) -> None:
+                 touch_flush_every: int = 1024,
+                 read_hook: Callable[[BlockMeta], None] | None = None) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -114,6 +116,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._pending_touches: dict[BlockHash, None] = {}
+        self._read_hook = read_hook
+        self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
+        self._regions: tuple[int, list[tuple[int, int, int]]] | None = None  # map size, maps
         self._touch_flush_every = touch_flush_every
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
@@ -157,6 +162,10 @@ class DiskTier:
                 self._flush_touches()
         finally:
             self._map.close()
+            with self._lock:
+                fd, self._data_fd = self._data_fd, None
+            if fd is not None:
+                os.close(fd)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -190,6 +199,10 @@ class DiskTier:
         `dest` is a contiguous CPU tensor of exactly `bytes_per_block` bytes (any dtype). On
         False its contents are unspecified. A stored value with a bad header, checksum,
         length, layout, parent hash or token ids is deleted and counted as rejected.
+        The payload is read from `data.mdb` with one `pread` at its offset (values are
+        contiguous overflow pages), not faulted in page by page through the map. A
+        `read_hook` given at construction is called with `meta` before each read (tests
+        slow or fail reads with it; an exception it raises fails the whole batch).
         Raises ValueError for a bad `dest`.
         """
         return self.get_many_into([meta], [dest])[0]
@@ -206,8 +219,11 @@ class DiskTier:
         results: list[bool] = []
         rejects: list[BlockMeta] = []
         with self._map.txn() as txn:
+            regions = self._map_regions()  # the map cannot move while `txn` is open
             for meta, array in zip(metas, arrays):
-                ok, rejected = self._read_into(txn, meta, array)
+                if self._read_hook is not None:
+                    self._read_hook(meta)
+                ok, rejected = self._read_into(txn, meta, array, regions)
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)
@@ -220,8 +236,8 @@ class DiskTier:
             self.touch(hit_hashes)
         return results
 
-    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta,
-                   array: np.ndarray) -> tuple[bool, bool]:
+    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta, array: np.ndarray,
+                   regions: list[tuple[int, int, int]]) -> tuple[bool, bool]:
         """Copy a value's payload into `array`. Returns (whether it is a verified hit,
         whether the value failed a check and should be deleted)."""
         value = self._index.get(txn, meta.block_hash)
@@ -233,12 +249,65 @@ class DiskTier:
             if not header.matches(meta):
                 raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
             # The checksum is taken over the copy, the bytes the caller will use.
-            if copy_checksummed(value[offset:], array) != header.payload_checksum:
+            if self._read_payload(value, offset, array, regions) != header.payload_checksum:
                 raise CorruptRecord("bad checksum")
         except CorruptRecord as exc:
             logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
             return False, True
         return True, False
+
+    def _read_payload(self, value: memoryview, offset: int, array: np.ndarray,
+                      regions: list[tuple[int, int, int]]) -> int:
+        """Fill `array` with the payload at `value[offset:]`; returns its checksum.
+
+        A value inside the map of `data.mdb` is read from the file at its offset with pread:
+        one request for the whole span, at the disk's speed when cold, where copying from the
+        map faults it in a few pages at a time. Any other buffer, or a short read, is copied
+        from memory instead."""
+        address = np.frombuffer(value, dtype=np.uint8).ctypes.data + offset
+        for start, end, file_start in regions:
+            if start <= address and address + array.nbytes <= end:
+                file_offset = address - start + file_start
+                view = memoryview(array)
+                done = 0
+                while done < array.nbytes:
+                    got = os.preadv(self._data_file(), [view[done:]], file_offset + done)
+                    if got <= 0:
+                        break
+                    done += got
+                if done == array.nbytes:
+                    return payload_checksum(array)
+                break
+        return copy_checksummed(value[offset:], array)
+
+    def _map_regions(self) -> list[tuple[int, int, int]]:
+        """This process's mappings of `data.mdb` as (start, end, file offset), from
+        /proc/self/maps (LMDB does not say where its map is); cached until the map size
+        changes, the only time LMDB maps it again. Empty where /proc is missing."""
+        map_size = self._index.env.info()["map_size"]
+        with self._lock:
+            if self._regions is not None and self._regions[0] == map_size:
+                return self._regions[1]
+        data_file = str((self.path / "data.mdb").resolve())
+        regions = []
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    if line.rstrip("\n").endswith(" " + data_file):
+                        fields = line.split()
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        regions.append((start, end, int(fields[2], 16)))
+        except OSError:
+            regions = []
+        with self._lock:
+            self._regions = (map_size, regions)
+        return regions
+
+    def _data_file(self) -> int:
+        with self._lock:
+            if self._data_fd is None:
+                self._data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+            return self._data_fd
 
     def _reject(self, metas: list[BlockMeta]) -> None:
         self._count(rejected=len(metas))
