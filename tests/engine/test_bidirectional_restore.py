@@ -150,6 +150,7 @@ def restored_blocks(request: Request) -> int:
 def finish_idle(driver: Driver) -> None:
     driver.run_until_done()
     driver.manager.flush()
+    driver.step()  # completes the loads given up (cancelled ones hold their blocks till then)
     driver.manager.pool.check_invariants()
     assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
     assert driver.scheduler.num_loading == 0
