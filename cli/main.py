@@ -129,6 +129,7 @@ def _register() -> None:
     bench_app.command("pool")(bench_pool.pool)
     bench_app.command("longctx")(bench_commands.longctx)
     bench_app.command("serve")(bench_commands.serve)
+    bench_app.command("diskread")(bench_commands.diskread)
     bench_app.command("kernels")(bench_commands.kernels)
     bench_app.command("swap")(bench_commands.swap)
     bench_app.command("tiers")(bench_tiers.tiers)

@@ -17,7 +17,7 @@ SWAP_METHODS = ("auto", "dma", "triton")
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
 DEFAULT_STAGING_SLOTS = 16
 #: Threads running host <-> disk jobs unless TierConfig says otherwise.
-DEFAULT_IO_THREADS = 2
+DEFAULT_IO_THREADS = 4
 
 
 def _is_int(value: object) -> bool:
@@ -48,7 +48,7 @@ class TierConfig:
     disk_budget_bytes: int | None = None
     swap_method: str = "auto"
     io_threads: int = DEFAULT_IO_THREADS
-    max_pending_io: int = 64
+    max_pending_io: int = 256
     staging_slots: int = DEFAULT_STAGING_SLOTS
 
     def __post_init__(self) -> None:
