@@ -244,41 +244,50 @@ class DiskTier:
         if value is None:
             return False, False
         try:
-            header, offset = decode_header(value, self._fingerprint)
+            head = self._pread_record(value, array, regions)
+            header, offset = decode_header(value if head is None else head, self._fingerprint)
+            # With `head`, this also pins the payload to start right after it.
             check_payload_len(header, len(value) - offset, array.nbytes)
             if not header.matches(meta):
                 raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
             # The checksum is taken over the copy, the bytes the caller will use.
-            if self._read_payload(value, offset, array, regions) != header.payload_checksum:
+            checksum = (copy_checksummed(value[offset:], array) if head is None
+                        else payload_checksum(array))
+            if checksum != header.payload_checksum:
                 raise CorruptRecord("bad checksum")
         except CorruptRecord as exc:
             logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
             return False, True
         return True, False
 
-    def _read_payload(self, value: memoryview, offset: int, array: np.ndarray,
-                      regions: list[tuple[int, int, int]]) -> int:
-        """Fill `array` with the payload at `value[offset:]`; returns its checksum.
+    def _pread_record(self, value: memoryview, array: np.ndarray,
+                      regions: list[tuple[int, int, int]]) -> bytes | None:
+        """Read a record from `data.mdb` with pread: its header into the returned bytes, its
+        payload (the last `array.nbytes` bytes) straight into `array`. None when the value is
+        not in the map or the read comes short (the caller copies from the map instead).
 
-        A value inside the map of `data.mdb` is read from the file at its offset with pread:
-        one request for the whole span, at the disk's speed when cold, where copying from the
-        map faults it in a few pages at a time. Any other buffer, or a short read, is copied
-        from memory instead."""
-        address = np.frombuffer(value, dtype=np.uint8).ctypes.data + offset
-        for start, end, file_start in regions:
-            if start <= address and address + array.nbytes <= end:
-                file_offset = address - start + file_start
-                view = memoryview(array)
-                done = 0
-                while done < array.nbytes:
-                    got = os.preadv(self._data_file(), [view[done:]], file_offset + done)
-                    if got <= 0:
-                        break
-                    done += got
-                if done == array.nbytes:
-                    return payload_checksum(array)
-                break
-        return copy_checksummed(value[offset:], array)
+        Nothing is touched through the map: a cold page fault there would stall with the
+        GIL held (every other thread, the engine's included, waits for the disk), and the
+        map faults a value in a few pages at a time; one preadv per value reads it at the
+        disk's speed with the GIL released."""
+        header_len = len(value) - array.nbytes
+        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
+        region = next((r for r in regions
+                       if r[0] <= address and address + len(value) <= r[1]), None)
+        if header_len <= 0 or region is None:
+            return None
+        file_offset = address - region[0] + region[2]
+        head = bytearray(header_len)
+        payload = memoryview(array)
+        done = 0
+        while done < len(value):
+            buffers = [memoryview(head)[done:], payload] if done < header_len \
+                else [payload[done - header_len:]]
+            got = os.preadv(self._data_file(), buffers, file_offset + done)
+            if got <= 0:
+                return None
+            done += got
+        return bytes(head)
 
     def _map_regions(self) -> list[tuple[int, int, int]]:
         """This process's mappings of `data.mdb` as (start, end, file offset), from
