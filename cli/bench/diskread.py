@@ -119,6 +119,9 @@ def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int 
     many blocks verified."""
     with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
         metas = tier_metas(disk)[:max_blocks]
+    # Opened again: the pages the headers were read through stay mapped, and a mapped page
+    # survives a cache drop.
+    with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
         groups = [metas[i:i + group_blocks] for i in range(0, len(metas), group_blocks)]
         dests = [torch.empty(layout.bytes_per_block, dtype=torch.uint8,
                              pin_memory=pin_memory) for _ in range(threads * group_blocks)]
