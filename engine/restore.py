@@ -46,7 +46,7 @@ DISK_GROUP_BYTES = 8 << 20
 HOST_GROUP_BLOCKS = 256
 #: Bytes of disk groups in flight per restore: enough to keep a disk busy through a long
 #: prefill step, and bounded so the I/O queue never blocks the engine.
-WINDOW_BYTES = 1 << 30
+WINDOW_BYTES = 4 << 30
 
 
 class BlockState(enum.Enum):

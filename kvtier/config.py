@@ -48,7 +48,7 @@ class TierConfig:
     disk_budget_bytes: int | None = None
     swap_method: str = "auto"
     io_threads: int = DEFAULT_IO_THREADS
-    max_pending_io: int = 256
+    max_pending_io: int = 1024
     staging_slots: int = DEFAULT_STAGING_SLOTS
 
     def __post_init__(self) -> None:
