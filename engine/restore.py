@@ -145,8 +145,12 @@ class Restore:
                    and self.states[start - 1] is BlockState.PENDING
                    and self.tiers[start - 1] is tier):
                 start -= 1
+            # The lookup found them: no second disk lookup on the engine thread while the
+            # I/O threads read (each LMDB call there gives up the GIL and waits to get it
+            # back behind them).
             load_id = self.manager.prepare_load([self.meta(i) for i in range(start, stop)],
-                                                self.blocks[start:stop], split_reads=False)
+                                                self.blocks[start:stop], split_reads=False,
+                                                known_on_disk=tier is Tier.DISK)
             for i in range(start, stop):
                 self.states[i] = BlockState.LOADING
             self._top = start - 1

@@ -138,12 +138,15 @@ class TierManager:
     # ---- loads ---------------------------------------------------------------------------
 
     def prepare_load(self, metas: Sequence[BlockMeta],
-                     gpu_blocks: Sequence[KVCacheBlock], split_reads: bool = True) -> LoadId:
+                     gpu_blocks: Sequence[KVCacheBlock], split_reads: bool = True,
+                     known_on_disk: bool = False) -> LoadId:
         """Start loading the blocks `metas` names into `gpu_blocks` (allocated by the caller,
         held, not cached) from the host, else from disk. From the first block no tier
         holds onwards, all are misses at once. `split_reads` spreads the disk reads over the
         I/O threads; without it they go as one job (a small load among many in flight,
-        which `cancel_load` can then stop as a whole).
+        which `cancel_load` can then stop as a whole). `known_on_disk`: a lookup just found
+        the blocks that are not on the host on disk; they are not looked up again (a block
+        gone meanwhile is a failed read, and computed).
 
         The manager holds a reference on every block until `complete_load`, which must be
         called once per load (also when its request went away). Raises ValueError unless
@@ -174,8 +177,9 @@ class TierManager:
                 continue
             if self.disk is not None:
                 if not on_disk:
-                    on_disk = [False] * i + self.disk.contains(
-                        [b.meta.block_hash for b in load.blocks[i:]])
+                    rest = [b.meta.block_hash for b in load.blocks[i:]]
+                    on_disk = [False] * i + ([True] * len(rest) if known_on_disk
+                                             else self.disk.contains(rest))
                 if on_disk[i]:
                     load.waiting.append(lb)
                     continue

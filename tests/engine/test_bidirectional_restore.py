@@ -347,3 +347,22 @@ def test_restored_outputs_equal_tiers_off(tiny: LoadedModel, disk_dir: Path, tie
 
 def restored_blocks_of(request: Request) -> int:
     return request.counters.cached_disk // 16
+
+
+def test_a_block_gone_from_disk_after_the_lookup_is_computed(disk_dir: Path) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # the first read (block 7) waits; the rest are queued
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        request = driver.add(PROMPT)
+        driver.step()  # looked up (all 8 on disk) and issued, without looking up again
+        assert hook.gated.wait(timeout=60)
+        assert manager.disk is not None and manager.disk.delete([hashes[3]]) == 1
+        hook.release()
+        manager.flush()
+        chunks = []
+        while request.status is not RequestStatus.FINISHED:
+            chunks += [(p.start, p.num_new_tokens) for p in driver.step().scheduled]
+        assert chunks == [(12, 4), (32, 1)]  # block 3 computed, the rest restored
+        finish_idle(driver)
+    assert restored_blocks(request) == 7
