@@ -251,7 +251,8 @@ class Scheduler:
             return num_new
         if restore.fresh:
             restore.fresh = False
-            return 0
+            if restore.num_in_flight:  # else nothing can land by waiting
+                return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
         restore.issue(floor=-(-(request.num_computed_tokens + num_new) // request.block_size))
         return num_new
