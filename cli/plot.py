@@ -35,9 +35,9 @@ def plot_longctx(result: dict[str, Any], path: str | Path) -> Path:
 
     One row per strategy with tiers: blocks held by the GPU pool, the host tier and the disk
     tier after every engine step, and the compute and load fronts of a restore in progress
-    (block indexes: they meet where the restore stops loading and stops computing) (left), and MiB moved in that step per direction (right),
-    with the rounds marked. A last row compares round-two TTFT p50 per strategy, with p90 and
-    p99 marks. Returns the path written. Raises ValueError when matplotlib is missing, OSError
+    (block indexes; they meet where loading and computing stop) (left), and MiB moved in
+    that step per direction (right), with the rounds marked. A last row compares round-two
+    TTFT p50 per strategy, with p90 and p99 marks. Returns the path written. Raises ValueError when matplotlib is missing, OSError
     when the file cannot be written.
     """
     plt = _pyplot()

@@ -106,7 +106,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or loads given up whose I/O has not ended (they hold blocks)."""
+        return bool(self.waiting or self.running or self._draining)
 
     @property
     def num_loading(self) -> int:
