@@ -37,8 +37,8 @@ def plot_longctx(result: dict[str, Any], path: str | Path) -> Path:
     tier after every engine step, and the compute and load fronts of a restore in progress
     (block indexes; they meet where loading and computing stop) (left), and MiB moved in
     that step per direction (right), with the rounds marked. A last row compares round-two
-    TTFT p50 per strategy, with p90 and p99 marks. Returns the path written. Raises ValueError when matplotlib is missing, OSError
-    when the file cannot be written.
+    TTFT p50 per strategy, with p90 and p99 marks. Returns the path written. Raises
+    ValueError when matplotlib is missing, OSError when the file cannot be written.
     """
     plt = _pyplot()
     strategies: dict[str, Any] = result["strategies"]
