@@ -97,8 +97,10 @@ def test_tiny_host_tier_spills_to_disk_and_restores_from_it(smollm2, block_promp
     for output, reference in zip([*first, again], [*references, references[0]]):
         assert list(output.token_ids) == reference
     assert all(o.metrics.cached_tokens == 0 for o in first)
-    # The first prompt's blocks left the GPU and the host; its prefix came back from disk.
-    assert again.metrics.cached_tokens_disk > 0
+    # The first prompt's blocks left the GPU and the host; its prefix was found on disk and
+    # read back from the tail while its head was computed. With 8 host slots to stage
+    # through, the disk gives a few blocks per step: where the fronts meet is the restore's
+    # business (tests/engine/test_bidirectional_restore.py pins the meeting points down).
     assert stats.tiers[Tier.DISK].hits > 0
 
 
