@@ -22,6 +22,7 @@ bench_app = typer.Typer(help=BENCH_HELP, no_args_is_help=True, add_completion=Fa
 bench_app.command("pool")(bench_pool.pool)
 bench_app.command("longctx")(bench_commands.longctx)
 bench_app.command("serve")(bench_commands.serve)
+bench_app.command("diskread")(bench_commands.diskread)
 bench_app.command("kernels")(bench_commands.kernels)
 bench_app.command("swap")(bench_commands.swap)
 bench_app.command("tiers")(bench_tiers.tiers)

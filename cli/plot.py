@@ -34,10 +34,11 @@ def plot_longctx(result: dict[str, Any], path: str | Path) -> Path:
     """Draw the long-context benchmark `result` (as `run_longctx_bench` returns it) to `path`.
 
     One row per strategy with tiers: blocks held by the GPU pool, the host tier and the disk
-    tier after every engine step (left), and MiB moved in that step per direction (right),
-    with the rounds marked. A last row compares round-two TTFT p50 per strategy, with p90 and
-    p99 marks. Returns the path written. Raises ValueError when matplotlib is missing, OSError
-    when the file cannot be written.
+    tier after every engine step, and the compute and load fronts of a restore in progress
+    (block indexes; they meet where loading and computing stop) (left), and MiB moved in
+    that step per direction (right), with the rounds marked. A last row compares round-two
+    TTFT p50 per strategy, with p90 and p99 marks. Returns the path written. Raises
+    ValueError when matplotlib is missing, OSError when the file cannot be written.
     """
     plt = _pyplot()
     strategies: dict[str, Any] = result["strategies"]
@@ -54,7 +55,13 @@ def plot_longctx(result: dict[str, Any], path: str | Path) -> Path:
                            ("disk_blocks", "disk")):
             occupancy_ax.step(steps, [sample[key] for sample in timeline], where="post",
                               label=label)
-        occupancy_ax.set_title(f"{name}: blocks per tier")
+        fronts = [sample.get("fronts") or [None] for sample in timeline]
+        if any(f[0] for f in fronts):  # the first restore of each step: its two fronts
+            for key, label, style in (("compute_block", "compute front", "--"),
+                                      ("load_block", "load front", ":")):
+                occupancy_ax.step(steps, [f[0][key] if f[0] else float("nan") for f in fronts],
+                                  where="post", linestyle=style, color="black", label=label)
+        occupancy_ax.set_title(f"{name}: blocks per tier; restore fronts (block index)")
         occupancy_ax.set_ylabel("blocks")
         bytes_ax = fig.add_subplot(grid[row, 1], sharex=occupancy_ax)
         bottom = [0.0] * len(timeline)

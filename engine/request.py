@@ -3,8 +3,10 @@
 State machine (the scheduler moves a request along it):
 
     WAITING | PREEMPTED --admitted------------------> RUNNING --stop / length--> FINISHED
-    WAITING | PREEMPTED --prefix hit below the GPU--> WAITING_FOR_LOAD --load done--> WAITING
     RUNNING --out of blocks--> PREEMPTED (back at the front of the waiting queue)
+
+  A prefix hit below the GPU is restored while the request runs (`engine.restore`);
+  WAITING_FOR_LOAD is no longer entered.
 
 Invariants:
   * `num_computed_tokens <= num_tokens`; the KV of tokens `[0, num_computed_tokens)` sits in

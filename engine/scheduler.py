@@ -8,9 +8,12 @@ runs out of blocks.
 
 Admission looks up the full blocks of the request (never its last token, so at least one
 token is computed and sampled) in the tier manager. GPU hits are shared at once; HOST / DISK
-hits get fresh GPU blocks and a load, and the request sits in WAITING_FOR_LOAD, not blocking
-the queue, until the load is complete. A load that restores only some blocks leaves the rest
-to be recomputed (fail closed).
+hits get fresh GPU blocks and a bidirectional restore (`engine.restore`): the request runs at
+once, computing forward from its first block not on the GPU, while its hit blocks load
+backward from the last one; the compute front skips what has landed and cancels loads not
+yet started. A request whose front waits for bytes already on their way computes nothing in
+that step, without blocking the others. A load that fails leaves its blocks to be computed
+(fail closed).
 
 Out of blocks: the newest holder of blocks is preempted (waiting requests that hold restored
 blocks first, then the newest running request, possibly the one asking). Its full blocks stay
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.engine.request import Request, RequestId, RequestStatus
+from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -71,33 +75,28 @@ class _Admission:
     gpu: int = 0
     host: int = 0
     disk: int = 0
-    remote: int = 0
-
-
-@dataclass(slots=True)
-class _PendingLoad:
-    request: Request
-    load_id: LoadId
-    loaded_positions: list[int]  # indexes into block_table of the blocks being loaded
-    tiers: list[Tier]            # tier of every block of block_table
 
 
 class Scheduler:
     """FCFS scheduling with chunked prefill, restores and preemption over a `TierManager`.
 
     The caller runs one `schedule()` and one `update()` per step, from one thread.
+    `restore_group_bytes` sizes the groups a restore loads from disk (`engine.restore`).
     """
 
     def __init__(self, manager: TierManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 restore_group_bytes: int = DISK_GROUP_BYTES) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0, "caps must be positive"
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.clock = clock
+        self.restore_group_bytes = restore_group_bytes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._loads: dict[RequestId, _PendingLoad] = {}
+        self._restores: dict[RequestId, Restore] = {}
+        self._draining: list[LoadId] = []  # loads of restores given up, not completed yet
         self._admissions: dict[RequestId, _Admission] = {}
 
     # ---- queue ---------------------------------------------------------------------------
@@ -107,11 +106,19 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._loads)
+        """Requests to run, or loads given up whose I/O has not ended (they hold blocks)."""
+        return bool(self.waiting or self.running or self._draining)
 
     @property
     def num_loading(self) -> int:
-        return len(self._loads)
+        """Loads not completed yet (of running restores, or of restores given up)."""
+        return len(self._draining) + sum(r.num_in_flight for r in self._restores.values())
+
+    def restore_fronts(self) -> dict[RequestId, RestoreFronts]:
+        """Where each restore in progress stands (for timelines)."""
+        return {r.request_id: self._restores[r.request_id].fronts(
+                    r.num_computed_tokens // r.block_size)
+                for r in [*self.running, *self.waiting] if r.request_id in self._restores}
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -125,8 +132,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            num_new = self._chunk(request, budget)
+            if num_new == 0:  # its restore waits for bytes on their way
+                index += 1
+                continue
             if not self._grow(request, num_new, out):
                 continue  # `request` left self.running (preempted or finished)
             out.scheduled.append(self._plan(request, num_new))
@@ -138,19 +147,17 @@ class Scheduler:
         for request in list(self.waiting):
             if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request.status is RequestStatus.WAITING_FOR_LOAD:
-                continue
-            # One lookup per admission: after a load, even one that restored nothing, the
-            # request computes the rest (a failing tier cannot keep it waiting forever).
-            if request.request_id not in self._admissions and not self._lookup(request):
-                continue  # a load started
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # One lookup per admission: a failing tier cannot keep a request waiting.
+            if request.request_id not in self._admissions:
+                self._lookup(request)
+            num_new = self._chunk(request, budget)
             if not self._grow(request, num_new, out):
                 self._release(request)
                 break  # FCFS: later requests do not jump ahead of one that does not fit
             self._admit(request)
-            out.scheduled.append(self._plan(request, num_new))
-            budget -= num_new
+            if num_new:
+                out.scheduled.append(self._plan(request, num_new))
+                budget -= num_new
         return out
 
     def update(self, out: SchedulerOutput,
@@ -181,8 +188,9 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------
 
-    def _lookup(self, request: Request) -> bool:
-        """Give a waiting request its cached prefix. False if it now waits for a load."""
+    def _lookup(self, request: Request) -> None:
+        """Give a waiting request its cached prefix: GPU hits shared, a restore started for
+        the rest."""
         num_lookup = (request.num_tokens - 1) // request.block_size
         hit = self.manager.lookup(request.block_hashes[:num_lookup])
         tiers = list(hit.locations)
@@ -203,57 +211,62 @@ class Scheduler:
             table.append(block if tier is Tier.GPU else next(fresh_iter))
         assert len({b.block_id for b in table}) == len(table), "a block twice in one table"
         request.block_table = table
-        if not load_positions:
-            self._set_prefix(request, len(table), tiers)
-            return True
-        metas = [self._meta(request, i) for i in load_positions]
-        load_id = self.manager.prepare_load(metas, [table[i] for i in load_positions])
-        pending = _PendingLoad(request, load_id, load_positions, tiers)
-        # Host hits on CUDA: the copies are queued on the GPU already, and complete_load
-        # orders this step's compute after them, so the request runs now. Anything that
-        # needs a poll (disk reads, the CPU's copies) is picked up by a later step.
-        if self.manager.is_load_ready(load_id, advance=False):
-            self._complete_load(pending)
-            return True
-        request.status = RequestStatus.WAITING_FOR_LOAD
-        self._loads[request.request_id] = pending
-        return False
+        num_leading = next((i for i, tier in enumerate(tiers) if tier is not Tier.GPU),
+                           len(tiers))
+        request.num_computed_tokens = num_leading * request.block_size
+        request.num_cached_blocks = num_leading
+        self._admissions[request.request_id] = _Admission(
+            gpu=tiers.count(Tier.GPU) * request.block_size)
+        if load_positions:
+            restore = Restore(self.manager, tiers, table,
+                              lambda i: self._meta(request, i), request.block_size,
+                              self.restore_group_bytes)
+            self._restores[request.request_id] = restore
+            # Before the compute front claims anything: a tier that lands at once wins.
+            restore.issue(floor=num_leading)
 
     def _finish_loads(self) -> None:
-        """Advance transfers; requests whose loads are complete become schedulable."""
+        """Advance transfers; land the restores' groups; complete loads given up."""
         self.manager.poll()
-        for request_id, pending in list(self._loads.items()):
-            if self.manager.is_load_ready(pending.load_id):
-                del self._loads[request_id]
-                if pending.request.is_finished:  # stopped while loading: cache, then free
-                    self.manager.complete_load(pending.load_id)
-                    self.manager.free(pending.request.reset_blocks())
-                    continue
-                self._complete_load(pending)
+        for load_id in list(self._draining):
+            if self.manager.is_load_ready(load_id, advance=False):
+                self.manager.complete_load_blocks(load_id)
+                self._draining.remove(load_id)
+        for restore in self._restores.values():
+            restore.collect()
 
-    def _complete_load(self, pending: _PendingLoad) -> None:
-        num_loaded = self.manager.complete_load(pending.load_id)
-        assert 0 <= num_loaded <= len(pending.loaded_positions), "bad complete_load count"
-        # The prefix ends at the first block that was not restored.
-        request = pending.request
-        num_ok = len(request.block_table)
-        if num_loaded < len(pending.loaded_positions):
-            num_ok = pending.loaded_positions[num_loaded]
-        dropped = request.block_table[num_ok:]
-        del request.block_table[num_ok:]
-        self.manager.free(dropped)
-        request.status = RequestStatus.WAITING
-        self._set_prefix(request, num_ok, pending.tiers)
+    def _chunk(self, request: Request, budget: int) -> int:
+        """How many tokens `request` computes next, at most `budget`: past a restore's
+        landed blocks, up to what its compute front may claim (0: it waits this step)."""
+        restore = self._restores.get(request.request_id)
+        if restore is not None and request.num_computed_tokens % request.block_size == 0:
+            front = restore.skip(request.num_computed_tokens // request.block_size)
+            request.num_computed_tokens = front * request.block_size
+            self._cache_full_blocks(request)
+            if front >= restore.num_blocks:  # the fronts met: the restore is over
+                self._end_restore(request)
+                restore = None
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if restore is None:
+            assert num_new > 0, f"{request.request_id} has nothing to compute"
+            return num_new
+        if restore.fresh:
+            restore.fresh = False
+            if restore.num_in_flight:  # else nothing can land by waiting
+                return 0
+        num_new = restore.claim(request.num_computed_tokens, num_new)
+        restore.issue(floor=-(-(request.num_computed_tokens + num_new) // request.block_size))
+        return num_new
 
-    def _set_prefix(self, request: Request, num_blocks: int, tiers: Sequence[Tier]) -> None:
-        """The first `num_blocks` blocks of the table hold valid, cached KV."""
-        bs = request.block_size
-        request.num_computed_tokens = num_blocks * bs
-        request.num_cached_blocks = num_blocks
-        restored = list(tiers[:num_blocks])
-        self._admissions[request.request_id] = _Admission(
-            gpu=restored.count(Tier.GPU) * bs, host=restored.count(Tier.HOST) * bs,
-            disk=restored.count(Tier.DISK) * bs, remote=restored.count(Tier.REMOTE) * bs)
+    def _end_restore(self, request: Request) -> None:
+        """Count what a restore restored, complete its loads given up; forget it."""
+        restore = self._restores.pop(request.request_id, None)
+        if restore is None:
+            return
+        self._draining.extend(restore.abandon())
+        request.counters.cached_host += restore.restored[Tier.HOST] * request.block_size
+        request.counters.cached_disk += restore.restored[Tier.DISK] * request.block_size
+        request.counters.cached_remote += restore.restored[Tier.REMOTE] * request.block_size
 
     def _admit(self, request: Request) -> None:
         self.waiting.remove(request)
@@ -263,10 +276,10 @@ class Scheduler:
         request.counters.cached_gpu += admission.gpu
         request.counters.cached_host += admission.host
         request.counters.cached_disk += admission.disk
-        request.counters.cached_remote += admission.remote
 
     def _release(self, request: Request) -> None:
         """Undo a waiting request's blocks (cached ones stay cached in the pool)."""
+        self._drop_restore(request)
         self.manager.free(request.reset_blocks())
         self._admissions.pop(request.request_id, None)
 
@@ -325,23 +338,25 @@ class Scheduler:
 
     def stop(self, request: Request, reason: str) -> None:
         """End `request` outside `update` (an abort, a stop string): it leaves the queues and
-        its blocks are freed now, full ones staying cached. A load in flight keeps its blocks
-        until it completes (`complete_load` runs for every load); they are freed then."""
+        its blocks are freed now, full ones staying cached. Loads of its restore that are
+        still in flight are given up: their blocks are freed when their I/O has ended."""
         if request.is_finished:
             return
         if request in self.waiting:
             self.waiting.remove(request)
         self._admissions.pop(request.request_id, None)
-        if request.request_id in self._loads:
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = reason
-            request.finished_time = self.clock()
-            return
         self._finish(request, reason)
+
+    def _drop_restore(self, request: Request) -> None:
+        """Give up a restore whose request gives its blocks back (nothing is counted)."""
+        restore = self._restores.pop(request.request_id, None)
+        if restore is not None:
+            self._draining.extend(restore.abandon())
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self.running:
             self.running.remove(request)
+        self._drop_restore(request)
         self.manager.free(request.reset_blocks())
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

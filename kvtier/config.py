@@ -22,7 +22,7 @@ SwapMethod = Literal["auto", "dma", "staged", "triton"]
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
 DEFAULT_STAGING_SLOTS = 16
 #: Threads running host <-> disk jobs unless TierConfig says otherwise.
-DEFAULT_IO_THREADS = 2
+DEFAULT_IO_THREADS = 4
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -62,7 +62,7 @@ class TierConfig(CheckedModel):
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")
-    max_pending_io: PositiveInt = Field(64, description="bound on queued host <-> disk jobs")
+    max_pending_io: PositiveInt = Field(1024, description="bound on queued host <-> disk jobs")
     staging_slots: PositiveInt = Field(
         DEFAULT_STAGING_SLOTS, description="slab slots for disk traffic without a host tier")
     remote: RemoteConfig | None = Field(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NewType
@@ -46,8 +47,15 @@ class LoadBlock:
 
 @dataclass(slots=True)
 class Load:
-    """A load in progress: its blocks in prefix order and the transfer jobs it waits on."""
+    """A load in progress: its blocks in prefix order and the transfer jobs it waits on.
+
+    `split_reads`: its disk hits are spread over the I/O threads (else one read job per
+    batch of slots). `cancelled` is set by `TierManager.cancel_load` on the engine thread and
+    read by the I/O thread about to run one of its reads.
+    """
 
     blocks: list[LoadBlock]
+    split_reads: bool = True
     waiting: deque[LoadBlock] = field(default_factory=deque)  # disk/remote hits, no slot
     job_ids: set[JobId] = field(default_factory=set)
+    cancelled: threading.Event = field(default_factory=threading.Event)

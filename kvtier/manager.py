@@ -61,10 +61,12 @@ class TierManager:
     `kv_cache: [num_gpu_blocks, *layout.block_shape]` lives on `device`; on a CPU device the
     "GPU" is a CPU tensor and copies run synchronously. Not thread-safe. Raises ValueError
     for a config that does not fit the layout or the machine, and the disk tier's errors.
+    `disk_read_hook` is passed to the disk tier (`DiskTier` read_hook: tests slow its reads).
     """
 
     def __init__(self, layout: KVLayout, config: TierConfig,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 disk_read_hook: Callable[[BlockMeta], None] | None = None) -> None:
         self.layout, self.config, self.device = layout, config, torch.device(device)
         num_host_slots = config.num_host_slots(layout)
         # [num_gpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
@@ -81,7 +83,8 @@ class TierManager:
         if config.disk_path is not None:
             assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
             self.disk, self.disk_recovery = open_disk_tier(
-                config.disk_path, layout, config.disk_budget_bytes, tier_class=DiskTier)
+                config.disk_path, layout, config.disk_budget_bytes, tier_class=DiskTier,
+                read_hook=disk_read_hook)
             if self.disk is None and not self._host_caches:
                 self.host = None  # the staging slab only serves the disk tier
         self.remote = None
@@ -177,11 +180,16 @@ class TierManager:
     # ---- loads ---------------------------------------------------------------------------
 
     def prepare_load(self, metas: Sequence[BlockMeta],
-                     gpu_blocks: Sequence[KVCacheBlock]) -> LoadId:
+                     gpu_blocks: Sequence[KVCacheBlock], split_reads: bool = True,
+                     known_on_disk: bool = False) -> LoadId:
         """Start loading the blocks `metas` names into `gpu_blocks` (allocated by the caller,
         held, not cached) from the host, else from disk, else from the remote tier (not
         asked again: a block it lost meanwhile fails its read). From the first block no
-        tier holds onwards, all are misses at once.
+        tier holds onwards, all are misses at once. `split_reads` spreads the disk reads over
+        the I/O threads; without it they go as one job (a small load among many in flight,
+        which `cancel_load` can then stop as a whole). `known_on_disk`: a lookup just found
+        the blocks that are not on the host on disk; they are not looked up again (a block
+        gone meanwhile is a failed read, and computed).
 
         The manager holds a reference on every block until `complete_load`, which must be
         called once per load (also when its request went away). Raises ValueError unless
@@ -194,7 +202,8 @@ class TierManager:
             if block.ref_cnt == 0 or block.block_hash is not None:
                 raise ValueError(f"{block}: load targets must be allocated by the caller "
                                  "and not cached")
-        load = Load([LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)])
+        load = Load([LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)],
+                    split_reads=split_reads)
         load_id = LoadId(next(self._load_ids))
         self._loads[load_id] = load
         self.pool.touch(gpu_blocks)
@@ -211,8 +220,9 @@ class TierManager:
                 continue
             if self.disk is not None:
                 if not on_disk:
-                    on_disk = [False] * i + self.disk.contains(
-                        [b.meta.block_hash for b in load.blocks[i:]])
+                    rest = [b.meta.block_hash for b in load.blocks[i:]]
+                    on_disk = [False] * i + ([True] * len(rest) if known_on_disk
+                                             else self.disk.contains(rest))
                 if on_disk[i]:
                     load.waiting.append(lb)
                     continue
@@ -238,9 +248,10 @@ class TierManager:
                 break
             load.waiting[0].slot = slot
             ready.append(load.waiting.popleft())
+        num_jobs = self.config.io_threads if load.split_reads else 1
         for from_remote in (False, True):
             sources = [lb for lb in ready if lb.from_remote is from_remote]
-            for chunk in _chunks(sources, max(1, -(-len(sources) // self.config.io_threads))):
+            for chunk in _chunks(sources, max(1, -(-len(sources) // num_jobs))):
                 dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [block bytes]
                 metas = [lb.meta for lb in chunk]
                 if from_remote:
@@ -252,7 +263,7 @@ class TierManager:
                     self._remote_writes.offers.remember([meta.block_hash for meta in metas])
                 else:
                     job, results = disk_read_job(self.disk, metas, dests,
-                                                 self.layout.bytes_per_block)
+                                                 self.layout.bytes_per_block, load.cancelled)
                 self._submit(job, lambda ok, c=chunk, r=results:
                              self._finish_disk_read(load, c, r), load)
 
@@ -264,6 +275,7 @@ class TierManager:
                           results: list[bool]) -> None:
         """Disk or remote reads landed in host slots: copy the good ones to the GPU."""
         landed = []
+        cancelled = load.cancelled.is_set()
         for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
             assert lb.slot is not None
             if ok:
@@ -275,7 +287,14 @@ class TierManager:
             else:
                 self._host.free_slot(lb.slot)
                 lb.slot, lb.done = None, True
-                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += 1
+                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += \
+                    0 if cancelled else 1
+        if cancelled:  # the bytes stay in the host tier; the GPU blocks are the caller's now
+            for lb in landed:
+                assert lb.slot is not None
+                self._host.release(lb.slot)
+                lb.slot, lb.done = None, True
+            return
         if landed:
             self._copy_to_gpu(load, landed)
 
@@ -313,6 +332,21 @@ class TierManager:
             raise ValueError(f"load {load_id} is unknown or already completed")
         return self._loads[load_id]
 
+    def cancel_load(self, load_id: LoadId) -> list[bool]:
+        """Stop what of a load has not started: its blocks waiting for a host slot, and its
+        disk reads still queued, become misses; a read under way still lands in the host
+        tier but is not copied to the GPU. Returns, per block, whether its bytes will still
+        arrive on the GPU (their copy was already submitted); every other block of the load
+        will never be written by it, so the caller may compute into it at once.
+        `complete_load` must still be called. Raises ValueError for an unknown or completed
+        load."""
+        load = self._get_load(load_id)
+        load.cancelled.set()
+        for lb in load.waiting:
+            lb.done = True
+        load.waiting.clear()
+        return [lb.copy_job is not None and not (lb.done and not lb.ok) for lb in load.blocks]
+
     def complete_load(self, load_id: LoadId) -> int:
         """Finish a load, waiting for it if needed; returns how many LEADING blocks arrived
         intact. Those are now cached in the pool; the others stay allocated, uncached, and
@@ -320,6 +354,16 @@ class TierManager:
         the current CUDA stream is made to wait for their copies, so the forward queued
         next reads them whole; their host slots stay pinned until a `poll` after the copies
         finished. Raises ValueError for an unknown or completed load."""
+        arrived = self._complete(load_id, leading_only=True)
+        return next((i for i, ok in enumerate(arrived) if not ok), len(arrived))
+
+    def complete_load_blocks(self, load_id: LoadId) -> list[bool]:
+        """`complete_load` for a caller that uses every block that arrived, not only the
+        leading ones: returns per block whether it arrived intact; each that did is cached
+        in the pool. Raises ValueError for an unknown or completed load."""
+        return self._complete(load_id, leading_only=False)
+
+    def _complete(self, load_id: LoadId, leading_only: bool) -> list[bool]:
         load = self._get_load(load_id)
         self.poll()
         while not self._is_usable(load):
@@ -330,15 +374,16 @@ class TierManager:
             self.poll()
         del self._loads[load_id]
         self.transfers.order_after({lb.copy_job for lb in load.blocks if not lb.done})
-        num_ok = next((i for i, lb in enumerate(load.blocks) if lb.done and not lb.ok),
-                      len(load.blocks))
+        arrived = [not (lb.done and not lb.ok) for lb in load.blocks]
+        if leading_only and not all(arrived):
+            arrived[arrived.index(False):] = [False] * (len(arrived) - arrived.index(False))
         # ref_cnt 1 is our own reference alone: the caller freed the block, so it is not
         # cached (a later owner would overwrite its bytes).
-        held = [lb for lb in load.blocks[:num_ok] if lb.gpu_block.ref_cnt > 1]
+        held = [lb for lb, ok in zip(load.blocks, arrived) if ok and lb.gpu_block.ref_cnt > 1]
         self.pool.cache_full_blocks([lb.gpu_block for lb in held],
                                     [lb.meta.block_hash for lb in held])
         self.pool.free([lb.gpu_block for lb in load.blocks])
-        return num_ok
+        return arrived
 
     # ---- stores --------------------------------------------------------------------------
 

@@ -81,14 +81,17 @@ class IOJob:
 
 
 def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[torch.Tensor],
-                  bytes_per_block: int) -> tuple[IOJob, list[bool]]:
+                  bytes_per_block: int,
+                  cancelled: threading.Event | None = None) -> tuple[IOJob, list[bool]]:
     """A DISK_TO_HOST job reading the blocks `metas` names into `dests` (uint8 views
     `[bytes_per_block]` of host slots) in one read transaction. The returned list receives
     each block's outcome (True: verified hit) once the job has run; it stays empty if the
-    job raised."""
+    job raised, or if `cancelled` was set before the job started (nothing is read then)."""
     results: list[bool] = []
 
     def run() -> int:
+        if cancelled is not None and cancelled.is_set():
+            return 0
         results.extend(disk.get_many_into(metas, dests))
         return sum(results) * bytes_per_block
 

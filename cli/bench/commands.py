@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from kvtier.cli.bench.diskread import run_diskread_bench
 from kvtier.cli.bench.kernels import run_kernel_bench
-from kvtier.cli.bench.longctx import STRATEGIES, LongctxConfig, run_longctx_bench
+from kvtier.cli.bench.longctx import (
+    STRATEGIES,
+    LongctxConfig,
+    run_longctx_bench,
+    run_longctx_sweep,
+)
 from kvtier.cli.bench.serve import MODES as SERVE_MODES
 from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
 from kvtier.cli.bench.swap import DEFAULT_BLOCK_BYTES, run_swap_bench
@@ -90,6 +96,54 @@ def _print_longctx(result: dict[str, Any]) -> None:
         typer.echo(f"transformers' forward pass, same prompts and weights: TTFT p50 "
                    f"{_ms(hf['ttft_s']['p50'])} ms; engine recompute / transformers = "
                    f"{hf['engine_recompute_vs_hf']:.2f}x")
+    _print_disk_read(result)
+
+
+def _print_disk_read(result: dict[str, Any]) -> None:
+    disk = result.get("disk_read")
+    if disk is None:
+        return
+    raw = disk["raw"]
+    colds = {name: f.get("cold") for name, f in result["strategies"].items() if name == "disk"}
+    cold_note = {True: "page cache dropped before each disk restore",
+                 False: "page cache NOT dropped (not permitted: run as root)",
+                 None: "warm page cache (no --cold)"}[colds.get("disk")]
+    typer.echo(f"disk restores: {cold_note}")
+
+    def gbs(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    threaded = next((v for k, v in raw.items() if k.startswith("buffered_")
+                     and k.endswith("threads_gb_s")), None)
+    typer.echo(f"disk tier cold read {disk['tier']['gb_s']:.2f} GB/s "
+               f"({disk['tier']['threads']} threads, cold={disk['tier']['cold']}); raw "
+               f"sequential read of {raw['bytes'] / 2**30:.2f} GiB: buffered "
+               f"{gbs(raw.get('buffered_gb_s'))}, O_DIRECT {gbs(raw.get('direct_gb_s'))}, "
+               f"threaded {gbs(threaded)} GB/s "
+               f"(cold={raw['cold']}); tier / best raw = {disk['tier_vs_best_raw']:.2f}")
+
+
+def _print_longctx_sweep(sweep: dict[str, Any]) -> None:
+    rows = []
+    for run in sweep["runs"]:
+        strategies = run["strategies"]
+        for name, f in strategies.items():
+            meet = f["meeting_blocks"]
+            restored = sum(m["host"] + m["disk"] for m in meet) / len(meet)
+            computed = sum(m["computed"] for m in meet) / len(meet)
+            rows.append((run["prompt_tokens"], name, _ms(f["ttft_s"]["p50"]),
+                         f"{f['ttft_s']['p50'] / strategies['recompute']['ttft_s']['p50']:.3f}",
+                         f"{computed:.0f} / {restored:.0f}",
+                         "" if name != "disk" or run["disk_read"] is None else
+                         f"{run['disk_read']['tier']['gb_s']:.2f} / "
+                         f"{run['disk_read']['raw']['best_gb_s']:.2f}"))
+    print_table("bench longctx sweep: round-two TTFT p50 per document length",
+                ("prompt tokens", "strategy", "TTFT p50 ms", "x recompute",
+                 "blocks computed / restored", "disk tier / raw GB/s"), rows)
+    for run in sweep["runs"]:
+        verdict = "identical" if run["outputs_identical"] else "DIFFERENT"
+        typer.echo(f"{run['prompt_tokens']} tokens: generated tokens {verdict}")
+        _print_disk_read(run)
 
 
 def longctx(
@@ -100,7 +154,8 @@ def longctx(
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
                               "float32, bfloat16 or float16."),
     num_docs: int = typer.Option(4, help="Documents (the GPU budget holds one request)."),
-    doc_tokens: int = typer.Option(1024, help="Tokens per document."),
+    doc_tokens: str = typer.Option("1024", help="Tokens per document; several "
+                                   "comma-separated values run a sweep on one loaded model."),
     question_tokens: int = typer.Option(16, help="Tokens per question after a document."),
     max_tokens: int = typer.Option(4, help="Tokens generated per request."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
@@ -117,18 +172,33 @@ def longctx(
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also time transformers' "
                                     "own forward pass over the round-two prompts (same "
                                     "weights)."),
+    cold: bool = typer.Option(False, "--cold", help="Drop the page cache before each disk "
+                              "restore (needs root; the result says when it was not "
+                              "permitted)."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
                                      "TTFT comparison to this PNG file (needs matplotlib)."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """TTFT of long prompts whose KV is recomputed vs restored from the host or disk tier."""
+    lengths = _parse_ints(doc_tokens, "--doc-tokens")
     config = LongctxConfig(model=model, device=device, dtype=dtype, num_docs=num_docs,
-                           doc_tokens=doc_tokens, question_tokens=question_tokens,
+                           doc_tokens=lengths[0], question_tokens=question_tokens,
                            max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
                            max_batched_tokens=max_batched_tokens,
                            strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
-                           compare_hf=compare_hf)
+                           compare_hf=compare_hf,
+                           cold=cold)
+    if len(lengths) > 1:
+        sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
+            config, lengths, update))
+        if plot is not None:
+            sweep["plot"] = str(plot_longctx(sweep["runs"][-1], plot))
+        if json_output:
+            print_json(sweep)
+        else:
+            _print_longctx_sweep(sweep)
+        return
     result = _with_status("bench longctx", lambda update: run_longctx_bench(config, update))
     if plot is not None:
         result["plot"] = str(plot_longctx(result, plot))
@@ -367,3 +437,26 @@ def swap(
         print_json(result)
     else:
         _print_swap(result)
+
+
+def diskread(
+    gib: float = typer.Option(2.0, help="GiB of 2 MiB blocks written to a fresh disk tier."),
+    directory: Path = typer.Option(Path("."), "--dir", help="Where the tier and the raw "
+                                   "file go (the disk under test); removed afterwards."),
+    threads: str = typer.Option("1,4,8", help="Comma-separated thread counts to try."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """Cold reads of 2 MiB disk-tier values: the ways of reading them, the tier's own
+    path, and the disk's raw sequential read bandwidth (drop the page cache: needs root)."""
+    counts = _parse_ints(threads, "--threads")
+    result = _with_status("bench diskread", lambda update: run_diskread_bench(
+        directory, gib, counts, update))
+    if json_output:
+        print_json(result)
+        return
+    rows = [(k.removesuffix("_gb_s"), "n/a" if v is None else f"{v:.2f}")
+            for part in ("methods", "tier", "raw") for k, v in result[part].items()
+            if k.endswith("_gb_s")]
+    print_table(f"bench diskread: {result['methods']['values']} values, "
+                f"{result['methods']['bytes'] / 2**30:.2f} GiB, cold={result['methods']['cold']}",
+                ("read", "GB/s"), rows)

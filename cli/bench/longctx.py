@@ -12,9 +12,17 @@ a time. Strategies, side by side on one loaded model:
                round two on a fresh engine whose host tier starts empty, so the documents'
                blocks come from the LMDB disk tier
 
-The engine's stats are sampled after every step (tier occupancy, bytes moved per direction),
-which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy and its ratio to
-recompute are the headline; every strategy must generate the same tokens (greedy).
+Round two restores bidirectionally (`engine.restore`): each request computes its document's
+head while the tail loads, and the two fronts meet where the tier's speed puts them; the
+result gives, per strategy, the tokens restored per tier and computed (the meeting point).
+With `cold` the page cache is dropped before each disk restore (root only; the result says
+whether it was). After the disk strategy, the disk tier's own cold read bandwidth and the raw
+sequential read bandwidth of a file of one document's KV size on the same disk are measured
+(`cli.bench.diskread`).
+
+The engine's stats are sampled after every step (tier occupancy, bytes moved per direction,
+the restore fronts), which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy
+and its ratio to recompute are the headline; every strategy must generate the same tokens (greedy).
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvtier.cli.bench.diskread import disk_tier_read, drop_page_cache, raw_sequential_read
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.llm import resolve_device
 from kvtier.engine.loader import LoadedModel, load_model
 
+from kvtier.config import DEFAULT_IO_THREADS
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction, ManagerStats
 
@@ -67,6 +77,7 @@ class LongctxConfig:
     disk_dir: str | None = None
     seed: int = 0
     compare_hf: bool = False
+    cold: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -146,6 +157,10 @@ class StepRecorder:
             "host_blocks": stats.host_cached,
             "disk_blocks": stats.disk.num_blocks if stats.disk is not None else 0,
             "bytes_moved": moved,
+            "fronts": [{"compute_block": f.compute_block, "load_block": f.load_block,
+                        "num_blocks": f.num_blocks, "restored": f.num_restored,
+                        "computed": f.num_computed}
+                       for f in llm.scheduler.restore_fronts().values()],
         })
 
     def swaps(self) -> list[dict[str, Any]]:
@@ -201,6 +216,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     options = _engine_options(strategy, config, layout, disk_dir)
     recorder = StepRecorder()
     outputs: dict[str, list[RequestOutput]] = {}
+    cold: bool | None = None  # whether every disk restore started with a dropped page cache
     with LLM(loaded, **options) as llm:
         device = llm.device
         recorder.start(llm, "round 1")
@@ -219,11 +235,22 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         with LLM(loaded, **options) as llm:
             recorder.start(llm, "round 2")
             progress(f"{strategy}: round 2 on a fresh engine, restoring from disk")
-            outputs["round2"] = [run_one(llm, d + q, params, recorder)
-                                 for d, q in zip(docs, second)]
+            outputs["round2"] = []
+            for d, q in zip(docs, second):
+                if config.cold:
+                    cold_ok = drop_page_cache()
+                    cold = cold_ok if cold is None else cold and cold_ok
+                outputs["round2"].append(run_one(llm, d + q, params, recorder))
         del llm
         free_engine_memory(device)
     round2 = outputs["round2"]
+    bs = config.block_size
+    doc_blocks = config.doc_tokens // bs
+    meeting = [{"gpu": o.metrics.cached_tokens_gpu // bs, "host": o.metrics.cached_tokens_host
+                // bs, "disk": o.metrics.cached_tokens_disk // bs,
+                "computed": doc_blocks - (o.metrics.cached_tokens_gpu + o.metrics.cached_tokens_host
+                                          + o.metrics.cached_tokens_disk) // bs}
+               for o in round2]
     moved = {d.value: sum(s["bytes_moved"][d.value] for s in recorder.samples)
              for d in Direction}
     return {
@@ -234,6 +261,8 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                    "disk": sum(o.metrics.cached_tokens_disk for o in round2),
                    "computed": sum(o.metrics.computed_tokens for o in round2)},
         "bytes_moved": moved,
+        "meeting_blocks": meeting,
+        "cold": cold,
         "num_steps": len(recorder.samples),
         "num_swap_steps": len(recorder.swaps()),
         "max_bytes_per_step": max((sum(s["bytes_moved"].values()) for s in recorder.samples),
@@ -244,7 +273,21 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     }
 
 
-def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -> dict[str, Any]:
+def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,
+                  report: Progress) -> dict[str, Any]:
+    """The disk tier's cold read bandwidth next to the same disk's raw sequential reads."""
+    layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
+    report("disk: reading the tier back cold, then a raw file of one document's size")
+    tier = disk_tier_read(disk_dir, layout, threads=DEFAULT_IO_THREADS,
+                          group_blocks=max(1, (8 << 20) // layout.bytes_per_block),
+                          max_blocks=config.doc_tokens // config.block_size)
+    raw = raw_sequential_read(disk_dir.parent, config.doc_tokens * layout.bytes_per_token)
+    return {"tier": tier, "raw": raw,
+            "tier_vs_best_raw": tier["gb_s"] / raw["best_gb_s"]}
+
+
+def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
+                      loaded: LoadedModel | None = None) -> dict[str, Any]:
     """Run every strategy of `config` on one loaded model; return a JSON-ready dict.
 
     `strategies[name]["ttft_s"]` summarizes round two; `speedup_vs_recompute` is the
@@ -254,8 +297,9 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
     the documents) and the loader's errors for a model it cannot load.
     """
     report = progress or (lambda message: None)
-    report(f"loading {config.model}")
-    loaded = load_for_bench(config.model, config.device, config.dtype)
+    if loaded is None:
+        report(f"loading {config.model}")
+        loaded = load_for_bench(config.model, config.device, config.dtype)
     context = loaded.config.max_position_embeddings
     if config.doc_tokens + config.question_tokens + config.max_tokens > context:
         raise ValueError(f"--doc-tokens {config.doc_tokens} plus the question and answer "
@@ -266,9 +310,12 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
     # run can be hit in round one.
     with tempfile.TemporaryDirectory(prefix="kvtier-longctx-", dir=config.disk_dir) as scratch:
         disk_dir = Path(scratch) / "kv"
+        disk_read: dict[str, Any] | None = None
         for strategy in config.strategies:
             strategies[strategy] = _run_strategy(strategy, loaded, config, docs, first, second,
                                                  disk_dir, report)
+            if strategy == "disk":
+                disk_read = _measure_disk(loaded, config, disk_dir, report)
     baseline = strategies["recompute"]["ttft_s"]["p50"]
     for result in strategies.values():
         result["speedup_vs_recompute"] = baseline / result["ttft_s"]["p50"]
@@ -311,7 +358,24 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None) -
                                         >= HOST_SPEEDUP_GOAL if "host" in strategies else None),
         },
         "strategies": strategies,
+        "disk_read": disk_read,
         "outputs_identical": all(result["token_ids"] == reference
                                  for result in strategies.values()),
         "transformers": transformers,
     }
+
+
+def run_longctx_sweep(config: LongctxConfig, doc_tokens: Sequence[int],
+                      progress: Progress | None = None) -> dict[str, Any]:
+    """`run_longctx_bench` for every document length in `doc_tokens`, on one loaded model.
+    Raises as `run_longctx_bench` does."""
+    report = progress or (lambda message: None)
+    report(f"loading {config.model}")
+    loaded = load_for_bench(config.model, config.device, config.dtype)
+    runs = []
+    for tokens in doc_tokens:
+        one = LongctxConfig(**{**asdict(config), "doc_tokens": tokens,
+                               "strategies": config.strategies})
+        runs.append(run_longctx_bench(one, lambda m, t=tokens: report(f"{t} tokens: {m}"),
+                                      loaded))
+    return {"bench": "longctx-sweep", "doc_tokens": list(doc_tokens), "runs": runs}

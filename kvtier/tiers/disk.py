@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -42,6 +42,7 @@ from kvtier.tiers.record import (
     decode_header,
     decode_record,
     dest_array,
+    payload_checksum,
     payload_view,
     record_size,
 )
@@ -92,7 +93,8 @@ class DiskTier:
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
                  initial_map_bytes: int | None = None, durable: bool = True,
-                 touch_flush_every: int = 1024) -> None:
+                 touch_flush_every: int = 1024,
+                 read_hook: Callable[[BlockMeta], None] | None = None) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -114,6 +116,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._pending_touches: dict[BlockHash, None] = {}
+        self._read_hook = read_hook
+        self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
+        self._regions: tuple[int, list[tuple[int, int, int]]] | None = None  # map size, maps
         self._touch_flush_every = touch_flush_every
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
@@ -157,6 +162,10 @@ class DiskTier:
                 self._flush_touches()
         finally:
             self._map.close()
+            with self._lock:
+                fd, self._data_fd = self._data_fd, None
+            if fd is not None:
+                os.close(fd)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -190,6 +199,10 @@ class DiskTier:
         `dest` is a contiguous CPU tensor of exactly `bytes_per_block` bytes (any dtype). On
         False its contents are unspecified. A stored value with a bad header, checksum,
         length, layout, parent hash or token ids is deleted and counted as rejected.
+        The payload is read from `data.mdb` with one `pread` at its offset (values are
+        contiguous overflow pages), not faulted in page by page through the map. A
+        `read_hook` given at construction is called with `meta` before each read (tests
+        slow or fail reads with it; an exception it raises fails the whole batch).
         Raises ValueError for a bad `dest`.
         """
         return self.get_many_into([meta], [dest])[0]
@@ -206,8 +219,11 @@ class DiskTier:
         results: list[bool] = []
         rejects: list[BlockMeta] = []
         with self._map.txn() as txn:
+            regions = self._map_regions()  # the map cannot move while `txn` is open
             for meta, array in zip(metas, arrays):
-                ok, rejected = self._read_into(txn, meta, array)
+                if self._read_hook is not None:
+                    self._read_hook(meta)
+                ok, rejected = self._read_into(txn, meta, array, regions)
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)
@@ -220,25 +236,87 @@ class DiskTier:
             self.touch(hit_hashes)
         return results
 
-    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta,
-                   array: np.ndarray) -> tuple[bool, bool]:
+    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta, array: np.ndarray,
+                   regions: list[tuple[int, int, int]]) -> tuple[bool, bool]:
         """Copy a value's payload into `array`. Returns (whether it is a verified hit,
         whether the value failed a check and should be deleted)."""
         value = self._index.get(txn, meta.block_hash)
         if value is None:
             return False, False
         try:
-            header, offset = decode_header(value, self._fingerprint)
+            head = self._pread_record(value, array, regions)
+            header, offset = decode_header(value if head is None else head, self._fingerprint)
+            # With `head`, this also pins the payload to start right after it.
             check_payload_len(header, len(value) - offset, array.nbytes)
             if not header.matches(meta):
                 raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
             # The checksum is taken over the copy, the bytes the caller will use.
-            if copy_checksummed(value[offset:], array) != header.payload_checksum:
+            checksum = (copy_checksummed(value[offset:], array) if head is None
+                        else payload_checksum(array))
+            if checksum != header.payload_checksum:
                 raise CorruptRecord("bad checksum")
         except CorruptRecord as exc:
             logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
             return False, True
         return True, False
+
+    def _pread_record(self, value: memoryview, array: np.ndarray,
+                      regions: list[tuple[int, int, int]]) -> bytes | None:
+        """Read a record from `data.mdb` with pread: its header into the returned bytes, its
+        payload (the last `array.nbytes` bytes) straight into `array`. None when the value is
+        not in the map or the read comes short (the caller copies from the map instead).
+
+        Nothing is touched through the map: a cold page fault there would stall with the
+        GIL held (every other thread, the engine's included, waits for the disk), and the
+        map faults a value in a few pages at a time; one preadv per value reads it at the
+        disk's speed with the GIL released."""
+        header_len = len(value) - array.nbytes
+        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
+        region = next((r for r in regions
+                       if r[0] <= address and address + len(value) <= r[1]), None)
+        if header_len <= 0 or region is None:
+            return None
+        file_offset = address - region[0] + region[2]
+        head = bytearray(header_len)
+        payload = memoryview(array)
+        done = 0
+        while done < len(value):
+            buffers = [memoryview(head)[done:], payload] if done < header_len \
+                else [payload[done - header_len:]]
+            got = os.preadv(self._data_file(), buffers, file_offset + done)
+            if got <= 0:
+                return None
+            done += got
+        return bytes(head)
+
+    def _map_regions(self) -> list[tuple[int, int, int]]:
+        """This process's mappings of `data.mdb` as (start, end, file offset), from
+        /proc/self/maps (LMDB does not say where its map is); cached until the map size
+        changes, the only time LMDB maps it again. Empty where /proc is missing."""
+        map_size = self._index.env.info()["map_size"]
+        with self._lock:
+            if self._regions is not None and self._regions[0] == map_size:
+                return self._regions[1]
+        data_file = str((self.path / "data.mdb").resolve())
+        regions = []
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    if line.rstrip("\n").endswith(" " + data_file):
+                        fields = line.split()
+                        start, end = (int(x, 16) for x in fields[0].split("-"))
+                        regions.append((start, end, int(fields[2], 16)))
+        except OSError:
+            regions = []
+        with self._lock:
+            self._regions = (map_size, regions)
+        return regions
+
+    def _data_file(self) -> int:
+        with self._lock:
+            if self._data_fd is None:
+                self._data_fd = os.open(self.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
+            return self._data_fd
 
     def _reject(self, metas: list[BlockMeta]) -> None:
         self._count(rejected=len(metas))

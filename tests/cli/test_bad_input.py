@@ -201,7 +201,7 @@ OTHER_CASES: dict[str, tuple[Callable[[dict], list[str]], str]] = {
                         "--num-rounds must be positive"),
     "longctx no tokens": (lambda p: ["bench", "longctx", "--model", "random:tiny-llama",
                                      "--device", "cpu", "--doc-tokens", "0"],
-                          "--doc-tokens must be positive"),
+                          "--doc-tokens takes comma-separated positive integers"),
     "demo without a tokenizer": (lambda p: ["demo", "--model", "random:tiny-llama",
                                             "--device", "cpu"], "no tokenizer"),
     "demo device unknown": (lambda p: ["demo", "--device", "tpu"], "unknown device"),

