@@ -187,9 +187,15 @@ def test_bad_remote_values_are_recomputed(tiny, tmp_path, redis_cluster, damage)
     with engine(tiny, tmp_path / "b", config) as llm:
         outputs = [llm.generate([p], PARAMS)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        assert outputs[0].metrics.cached_tokens_remote == 5 * 16  # blocks before the bad one
-        assert llm.stats().remote.rejected == 1
-        assert llm.stats().tiers[Tier.REMOTE].failures == 1
+        # The bad block is computed, never served. The restore loads from the tail while the
+        # prompt is computed from the head, so the good blocks after the bad one may be
+        # restored too; the bad value is rejected when read, or never read at all when the
+        # compute front reached its block first.
+        assert outputs[0].metrics.cached_tokens_remote <= (len(keys) - 1) * 16
+        rejected = llm.stats().remote.rejected
+        assert rejected <= 1
+        # (A read of a cancelled load still rejects what it finds; it is not a failed load.)
+        assert llm.stats().tiers[Tier.REMOTE].failures <= rejected
 
 
 def test_a_full_store_refuses_writes_and_answers_stay_right(tiny, tmp_path,
@@ -242,4 +248,7 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
     print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
     assert b["output_token_ids"] == list(reference.outputs[0].token_ids)
     assert b["cached_gpu_host_disk"] == 0
-    assert b["cached_remote"] >= 0.95 * b["doc_tokens"], b
+    # The restore computes the head while the tail loads: B's first step budget (1,024
+    # tokens) is claimed by the compute front once the remote reads had one step to land;
+    # everything after it comes from the remote tier when that tier outruns the prefill.
+    assert b["cached_remote"] >= b["doc_tokens"] - 1024 - 16, b
