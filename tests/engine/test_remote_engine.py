@@ -102,9 +102,11 @@ def test_engine_b_restores_what_engine_a_computed(tiny, tmp_path, redis_cluster)
     with engine(tiny, tmp_path / "b", config) as llm:
         outputs = [llm.generate([p], PARAMS)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in outputs] == expected
-        # The first prompt restores all but its last block from the remote tier.
-        assert outputs[0].metrics.cached_tokens_remote == 19 * 16
+        # The lookup finds all but the first prompt's last block in the remote tier; the
+        # restore then loads them from the tail while the head is computed, so where the
+        # two fronts meet depends on the speeds (tests/engine/test_bidirectional_restore.py).
         assert llm.stats().tiers[Tier.REMOTE].hits >= 19
+        assert 0 < outputs[0].metrics.cached_tokens_remote <= 19 * 16
 
 
 @pytest.mark.parametrize("how", ["kill", "freeze"])
