@@ -214,21 +214,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _FirstLogitsClock:
+    """A logits processor that notes when generate() has the first token's logits, so the
+    prefill and decode times come from one call (two calls' difference can go negative)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.first: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.first is None:
+            _sync(self.device)
+            self.first = time.perf_counter()
+        return scores
+
+
 def _hf_timings(hf_model: torch.nn.Module, prompts: list[list[int]], num_new: int,
                 device: torch.device) -> tuple[float, float, list[list[int]]]:
     """(seconds for prefill + first token, seconds for all `num_new` tokens, new tokens)."""
+    from transformers import LogitsProcessorList
+
     input_ids = torch.tensor(prompts, device=device)  # [batch, prompt_tokens]
     mask = torch.ones_like(input_ids)
-    times = []
+    clock = _FirstLogitsClock(device)
     with torch.inference_mode():
-        for max_new in (1, num_new):
-            _sync(device)
-            start = time.perf_counter()
-            out = hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new,
-                                    do_sample=False)
-            _sync(device)
-            times.append(time.perf_counter() - start)
-    return times[0], times[1], out[:, input_ids.shape[1]:].tolist()
+        _sync(device)
+        start = time.perf_counter()
+        out = hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=num_new,
+                                do_sample=False, logits_processor=LogitsProcessorList([clock]))
+        _sync(device)
+        total = time.perf_counter() - start
+    assert clock.first is not None, "generate() produced no token"
+    return clock.first - start, total, out[:, input_ids.shape[1]:].tolist()
 
 
 def _engine_timings(loaded: LoadedModel, prompts: list[list[int]], num_new: int,

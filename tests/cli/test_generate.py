@@ -83,12 +83,19 @@ def test_prompt_files_raw_prompts_and_the_table(runner, model_dir, tmp_path) -> 
 def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) -> None:
     prompt = "A long enough question that spans a few blocks of sixteen bytes each?"
     args = generate_args(model_dir, prompt, "--disk-cache", str(tmp_path / "kv"), "--json")
-    first = json.loads(runner.invoke(app, args).stdout)["outputs"][0]
-    second = json.loads(runner.invoke(app, args).stdout)["outputs"][0]
+    first_run = json.loads(runner.invoke(app, args).stdout)
+    second_run = json.loads(runner.invoke(app, args).stdout)
+    first, second = first_run["outputs"][0], second_run["outputs"][0]
     assert first["cached_tokens"]["disk"] == 0
+    assert first_run["stats"]["disk"]["hits"] == 0
     num_full = (len(first["prompt_token_ids"]) - 1) // 16
     assert num_full >= 4
-    assert second["cached_tokens"] == {"gpu": 0, "host": 0, "disk": num_full * 16}
+    # The second run finds every full block on disk; its restore loads them from the tail
+    # while the head is computed (where the fronts meet depends on the speeds), so each
+    # block is restored from disk or computed, never taken from the empty GPU or host tier.
+    assert second_run["stats"]["disk"]["hits"] == num_full
+    assert second["cached_tokens"]["gpu"] == second["cached_tokens"]["host"] == 0
+    assert second["cached_tokens"]["disk"] <= num_full * 16
     assert second["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
 
 

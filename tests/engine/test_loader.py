@@ -202,19 +202,24 @@ def test_any_gguf_conversion_is_cached_by_content(smollm2, kvtier_cache_dir, tmp
 def test_alias_gguf_path_and_converted_directory_share_cached_blocks(smollm2, tmp_path):
     from kvtier.engine import LLM, SamplingParams
 
+    from kvtier.stats import Tier
+
     names = [SMOLLM2_ALIAS, str(smollm2_gguf_path()), str(converted_model_dir())]
     fingerprints = {load_model(name, "cpu", "float32").fingerprint for name in names}
     assert fingerprints == {smollm2.fingerprint}
     assert smollm2.fingerprint.startswith("gguf:")
     prompt = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks
     params = SamplingParams(max_tokens=2)
-    served = []
+    found, answers = [], []
     for name in names:
         with LLM(name, device="cpu", gpu_blocks=32, host_cache=False,
                  disk_cache_dir=tmp_path / "kv", disk_cache_gb=0.5) as llm:
             (output,) = llm.generate(prompt, params)
-            served.append(output.metrics.cached_tokens_disk)
-    assert served[0] == 0 and served[1] > 0 and served[2] == served[1]
+            # Blocks the lookup found on disk: one namespace for all three names.
+            found.append(llm.stats().tiers[Tier.DISK].hits)
+            answers.append(output.outputs[0].token_ids)
+    assert found[0] == 0 and found[1] > 0 and found[2] == found[1]
+    assert answers[1] == answers[2] == answers[0]
 
 
 def make_hub_cache(root, repo: str, source) -> str:
