@@ -27,6 +27,7 @@ be computed: never a block served wrong.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +48,10 @@ HOST_GROUP_BLOCKS = 256
 #: Bytes of disk groups in flight per restore: enough to keep a disk busy through a long
 #: prefill step, and bounded so the I/O queue never blocks the engine.
 WINDOW_BYTES = 4 << 30
+#: Seconds a restore's compute front waits, at most, for the first group to land before it
+#: starts computing the head. A tier that answers at all lands its first group sooner (an
+#: 8 MiB read from a cold 1 GB/s disk takes ~8 ms); a dead or hanging one costs this much.
+FIRST_LANDING_WAIT_S = 0.05
 
 
 class BlockState(enum.Enum):
@@ -109,9 +114,11 @@ class Restore:
         self._in_flight: list[_Group] = []  # tail first
         self._draining: list[LoadId] = []   # cancelled groups, completed once their I/O ends
         self.restored = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}  # blocks landed, per tier
-        #: Issued in this step: the compute front claims from the next step on, after the
-        #: tiers had the rest of the step (the other requests' compute) to start their loads.
+        #: The compute front has not claimed yet: it first gives the tiers the rest of the
+        #: step, then waits for their first group to land (see `holds_first_claim`).
         self.fresh = True
+        self._began = time.monotonic()
+        self._num_completed = 0  # groups landed or failed
 
     @property
     def num_blocks(self) -> int:
@@ -173,12 +180,30 @@ class Restore:
         return bool(landed)
 
     def _land(self, group: _Group) -> None:
+        self._num_completed += 1
         arrived = self.manager.complete_load_blocks(group.load_id)
         for i, ok in zip(range(group.start, group.stop), arrived):
             self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE
             self.restored[group.tier] += ok
 
     # ---- the compute front ---------------------------------------------------------------
+
+    def holds_first_claim(self) -> bool:
+        """Whether the compute front should still wait before its first claim: while groups
+        are in flight, none has landed (or failed) yet, and less than
+        `FIRST_LANDING_WAIT_S` has passed. Without this, a request alone in the engine
+        would claim its head after one empty step, before a fast tier had read anything,
+        and compute what the tier would have delivered. The bound keeps a tier that never
+        answers from holding the request: it then computes everything, as it would
+        without a tier, that much later."""
+        if not self.fresh:
+            return False
+        if self._in_flight and self._num_completed == 0 \
+                and time.monotonic() - self._began < FIRST_LANDING_WAIT_S:
+            return True
+        self.fresh = False
+        return False
+
 
     def skip(self, compute_block: int) -> int:
         """The compute front after skipping the VALID blocks at `compute_block` onwards."""

@@ -250,10 +250,8 @@ class Scheduler:
         if restore is None:
             assert num_new > 0, f"{request.request_id} has nothing to compute"
             return num_new
-        if restore.fresh:
-            restore.fresh = False
-            if restore.num_in_flight:  # else nothing can land by waiting
-                return 0
+        if restore.holds_first_claim():  # a tier that answers gets to deliver first
+            return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
         restore.issue(floor=-(-(request.num_computed_tokens + num_new) // request.block_size))
         return num_new
