@@ -23,6 +23,17 @@ from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.device_cache import allocate_kv_cache
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module (`pytestmark = usefixtures(...)`): small models
+    are all overhead, and on a small shared machine two spinning threads per process make
+    every step many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def kvtier_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("kvtier-cache") / "cache"

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import lmdb
@@ -36,14 +35,7 @@ NUM_GPU_BLOCKS = 12  # one 120-token prompt and its answer need 8
 NUM_HOST_SLOTS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The tiny model is all overhead: one thread is fastest, and fair to the other tests
-    sharing the machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ MAX_TOKENS = 5
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_directory(parent: Path, seed: int) -> Path:

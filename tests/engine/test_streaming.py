@@ -15,7 +15,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.loader import LoadedModel
@@ -29,14 +28,7 @@ def prompts(smollm2) -> list[list[int]]:
     return [smollm2.tokenizer.encode(text) for text in TEXTS]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on a small shared machine, two spinning threads per process
-    make every step many times slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_llm(smollm2: LoadedModel, **options) -> LLM:

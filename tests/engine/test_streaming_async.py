@@ -11,19 +11,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError
 
 PROMPTS = ["Name a bird.", "Name a tree.", "Name a stone."]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_llm(smollm2) -> LLM:
