@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from kvtier.cli.bench.roundtrip import store_random_blocks
 
 from kvtier.config import TierConfig
 from kvtier.layout import KVLayout
@@ -55,13 +56,7 @@ def remote_restores(layout: KVLayout, device: torch.device, metas: list[BlockMet
         num_gpu_blocks=num_blocks, host_capacity_bytes=num_blocks * layout.bytes_per_block,
         swap_method=swap_method, remote=config), device)
     try:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        writer.kv_cache.view(torch.uint8).random_(0, 256, generator=generator)
-        expected = writer.kv_cache.clone()  # [num_blocks, *block_shape]
-        blocks = writer.allocate(num_blocks)
-        assert blocks is not None
-        writer.cache_full_blocks(blocks, metas)
-        writer.free(blocks)
+        expected = store_random_blocks(writer, metas, device, seed)
         writer.flush()
         num_stored = writer.stats().remote.stored
     finally:
@@ -74,7 +69,6 @@ def remote_restores(layout: KVLayout, device: torch.device, metas: list[BlockMet
         io_threads=io_threads, remote=config), device)
     client = _baseline_client(config)
     keys = [reader.remote.key(meta.block_hash) for meta in metas]
-    order = torch.tensor([b.block_id for b in blocks], device=device)
     try:
         restore_s, plain_s, verified, plain_bytes = [], [], True, 0
         for _ in range(repeats):
@@ -101,7 +95,7 @@ def remote_restores(layout: KVLayout, device: torch.device, metas: list[BlockMet
             got = reader.kv_cache.index_select(
                 0, torch.tensor([t.block_id for t in targets], device=device))
             verified &= num_ok == num_blocks and torch.equal(
-                got.view(torch.uint8), expected.index_select(0, order).view(torch.uint8))
+                got.view(torch.uint8), expected.view(torch.uint8))
             reader.free(targets)
             reader.poll()
         return {"restore_s": statistics.median(restore_s), "restore_runs_s": restore_s,

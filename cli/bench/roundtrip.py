@@ -133,6 +133,22 @@ def _host_round_trips(layout: KVLayout, device: torch.device, num_blocks: int, r
             "store_runs_s": store_s, "load_runs_s": load_s, "verified": bool(verified)}
 
 
+def store_random_blocks(writer: TierManager, metas: list[BlockMeta], device: torch.device,
+                        seed: int) -> torch.Tensor:
+    """Fill `writer`'s whole GPU cache with seeded random bytes, cache one block per meta
+    (write-through to its lower tiers) and free them; returns each meta's block bytes in
+    meta order ([len(metas), *block_shape], a copy)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    writer.kv_cache.view(torch.uint8).random_(0, 256, generator=generator)
+    blocks = writer.allocate(len(metas))
+    assert blocks is not None
+    order = torch.tensor([b.block_id for b in blocks], device=device)
+    expected = writer.kv_cache.index_select(0, order)  # [len(metas), *block_shape]
+    writer.cache_full_blocks(blocks, metas)
+    writer.free(blocks)
+    return expected
+
+
 def _disk_restores(layout: KVLayout, device: torch.device, num_blocks: int, repeats: int,
                    swap_method: str, disk_dir: Path, seed: int, io_threads: int) -> dict:
     budget = num_blocks * (layout.bytes_per_block + _DISK_SLACK_PER_BLOCK)
@@ -141,13 +157,7 @@ def _disk_restores(layout: KVLayout, device: torch.device, num_blocks: int, repe
         num_gpu_blocks=num_blocks, host_capacity_bytes=num_blocks * layout.bytes_per_block,
         disk_path=disk_dir, disk_budget_bytes=budget, swap_method=swap_method), device)
     try:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        writer.kv_cache.view(torch.uint8).random_(0, 256, generator=generator)
-        expected = writer.kv_cache.clone()  # [num_blocks, *block_shape]
-        blocks = writer.allocate(num_blocks)
-        assert blocks is not None
-        writer.cache_full_blocks(blocks, metas)
-        writer.free(blocks)
+        expected = store_random_blocks(writer, metas, device, seed)
     finally:
         writer.close()  # writes every host block back to disk
     reader = TierManager(layout, TierConfig(
@@ -162,11 +172,10 @@ def _disk_restores(layout: KVLayout, device: torch.device, num_blocks: int, repe
             seconds, num_ok = _timed(device, _load, reader, metas, targets)
             if run:
                 restore_s.append(seconds)
-            order = torch.tensor([b.block_id for b in blocks], device=device)
             got = reader.kv_cache.index_select(
                 0, torch.tensor([t.block_id for t in targets], device=device))
             verified &= num_ok == num_blocks and torch.equal(
-                got.view(torch.uint8), expected.index_select(0, order).view(torch.uint8))
+                got.view(torch.uint8), expected.view(torch.uint8))
             reader.free(targets)
     finally:
         reader.close()
