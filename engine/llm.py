@@ -30,6 +30,7 @@ from kvtier.engine.engine_config import default_disk_cache_dir
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device_dtype
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
+from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
 from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.sampler import SamplingParams, sample, sample_logprobs
 from kvtier.engine.scheduler import Scheduler
@@ -42,10 +43,6 @@ from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.remote_config import RemoteConfig
 from kvtier.stats import ManagerStats
-
-Prompt = str | Sequence[int]
-#: One chat: a list of {"role": "system" | "user" | "assistant", "content": str} messages.
-Conversation = Sequence[Mapping[str, Any]]
 
 #: While only transfers are in flight a step may have nothing to run; it then waits this long
 #: (seconds) instead of spinning.
@@ -223,20 +220,7 @@ class LLM:
         """The text of a conversation through the model's chat template, ending with the
         prompt for the assistant's turn. Raises ValueError for an empty or malformed
         conversation, or a model without a chat template."""
-        tokenizer = self._require_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_id} has no chat template; use generate() "
-                             "with a raw prompt")
-        if isinstance(messages, (str, bytes)) or not messages:
-            raise ValueError("a conversation is a non-empty list of {'role': ..., "
-                             "'content': ...} messages")
-        for message in messages:
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise ValueError("each chat message must be a mapping with a string 'role' "
-                                 f"and a string 'content'; got {message!r}")
-        return tokenizer.apply_chat_template([dict(m) for m in messages],
-                                             add_generation_prompt=True, tokenize=False)
+        return render_chat(self._require_tokenizer(), messages, self.model_id)
 
     def tokenize_chat(self, messages: Conversation) -> tuple[int, ...]:
         """Token ids of a conversation through the chat template (see `render_chat`)."""
@@ -442,7 +426,7 @@ class LLM:
         SamplingParams applies to all; a list gives one per prompt. Every prompt is checked
         before any is queued (ValueError names the first bad one).
         """
-        batch = _as_prompt_list(prompts)
+        batch = as_prompt_list(prompts)
         encoded = []
         for index, prompt in enumerate(batch):
             try:
@@ -538,30 +522,6 @@ def _check_loaded(loaded: LoadedModel, device: str | torch.device,
     if dtype != "auto" and resolve_device_dtype(weight.device, dtype)[1] != weight.dtype:
         raise ValueError(f"the loaded model is {weight.dtype}, not {dtype}")
     return weight.device, weight.dtype
-
-
-def _as_prompt_list(prompts: Any) -> list[Prompt]:
-    if isinstance(prompts, (str, Mapping)):
-        prompts = [prompts]
-    items = list(prompts)
-    if not items:
-        raise ValueError("no prompts given")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]  # one prompt given as token ids
-    return [_prompt_of(item) for item in items]
-
-
-def _prompt_of(item: Any) -> Prompt:
-    """A prompt given as text, token ids, or vLLM's {"prompt": ...} /
-    {"prompt_token_ids": ...} mapping."""
-    if not isinstance(item, Mapping):
-        return item
-    if "prompt_token_ids" in item:
-        return list(item["prompt_token_ids"])
-    if isinstance(item.get("prompt"), str):
-        return item["prompt"]
-    raise ValueError(f"a prompt mapping needs 'prompt' (text) or 'prompt_token_ids'; got "
-                     f"keys {sorted(item)}")
 
 
 def _max_model_len(asked: int | None, model_context: int) -> int:
