@@ -117,13 +117,17 @@ def test_a_node_lost_mid_run_turns_into_misses(tiny, tmp_path, redis_factory, ho
         with engine(tiny, tmp_path / "b", config) as llm:
             outputs = llm.generate([prompts[0]], PARAMS)
             assert outputs[0].metrics.cached_tokens_remote > 0
-            for prompt in prompts[1:]:
+            for prompt in prompts[1:4]:
                 llm.add_request(prompt, PARAMS)
             outputs += llm.step()  # admissions: lookups done, remote reads under way
             if how == "kill":
                 victim.kill()
             else:
                 os.kill(victim.process.pid, signal.SIGSTOP)
+            # Admitted after the loss: their lookups ask the lost node (the reads above may
+            # all have landed before it went).
+            for prompt in prompts[4:]:
+                llm.add_request(prompt, PARAMS)
             longest_step = 0.0
             while llm.has_unfinished():
                 started = time.monotonic()
