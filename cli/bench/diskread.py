@@ -27,6 +27,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
 _CHUNK = 8 << 20
@@ -148,14 +149,13 @@ def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int 
 
 def _value_spans(disk: DiskTier) -> list[tuple[int, int]]:
     """(file offset, length) of every value in the tier's data.mdb."""
-    spans = []
-    with disk._map.txn() as txn:  # noqa: SLF001
-        regions = disk._map_regions()  # noqa: SLF001
-        for _, value in txn.cursor(db=disk._index.blocks):  # noqa: SLF001
-            address = np.frombuffer(value, dtype=np.uint8).ctypes.data
-            start, _, file_start = next(r for r in regions if r[0] <= address < r[1])
-            spans.append((address - start + file_start, len(value)))
-    return sorted(spans)
+    index = disk._index  # noqa: SLF001
+    page_size = index.env.stat()["psize"]
+    with disk._map.txn() as txn, txn.cursor(db=index.blocks) as cursor:  # noqa: SLF001
+        keys = [bytes(key) for key in cursor.iternext(values=False)]
+        spots = [index.find(cursor, key) for key in keys]
+    return sorted((spot.file_offset(page_size) + OVERFLOW_HEADER_BYTES, spot.size)
+                  for spot in spots if spot is not None and spot.page is not None)
 
 
 def read_methods(path: str | os.PathLike[str], layout: KVLayout,

@@ -33,6 +33,7 @@ from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, GuardedEnv, LmdbIndex, is_disk_full
+from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, check_overflow_header
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
@@ -113,12 +114,12 @@ class DiskTier:
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
                                      map_size=map_size, mode=PRIVATE_FILE_MODE)
         self._map = GuardedEnv(self._index.env, self._map_limit)
+        self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._pending_touches: dict[BlockHash, None] = {}
         self._read_hook = read_hook
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
-        self._regions: tuple[int, list[tuple[int, int, int]]] | None = None  # map size, maps
         self._touch_flush_every = touch_flush_every
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
@@ -180,7 +181,7 @@ class DiskTier:
         if self._stale:
             return [False] * len(block_hashes)
         with self._map.txn() as txn:
-            return [self._index.has(txn, h) for h in block_hashes]
+            return self._index.has_many(txn, block_hashes)
 
     def stats(self) -> DiskStats:
         with self._map.txn() as txn:
@@ -218,12 +219,11 @@ class DiskTier:
             return [False] * len(metas)
         results: list[bool] = []
         rejects: list[BlockMeta] = []
-        with self._map.txn() as txn:
-            regions = self._map_regions()  # the map cannot move while `txn` is open
+        with self._map.txn() as txn, txn.cursor(db=self._index.blocks) as cursor:
             for meta, array in zip(metas, arrays):
                 if self._read_hook is not None:
                     self._read_hook(meta)
-                ok, rejected = self._read_into(txn, meta, array, regions)
+                ok, rejected = self._read_into(txn, cursor, meta, array)
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)
@@ -236,22 +236,25 @@ class DiskTier:
             self.touch(hit_hashes)
         return results
 
-    def _read_into(self, txn: lmdb.Transaction, meta: BlockMeta, array: np.ndarray,
-                   regions: list[tuple[int, int, int]]) -> tuple[bool, bool]:
+    def _read_into(self, txn: lmdb.Transaction, cursor: lmdb.Cursor, meta: BlockMeta,
+                   array: np.ndarray) -> tuple[bool, bool]:
         """Copy a value's payload into `array`. Returns (whether it is a verified hit,
         whether the value failed a check and should be deleted)."""
-        value = self._index.get(txn, meta.block_hash)
-        if value is None:
-            return False, False
+        head, size = self._pread_record(cursor, meta.block_hash, array)
+        value = None
+        if head is None:  # a short value in its leaf page, or the pread did not work out
+            value = self._index.get(txn, meta.block_hash)
+            if value is None:
+                return False, False
+            size = len(value)
         try:
-            head = self._pread_record(value, array, regions)
             header, offset = decode_header(value if head is None else head, self._fingerprint)
             # With `head`, this also pins the payload to start right after it.
-            check_payload_len(header, len(value) - offset, array.nbytes)
+            check_payload_len(header, size - offset, array.nbytes)
             if not header.matches(meta):
                 raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
             # The checksum is taken over the copy, the bytes the caller will use.
-            checksum = (copy_checksummed(value[offset:], array) if head is None
+            checksum = (copy_checksummed(value[offset:], array) if value is not None
                         else payload_checksum(array))
             if checksum != header.payload_checksum:
                 raise CorruptRecord("bad checksum")
@@ -260,57 +263,31 @@ class DiskTier:
             return False, True
         return True, False
 
-    def _pread_record(self, value: memoryview, array: np.ndarray,
-                      regions: list[tuple[int, int, int]]) -> bytes | None:
-        """Read a record from `data.mdb` with pread: its header into the returned bytes, its
-        payload (the last `array.nbytes` bytes) straight into `array`. None when the value is
-        not in the map or the read comes short (the caller copies from the map instead).
+    def _pread_record(self, cursor: lmdb.Cursor, block_hash: BlockHash,
+                      array: np.ndarray) -> tuple[bytes | None, int]:
+        """Read a stored record from `data.mdb` with one preadv at its overflow page: its
+        header into the returned bytes, its payload (the last `array.nbytes` bytes) straight
+        into `array`; also returns the record's length. (None, 0) when the block is not
+        stored, its value sits in its leaf page, or the read comes short or lands elsewhere
+        than the tree says (the caller reads through LMDB then).
 
-        Nothing is touched through the map: a cold page fault there would stall with the
-        GIL held (every other thread, the engine's included, waits for the disk), and the
-        map faults a value in a few pages at a time; one preadv per value reads it at the
-        disk's speed with the GIL released."""
-        header_len = len(value) - array.nbytes
-        address = np.frombuffer(value, dtype=np.uint8).ctypes.data
-        region = next((r for r in regions
-                       if r[0] <= address and address + len(value) <= r[1]), None)
-        if header_len <= 0 or region is None:
-            return None
-        file_offset = address - region[0] + region[2]
-        head = bytearray(header_len)
-        payload = memoryview(array)
-        done = 0
-        while done < len(value):
-            buffers = [memoryview(head)[done:], payload] if done < header_len \
-                else [payload[done - header_len:]]
-            got = os.preadv(self._data_file(), buffers, file_offset + done)
-            if got <= 0:
-                return None
-            done += got
-        return bytes(head)
-
-    def _map_regions(self) -> list[tuple[int, int, int]]:
-        """This process's mappings of `data.mdb` as (start, end, file offset), from
-        /proc/self/maps (LMDB does not say where its map is); cached until the map size
-        changes, the only time LMDB maps it again. Empty where /proc is missing."""
-        map_size = self._index.env.info()["map_size"]
-        with self._lock:
-            if self._regions is not None and self._regions[0] == map_size:
-                return self._regions[1]
-        data_file = str((self.path / "data.mdb").resolve())
-        regions = []
+        Nothing is read through the map but the tree's pages (`kvtier.tiers.lmdb_value`):
+        a value read through it is faulted in a few pages at a time, while one preadv reads
+        it at the disk's speed with the GIL released. The transaction of `cursor` keeps the
+        pages it read from being reused until it ends."""
         try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-                for line in maps:
-                    if line.rstrip("\n").endswith(" " + data_file):
-                        fields = line.split()
-                        start, end = (int(x, 16) for x in fields[0].split("-"))
-                        regions.append((start, end, int(fields[2], 16)))
-        except OSError:
-            regions = []
-        with self._lock:
-            self._regions = (map_size, regions)
-        return regions
+            spot = self._index.find(cursor, block_hash)
+        except ValueError:
+            return None, 0
+        if spot is None or spot.page is None or spot.size <= array.nbytes:
+            return None, 0
+        page_head = bytearray(OVERFLOW_HEADER_BYTES)
+        head = bytearray(spot.size - array.nbytes)
+        buffers = [memoryview(page_head), memoryview(head), memoryview(array).cast("B")]
+        if not _preadv_full(self._data_file(), buffers, spot.file_offset(self._page_size)) \
+                or not check_overflow_header(page_head, spot, self._page_size):
+            return None, 0
+        return bytes(head), spot.size
 
     def _data_file(self) -> int:
         with self._lock:
@@ -523,3 +500,19 @@ class DiskTier:
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
+
+
+def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> bool:
+    """Fill `buffers` from `fd` at `offset`, reading again after a short read; False at the
+    end of the file."""
+    while buffers:
+        got = os.preadv(fd, buffers, offset)
+        if got <= 0:
+            return False
+        offset += got
+        while buffers and got >= len(buffers[0]):
+            got -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and got:
+            buffers = [buffers[0][got:], *buffers[1:]]
+    return True

@@ -27,6 +27,7 @@ import lmdb
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk_check import check_disk_files
+from kvtier.tiers.lmdb_value import ValueSpot, find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -91,8 +92,28 @@ class LmdbIndex:
     def get(self, txn: lmdb.Transaction, block_hash: bytes) -> memoryview | bytes | None:
         return txn.get(block_hash, db=self.blocks)
 
+    def find(self, cursor: lmdb.Cursor, block_hash: bytes) -> ValueSpot | None:
+        """Where a block's value is (`cursor` on `blocks`), without reading it."""
+        return find_value(cursor, block_hash)
+
+    def has_many(self, txn: lmdb.Transaction, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether each hash is stored; reads the tree's pages, never the values (a lookup
+        of a 32K-token prefix would otherwise read 4 GiB of an 8B model's KV)."""
+        with txn.cursor(db=self.blocks) as cursor:
+            return [cursor.set_key(h) for h in block_hashes]
+
     def has(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
-        return txn.get(block_hash, db=self.blocks) is not None
+        return self.has_many(txn, [block_hash])[0]
+
+    def value_size(self, txn: lmdb.Transaction, block_hash: bytes) -> int | None:
+        """The length of a block's stored value (None: not stored), without reading it."""
+        with txn.cursor(db=self.blocks) as cursor:
+            try:
+                spot = find_value(cursor, block_hash)
+            except ValueError:
+                value = txn.get(block_hash, db=self.blocks)
+                return None if value is None else len(value)
+        return None if spot is None else spot.size
 
     def num_blocks(self, txn: lmdb.Transaction) -> int:
         return txn.stat(self.blocks)["entries"]
@@ -152,8 +173,7 @@ class LmdbIndex:
 
     def remove(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
         """Delete a block and its access entries; False if it was not stored."""
-        value = txn.get(block_hash, db=self.blocks)
-        size = None if value is None else len(value)
+        size = self.value_size(txn, block_hash)
         self._drop_seq(txn, block_hash)
         if size is None:
             return False
@@ -183,8 +203,7 @@ class LmdbIndex:
                 block_hash = bytes(key)[_SEQ.size:]
                 if block_hash in keep:
                     continue
-                value = txn.get(block_hash, db=self.blocks)
-                freed += 0 if value is None else len(value)
+                freed += self.value_size(txn, block_hash) or 0
                 victims.append(block_hash)
         num_removed = sum(self.remove(txn, block_hash) for block_hash in victims)
         return num_removed, freed

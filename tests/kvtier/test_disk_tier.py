@@ -5,6 +5,7 @@ builders in disk_cases.py."""
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import threading
@@ -293,3 +294,63 @@ def test_refuses_a_bad_directory(tmp_path):
         pass
     assert (tmp_path / "new" / "cache").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "new" / "cache" / "data.mdb").stat().st_mode & 0o777 == 0o600
+
+
+
+def _bytes_fetched() -> int:
+    """Bytes this process has made the kernel read from storage (page faults included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def _evict_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _storage_reads_are_counted(tmp_path: Path) -> bool:
+    """Whether a cold read of a file here shows in `_bytes_fetched` (not on tmpfs, or
+    without I/O accounting)."""
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 20))
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        before = _bytes_fetched()
+        os.pread(fd, 1 << 20, 0)
+        return _bytes_fetched() - before >= 1 << 19
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs /proc/self/io")
+def test_lookups_read_no_values_and_reads_read_each_value_once(tmp_path):
+    # py-lmdb's get touches every page of a value: a lookup that used it would read whole
+    # blocks from disk to answer yes or no, and a read would fetch each block twice.
+    if not _storage_reads_are_counted(tmp_path):
+        pytest.skip("cold reads of this filesystem are not counted in /proc/self/io")
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64, block_size=16,
+                      dtype=torch.float32)  # 256 KiB blocks
+    metas, payloads = make_blocks(layout, seed=3, num_blocks=24)
+    with DiskTier(tmp_path, layout, BIG_BUDGET) as tier:
+        assert tier.put(metas, payloads) == len(metas)
+    stored = len(metas) * layout.bytes_per_block
+    _evict_from_page_cache(tmp_path / "data.mdb")
+    with DiskTier(tmp_path, layout, BIG_BUDGET) as tier:
+        before = _bytes_fetched()
+        assert tier.contains([m.block_hash for m in metas]) == [True] * len(metas)
+        looked_up = _bytes_fetched() - before
+        dests = [torch.empty(layout.bytes_per_block, dtype=torch.uint8) for _ in metas]
+        assert tier.get_many_into(metas, dests) == [True] * len(metas)
+        read = _bytes_fetched() - before - looked_up
+    for dest, payload in zip(dests, payloads):
+        assert same_bytes(dest, payload)
+    assert looked_up < stored // 8, f"a lookup read {looked_up} of {stored} stored bytes"
+    assert read < stored * 5 // 4, f"reading {stored} bytes fetched {read}"
