@@ -372,6 +372,8 @@ class LLM:
         self._check_open()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        for num_tokens, seconds in self.runner.step_timer.finished():
+            self.scheduler.prefill_rate.observe(num_tokens, seconds)
         finished = self._stopped + self.scheduler.update(plan, sampled)
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]

@@ -21,6 +21,7 @@ import torch
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.scheduler import ScheduledRequest
+from kvtier.engine.step_timer import StepTimer
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,8 @@ class ModelRunner:
         self.device = kv_cache.device
         self.sample_fn = sample_fn
         self._pin = self.device.type == "cuda"
+        #: Times the prefill steps (what `Scheduler.prefill_rate` learns from).
+        self.step_timer = StepTimer(self.device)
         self.graphs: DecodeGraphs | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
@@ -126,8 +129,10 @@ class ModelRunner:
             token_ids = self.sample_fn(logits, [s.request for s in scheduled])
             return [int(token_id) for token_id in token_ids.tolist()]
         inputs = self.prepare_inputs(scheduled)
+        self.step_timer.begin(sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1))
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.attn_metadata)  # [num_tokens, hidden_size]
+        self.step_timer.end()
         sampled: list[int | None] = [None] * len(scheduled)
         if not inputs.sampling_rows:
             return sampled

@@ -52,6 +52,24 @@ WINDOW_BYTES = 4 << 30
 #: starts computing the head. A tier that answers at all lands its first group sooner (an
 #: 8 MiB read from a cold 1 GB/s disk takes ~8 ms); a dead or hanging one costs this much.
 FIRST_LANDING_WAIT_S = 0.05
+#: Tokens the compute front claims first while the model's prefill rate is not known yet (no
+#: prefill step timed since start: `engine.step_timer`): enough to measure it.
+PROBE_TOKENS = 64
+
+
+@dataclass(slots=True)
+class PrefillRate:
+    """Tokens per second the model computes in prefill steps, averaged over recent steps
+    (None until one was timed); sizes a restore's claims."""
+
+    tokens_per_s: float | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """Count one step of `num_tokens` tokens that took `seconds` (wall clock)."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        self.tokens_per_s = rate if self.tokens_per_s is None else (self.tokens_per_s + rate) / 2
 
 
 class BlockState(enum.Enum):
@@ -118,6 +136,7 @@ class Restore:
         #: step, then waits for their first group to land (see `holds_first_claim`).
         self.fresh = True
         self._began = time.monotonic()
+        self._hold_began: float | None = None  # the first `holds_first_claim` call
         self._num_completed = 0  # groups landed or failed
 
     @property
@@ -191,19 +210,47 @@ class Restore:
     def holds_first_claim(self) -> bool:
         """Whether the compute front should still wait before its first claim: while groups
         are in flight, none has landed (or failed) yet, and less than
-        `FIRST_LANDING_WAIT_S` has passed. Without this, a request alone in the engine
+        `FIRST_LANDING_WAIT_S` has passed since it was first asked (the admitting step
+        always waits). Without this, a request alone in the engine
         would claim its head after one empty step, before a fast tier had read anything,
         and compute what the tier would have delivered. The bound keeps a tier that never
         answers from holding the request: it then computes everything, as it would
         without a tier, that much later."""
         if not self.fresh:
             return False
+        now = time.monotonic()
+        if self._hold_began is None:
+            self._hold_began = now
         if self._in_flight and self._num_completed == 0 \
-                and time.monotonic() - self._began < FIRST_LANDING_WAIT_S:
+                and now - self._hold_began < FIRST_LANDING_WAIT_S:
             return True
         self.fresh = False
         return False
 
+
+    def balanced_tokens(self, compute_block: int, num_tokens: int,
+                        prefill_tokens_per_s: float | None) -> int:
+        """How many of `num_tokens` tokens from `compute_block` the compute front should
+        claim now, so that it and the loads finish together. With R tokens the tiers may
+        still deliver (PENDING or LOADING from the front on), the load front landing L
+        tokens/s so far and the model computing P tokens/s, that is the head's R*P/(P+L)
+        tokens, whole blocks: 0 (wait this step) when the tiers would deliver everything
+        before one block is computed. While the prefill rate is unknown the front claims
+        `PROBE_TOKENS` to measure it; while no group has landed, or none is in flight (a
+        tier that delivers nothing), it claims all of `num_tokens` (the plain meeting
+        point)."""
+        bs = self.block_size
+        if prefill_tokens_per_s is None:
+            return min(num_tokens, PROBE_TOKENS)
+        elapsed = time.monotonic() - self._began
+        landed = sum(self.restored.values()) * bs
+        if not self._in_flight or landed == 0 or elapsed <= 0:
+            return num_tokens
+        remaining = bs * sum(1 for state in self.states[compute_block:]
+                             if state in (BlockState.PENDING, BlockState.LOADING))
+        load_tokens_per_s = landed / elapsed
+        share = remaining * prefill_tokens_per_s / (prefill_tokens_per_s + load_tokens_per_s)
+        return min(num_tokens, int(share) // bs * bs)
 
     def skip(self, compute_block: int) -> int:
         """The compute front after skipping the VALID blocks at `compute_block` onwards."""

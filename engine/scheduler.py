@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
+from kvtier.engine.restore import DISK_GROUP_BYTES, PrefillRate, Restore, RestoreFronts
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -98,6 +98,9 @@ class Scheduler:
         self._restores: dict[RequestId, Restore] = {}
         self._draining: list[LoadId] = []  # loads of restores given up, not completed yet
         self._admissions: dict[RequestId, _Admission] = {}
+        #: The model's measured prefill speed, which sizes restores' claims (the engine
+        #: feeds it: `PrefillRate.observe`).
+        self.prefill_rate = PrefillRate()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -251,6 +254,10 @@ class Scheduler:
             assert num_new > 0, f"{request.request_id} has nothing to compute"
             return num_new
         if restore.holds_first_claim():  # a tier that answers gets to deliver first
+            return 0
+        num_new = restore.balanced_tokens(request.num_computed_tokens // request.block_size,
+                                          num_new, self.prefill_rate.tokens_per_s)
+        if num_new == 0:  # the tiers deliver the rest sooner than a block is computed
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
         restore.issue(floor=-(-(request.num_computed_tokens + num_new) // request.block_size))

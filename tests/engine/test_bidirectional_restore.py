@@ -257,6 +257,46 @@ def test_a_request_preempted_while_both_fronts_move_comes_back(disk_dir: Path) -
     assert hashes[7] in hook.read
 
 
+@pytest.mark.parametrize("prefill_tokens_per_s", [1e-3, 1e9])
+def test_a_measured_prefill_rate_sizes_the_compute_fronts_claims(
+        disk_dir: Path, prefill_tokens_per_s: float) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=3)  # blocks 7 and 6 land, block 5's read is held
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(1000, 1000 / prefill_tokens_per_s)
+        request = driver.add(PROMPT)
+        driver.step()
+        assert hook.gated.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while restored_blocks_now(driver, request) < 2:
+            assert time.monotonic() < deadline, "blocks 7 and 6 never landed"
+            time.sleep(0.001)
+        chunks = [(p.start, p.num_new_tokens) for _ in range(3)
+                  for p in driver.step().scheduled]
+        if prefill_tokens_per_s < 1:
+            # A model this slow would compute a block long after the tier delivers the
+            # rest at the rate it landed blocks 7 and 6: the front waits for the loads.
+            assert chunks == []
+            hook.release()
+            finish_idle(driver)
+            assert restored_blocks(request) == 8 and request.counters.computed == 1
+        else:
+            # A model this fast computes everything the tier has not delivered yet, as
+            # the plain meeting point does (up to block 5, whose read has started).
+            assert chunks[:2] == [(0, 8), (8, 8)] and chunks[2][0] == 16
+            hook.release()
+            finish_idle(driver)
+            assert restored_blocks(request) in (2, 3)
+    assert hook.read[:3] == [hashes[7], hashes[6], hashes[5]]
+
+
+def restored_blocks_now(driver: Driver, request: Request) -> int:
+    driver.scheduler._finish_loads()  # noqa: SLF001
+    fronts = driver.scheduler.restore_fronts()[request.request_id]
+    return fronts.num_restored
+
+
 # ---- a real model: the same tokens as with the tiers off ----------------------------------
 
 MODEL_PROMPTS = [[(13 * i + 7 * j) % 200 + 3 for j in range(323)] for i in range(2)]  # 20 blocks
