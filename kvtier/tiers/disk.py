@@ -111,8 +111,10 @@ class DiskTier:
         data_file = self.path / "data.mdb"
         data_bytes = data_file.stat().st_size if data_file.exists() else 0
         map_size = min(self._map_limit, max(initial_map_bytes or _INITIAL_MAP_BYTES, data_bytes))
+        # Values are read with pread, never through the map: no read-around for the tree.
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
-                                     map_size=map_size, mode=PRIVATE_FILE_MODE)
+                                     map_size=map_size, mode=PRIVATE_FILE_MODE,
+                                     readahead=False)
         self._map = GuardedEnv(self._index.env, self._map_limit)
         self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
