@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_SWAP_METHODS = ("auto", "dma", "staged", "bounce", "triton")
+_SWAP_METHODS = ("auto", "dma", "staged", "triton")
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

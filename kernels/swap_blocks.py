@@ -13,20 +13,14 @@ Three methods move the same bytes:
   reverse: DMA into staging, then a device scatter). Staging is bounded (`staging_bytes`,
   two halves used in turn, ordered with events), and the device copies run at HBM speed, a
   few percent of the time the bus takes, on a high-priority side stream.
-* "bounce": small blocks scattered on both sides (random host slots). Both sides are
-  gathered a chunk at a time, the GPU one by a device index copy and the host one by CPU
-  copies run as stream-ordered host functions through a pinned staging area, so each chunk
-  crosses the bus as one DMA (`kernels._bounce`). Needs cudaLaunchHostFunc.
 * "triton": `kernels.copy_blocks._copy_blocks_kernel` with one side in pinned host memory,
   reached through unified virtual addressing. It holds SMs for as long as the bus takes, so
   a concurrent model slows down (docs/KERNELS.md); kept for comparison and the tests.
 
-"auto" picks per call from the plan (`choose_method`): "dma" when the DMA copies would be
-large or few, else "staged" when the host side's runs are long, else "mixed": a share of
-the blocks (`BOUNCE_SHARE`) goes the "bounce" way while the rest go the "dma" way at the
-same time, since the copy engines' small copies and the CPU copies are bounded by different
-things and together reach more of the bus than either (docs/KERNELS.md has the
-measurements behind the thresholds).
+"auto" picks per call from the plan: "staged" when the DMA copies would be small (under
+256 KiB on average) and the host side's runs are at least 4 times longer than the runs
+adjacent on both sides, else "dma" (docs/KERNELS.md has the measurements behind the
+thresholds).
 
 All work joins back into the caller's stream before the call returns, so an event recorded
 there afterwards fires only once every byte has landed. With both tensors on the CPU each
@@ -41,13 +35,11 @@ import contextlib
 import numpy as np
 import torch
 from kvtier.kernels import _checks
-from kvtier.kernels._bounce import swap_bounce
-from kvtier.kernels._host_fn import HostFunctions, host_functions
 from kvtier.kernels._memcpy_batch import memcpy_batch
 from kvtier.kernels._swap_plan import Runs, coalesce, run_starts, split_even
 from kvtier.kernels.copy_blocks import as_words, launch_block_copy, word_bytes_for
 
-SWAP_METHODS = ("auto", "dma", "staged", "bounce", "triton")
+SWAP_METHODS = ("auto", "dma", "staged", "triton")
 #: Device staging memory of one "staged" call (two halves, used in turn).
 STAGING_BYTES = 64 << 20
 #: Mean bytes per DMA copy under which the copy engines fall short of the bus (measured).
@@ -60,11 +52,6 @@ _TINY_COPY_BYTES = 128 << 10
 #: the ceiling; above, or with shorter host runs, it cost host time and gained nothing).
 _STAGE_BELOW_BYTES = 256 << 10
 _STAGE_GAIN = 4
-#: "auto" bounces small copies only from this many on: a few copies cost the bus little, and
-#: the bounce's streams, events and host functions cost more host time than they save.
-_BOUNCE_MIN_COPIES = 32
-#: Share of the blocks an "auto" swap of small scattered copies bounces (the rest: "dma").
-BOUNCE_SHARE = 0.4
 #: Programs of the "triton" method per SM.
 _SWAP_PROGRAMS_PER_SM = 1
 
@@ -223,48 +210,18 @@ def _swap_staged(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
     _join(stream, [side])
 
 
-def _swap_bounce_share(src: torch.Tensor, dst: torch.Tensor, src_ids: np.ndarray,
-                       dst_ids: np.ndarray, staging_bytes: int, host_fns: HostFunctions | None,
-                       share: float) -> None:
-    """Bounce `share` of the rows (the first by host slot) and copy the rest the "dma" way,
-    both at once: the dma copies are enqueued first, on side streams forked from the
-    current stream, then the bounce's pipeline, whose DMAs use the current stream."""
-    to_gpu = dst.is_cuda and not src.is_cuda
-    gpu_ids, host_ids = (dst_ids, src_ids) if to_gpu else (src_ids, dst_ids)
-    order = np.argsort(host_ids, kind="stable")
-    num_bounced = int(round(share * order.shape[0]))
-    direct = order[num_bounced:]
-    if direct.shape[0]:
-        _swap_dma(src, dst, coalesce(src_ids[direct], dst_ids[direct], _dense(src),
-                                     _dense(dst)))
-    bounced = order[:num_bounced]
-    if bounced.shape[0]:
-        word = word_bytes_for(src, dst)
-        gpu_side, host_side = (dst, src) if to_gpu else (src, dst)
-        swap_bounce(as_words(gpu_side, word), as_words(host_side, word), gpu_ids[bounced],
-                    host_ids[bounced], to_gpu, staging_bytes, host_fns)
-
-
-def choose_method(runs: Runs, host_ids: np.ndarray | None, block_bytes: int,
-                  can_bounce: bool = False) -> str:
-    """What "auto" runs: "dma", "staged" or "mixed" (see the module docstring).
+def choose_method(runs: Runs, host_ids: np.ndarray | None, block_bytes: int) -> str:
+    """What "auto" runs: "dma" or "staged".
 
     runs: the DMA plan (runs adjacent on both sides); host_ids: [n] int64 ids of the host
     side when exactly one side is in host memory with adjacent slots, else None;
-    block_bytes: bytes per block; can_bounce: "bounce" is available (one side on a GPU,
-    the other in host memory, and the host-function binding loaded).
+    block_bytes: bytes per block.
     """
     num_blocks = int(runs.lengths.sum())
-    copy_bytes = num_blocks * block_bytes / max(1, runs.num_runs)  # mean DMA copy
-    if copy_bytes >= SMALL_COPY_BYTES:
+    if host_ids is None or num_blocks * block_bytes >= _STAGE_BELOW_BYTES * runs.num_runs:
         return "dma"
-    if host_ids is not None and copy_bytes < _STAGE_BELOW_BYTES:
-        num_host_runs = run_starts(np.sort(host_ids)).shape[0]
-        if _STAGE_GAIN * num_host_runs <= runs.num_runs:
-            return "staged"
-    if can_bounce and runs.num_runs >= _BOUNCE_MIN_COPIES:
-        return "mixed"
-    return "dma"
+    num_host_runs = run_starts(np.sort(host_ids)).shape[0]
+    return "staged" if _STAGE_GAIN * num_host_runs <= runs.num_runs else "dma"
 
 
 def _check_swap_args(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor,
@@ -308,18 +265,15 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         GPU, or both on the CPU.
     block_mapping: [n, 2] int64 CPU tensor of (src_index, dst_index) rows; destinations
         must be distinct.
-    method: "dma", "staged", "bounce", "triton" or "auto" (see the module docstring).
+    method: "dma", "staged", "triton" or "auto" (see the module docstring).
     stream: where the copies are enqueued (side streams fork from and join back into it);
         None means the current stream. The caller keeps src, dst and the host memory alive
         and unchanged until the stream reaches them.
-    staging_bytes: bound on the staging memory of the "staged" method (device) and of the
-        "bounce" method (device and pinned host, each), in bytes.
+    staging_bytes: bound on the device staging memory of the "staged" method, in bytes.
 
     Raises ValueError for an unknown method, mismatched blocks, out-of-range indices,
-    pageable host memory, "triton" with only CPU tensors outside the interpreter, or
-    "bounce" between two GPU tensors or without cudaLaunchHostFunc; OSError when the CUDA
-    runtime rejects a batched copy or a host function; RuntimeError when a host copy of an
-    earlier "bounce" swap failed (that swap's destination blocks hold wrong bytes).
+    pageable host memory, or "triton" with only CPU tensors outside the interpreter;
+    OSError when the CUDA runtime rejects a batched copy.
     """
     _check_swap_args(src, dst, block_mapping, method, staging_bytes)
     if block_mapping.shape[0] == 0 or src[0].numel() == 0:
@@ -330,19 +284,13 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if method == "triton" and gpu is None and not _checks.interpreting():
         raise ValueError("method='triton' needs a CUDA tensor (or TRITON_INTERPRET=1); "
                          "use method='dma' or 'auto' for CPU tensors")
-    host = None if src.is_cuda == dst.is_cuda else dst if src.is_cuda else src
-    host_fns = host_functions() if gpu is not None and host is not None else None
-    if method == "bounce" and gpu is not None and host_fns is None:
-        raise ValueError("method='bounce' needs a GPU and pinned host tensor pair and a CUDA "
-                         "runtime with cudaLaunchHostFunc; use method='dma' or 'auto'")
-    if host_fns is not None:
-        host_fns.raise_failed()
     runs: Runs | None = None
     if method == "auto":
         runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
-        host_ids = None if host is None or not _dense(host) else dst_ids if src.is_cuda \
-            else src_ids
-        method = choose_method(runs, host_ids, _block_bytes(src), host_fns is not None)
+        host_side = None if src.is_cuda == dst.is_cuda else (dst_ids, dst) if src.is_cuda \
+            else (src_ids, src)
+        host_ids = host_side[0] if host_side is not None and _dense(host_side[1]) else None
+        method = choose_method(runs, host_ids, _block_bytes(src))
     with contextlib.ExitStack() as scope:
         if gpu is not None:
             scope.enter_context(torch.cuda.device(gpu.device))
@@ -356,9 +304,6 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
                 num_sms = torch.cuda.get_device_properties(gpu.device).multi_processor_count
                 programs = _SWAP_PROGRAMS_PER_SM * num_sms
             launch_block_copy(src, dst, mapping, programs)
-        elif method in ("bounce", "mixed"):
-            _swap_bounce_share(src, dst, src_ids, dst_ids, staging_bytes, host_fns,
-                               1.0 if method == "bounce" else BOUNCE_SHARE)
         elif method == "staged":
             scatter = dst.is_cuda and not src.is_cuda
             _swap_staged(src, dst, src_ids, dst_ids, staging_bytes, scatter)

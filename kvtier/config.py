@@ -15,8 +15,8 @@ from kvtier.layout import KVLayout
 from kvtier.remote_config import RemoteConfig
 from kvtier.validation import CheckedModel
 
-SWAP_METHODS = ("auto", "dma", "staged", "bounce", "triton")
-SwapMethod = Literal["auto", "dma", "staged", "bounce", "triton"]
+SWAP_METHODS = ("auto", "dma", "staged", "triton")
+SwapMethod = Literal["auto", "dma", "staged", "triton"]
 
 #: Slots of the staging slab used for disk traffic when the host tier is off but the disk
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
@@ -40,9 +40,8 @@ class TierConfig(CheckedModel):
     disk_path: directory of the LMDB disk tier; None turns it off.
     disk_budget_bytes: how many bytes the disk tier may hold; required with `disk_path`.
     swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
-        gather/scatter around copy-engine runs), "bounce" (both sides gathered through
-        device and pinned staging, one copy per chunk), "triton" (a kernel writing through
-        unified addressing) or "auto" (the kernels' choice).
+        gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
+        addressing) or "auto" (the kernels' choice).
     io_threads: threads that run host <-> disk jobs.
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
     staging_slots: slab slots used for disk traffic when the host tier is off.

@@ -66,7 +66,7 @@ def main() -> None:
     for label, run in (("random host slots", 1), ("host runs of 16", 16)):
         mapping = rows(1000, run, rng)
         back = mapping.flip(1).contiguous()
-        for method in ("auto", "dma", "staged", "bounce"):
+        for method in ("auto", "dma", "staged"):
             profile(f"{method}, 1000 blocks GPU->host, {label}",
                     lambda m=method, r=mapping: swap_blocks(gpu, host, r, m, stream))
             profile(f"{method}, 1000 blocks host->GPU, {label}",

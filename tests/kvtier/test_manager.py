@@ -86,7 +86,7 @@ def test_round_trip_gpu_host_disk_host_gpu(tmp_path, managers, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("swap_method", ["dma", "staged", "bounce", "triton"])
+@pytest.mark.parametrize("swap_method", ["dma", "staged", "triton"])
 def test_round_trip_on_cuda(tmp_path, managers, swap_method):
     if swap_method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("the Triton copy kernel is measured compiled, not interpreted")
@@ -108,7 +108,6 @@ def test_round_trip_on_cuda(tmp_path, managers, swap_method):
     for block, expected in zip(blocks, data):
         assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
     m.free(blocks)
-    m.flush()  # on CUDA complete_load returns while the copies may still be reaped
     check_idle(m)
     assert m.stats().transfers[Direction.HOST_TO_GPU].seconds > 0
 
