@@ -79,8 +79,8 @@ fi
 if stage tests; then
     echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
     timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rfs \
-        tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
-        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py -k "swap or transfer or copy or Transfer" 2>&1 | tail -n 40 | tee -a "$OUT_DIR/gpu_tests.log"
+        ${TEST_FILES:-tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
+        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py} -k "swap or transfer or copy or Transfer" 2>&1 | tail -n 40 | tee -a "$OUT_DIR/gpu_tests.log"
 fi
 for name in scattered hostruns contiguous; do
     [ -s "$OUT_DIR/swap_$name.json" ] || continue
