@@ -77,6 +77,17 @@ def _stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
     return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
 
+def _addresses(src: torch.Tensor, dst: torch.Tensor,
+               runs: Runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst addresses, src addresses, byte sizes) of `runs`, [num_runs] uint64 each."""
+    block_bytes = _block_bytes(src)
+    src_stride = src.stride(0) * src.element_size()
+    dst_stride = dst.stride(0) * dst.element_size()
+    return (dst.data_ptr() + runs.dst_starts.astype(np.uint64) * dst_stride,
+            src.data_ptr() + runs.src_starts.astype(np.uint64) * src_stride,
+            runs.lengths.astype(np.uint64) * block_bytes)
+
+
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     """Enqueue `runs` (src block -> dst block spans) on the current stream: one batched
     runtime call on CUDA when available, else one `copy_` per run."""
@@ -85,12 +96,7 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     stream = _stream_of(src if src.is_cuda else dst)
     binding = memcpy_batch() if stream is not None else None
     if binding is not None and stream is not None and stream.cuda_stream != 0:
-        block_bytes = _block_bytes(src)
-        src_stride = src.stride(0) * src.element_size()
-        dst_stride = dst.stride(0) * dst.element_size()
-        binding.copy(dst.data_ptr() + runs.dst_starts.astype(np.uint64) * dst_stride,
-                     src.data_ptr() + runs.src_starts.astype(np.uint64) * src_stride,
-                     runs.lengths.astype(np.uint64) * block_bytes, stream.cuda_stream)
+        binding.copy(*_addresses(src, dst, runs), stream.cuda_stream)
         return
     non_blocking = stream is not None
     for s, d, n in zip(runs.src_starts.tolist(), runs.dst_starts.tolist(),
@@ -127,10 +133,18 @@ def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     num_streams = DMA_STREAMS * (2 if total < _TINY_COPY_BYTES * runs.num_runs else 1)
     parts = split_even(runs.lengths, num_streams)
     sides = _fork(stream, len(parts))
-    for side, part in zip(sides, parts):
-        with torch.cuda.stream(side):
-            _copy_runs(src, dst, Runs(runs.src_starts[part], runs.dst_starts[part],
-                                      runs.lengths[part]))
+    binding = memcpy_batch()
+    if binding is not None:
+        # Addresses once for all runs; each side stream gets its slice by handle, without
+        # making it current (the host time of a 1,000-block swap is mostly such calls).
+        dsts, srcs, sizes = _addresses(src, dst, runs)
+        for side, part in zip(sides, parts):
+            binding.copy(dsts[part], srcs[part], sizes[part], side.cuda_stream)
+    else:
+        for side, part in zip(sides, parts):
+            with torch.cuda.stream(side):
+                _copy_runs(src, dst, Runs(runs.src_starts[part], runs.dst_starts[part],
+                                          runs.lengths[part]))
     _join(stream, sides)
 
 

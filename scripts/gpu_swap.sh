@@ -60,12 +60,12 @@ total = 256 << 20
 gpu = torch.empty(total, dtype=torch.bfloat16, device="cuda")
 host = torch.empty(total, dtype=torch.bfloat16, pin_memory=True)
 out_s, in_s = torch.cuda.Stream(), torch.cuda.Stream()
-for size in (32 << 10, 64 << 10, 128 << 10, 512 << 10):
+for size in (32 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10):
     n = total // size
     g, h = gpu.view(2 * n, size // 2), host.view(2 * n, size // 2)
     rows = {k: torch.from_numpy(v.copy()) for k, v in layout_rows(n, True, 1).items()}
     line = f"{size >> 10:>4}K"
-    for streams in (1, 2, 4, 8):
+    for streams in (2, 4, 8, 16):
         module.DMA_STREAMS = streams
         d2h = lambda: module.swap_blocks(g, h, rows["d2h"], "dma", out_s)  # noqa: E731
         h2d = lambda: module.swap_blocks(h, g, rows["h2d"], "dma", in_s)  # noqa: E731
@@ -78,9 +78,9 @@ fi
 
 if stage tests; then
     echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"
-    timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rs \
-        tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
-        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py -k "swap or transfer or copy or Transfer" 2>&1 | tail -n 25 | tee -a "$OUT_DIR/gpu_tests.log"
+    timeout "${TEST_TIMEOUT:-200}" $PY -m pytest -q -p no:cacheprovider -o addopts="" -m gpu -rfs \
+        ${TEST_FILES:-tests/kernels/test_kernel_block_copies.py tests/kvtier/test_transfer.py \
+        tests/kvtier/test_transfer_faults.py tests/cli/test_bench.py} -k "swap or transfer or copy or Transfer" 2>&1 | tail -n 40 | tee -a "$OUT_DIR/gpu_tests.log"
 fi
 for name in scattered hostruns contiguous; do
     [ -s "$OUT_DIR/swap_$name.json" ] || continue

@@ -9,7 +9,7 @@ import torch
 from kvtier.kernels import SWAP_METHODS, copy_blocks, reference, swap_blocks
 from kvtier.kernels._swap_plan import coalesce, run_starts, split_even
 from kvtier.kernels.copy_blocks import launch_block_copy
-from kvtier.kernels.swap_blocks import _swap_staged, choose_method, coalesce_runs
+from kvtier.kernels.swap_blocks import _addresses, _swap_staged, choose_method, coalesce_runs
 
 # [num_layers, 2, block_size, kv_heads, head_dim] with an odd element count, so float16
 # blocks are 2-byte words only and the last chunk of a block is partial.
@@ -85,6 +85,19 @@ def test_split_even_covers_every_run_once() -> None:
         assert 1 <= len(slices) <= parts
         assert [i for part in slices for i in range(part.start, part.stop)] == list(range(8))
     assert split_even(np.zeros(0, dtype=np.int64), 4) == []
+
+
+def test_copy_addresses_follow_each_side_s_stride() -> None:
+    # What the batched DMA call receives: byte addresses of every run's first block on each
+    # side and the run's size; the destination's blocks are spaced apart (a strided view).
+    src = torch.zeros((10, 3, 4), dtype=torch.float16)
+    dst = torch.zeros((8, 2, 3, 4), dtype=torch.float16)[:, 1]  # stride 2 blocks
+    runs = coalesce(np.array([7, 2, 3, 4]), np.array([0, 5, 6, 7]), True, False)
+    dsts, srcs, sizes = _addresses(src, dst, runs)
+    assert dsts.dtype == srcs.dtype == sizes.dtype == np.uint64
+    assert dsts.tolist() == [dst[d].data_ptr() for d in runs.dst_starts.tolist()]
+    assert srcs.tolist() == [src[i].data_ptr() for i in runs.src_starts.tolist()]
+    assert sizes.tolist() == [24 * n for n in runs.lengths.tolist()]
 
 
 def test_auto_stages_small_blocks_only_when_host_runs_are_longer() -> None:
