@@ -207,26 +207,37 @@ class Restore:
 
     # ---- the compute front ---------------------------------------------------------------
 
-    def holds_first_claim(self) -> bool:
+    def holds_first_claim(self, compute_block: int,
+                          prefill_tokens_per_s: float | None) -> bool:
         """Whether the compute front should still wait before its first claim: while groups
         are in flight, none has landed (or failed) yet, and less than
         `FIRST_LANDING_WAIT_S` has passed since it was first asked (the admitting step
-        always waits). Without this, a request alone in the engine
-        would claim its head after one empty step, before a fast tier had read anything,
-        and compute what the tier would have delivered. The bound keeps a tier that never
-        answers from holding the request: it then computes everything, as it would
-        without a tier, that much later."""
+        always waits). Without this, a request alone in the engine would claim its head
+        after one empty step, before a fast tier had read anything, and compute what the
+        tier would have delivered. The bound keeps a tier that never answers from holding
+        the request: it then computes everything, as it would without a tier, that much
+        later. A prefix the model computes from `compute_block` on in less than that bound
+        (at `prefill_tokens_per_s`, when measured) is not held at all: waiting could only
+        make it later."""
         if not self.fresh:
             return False
         now = time.monotonic()
         if self._hold_began is None:
             self._hold_began = now
+            if prefill_tokens_per_s is not None and self._pending_tokens(compute_block) \
+                    <= prefill_tokens_per_s * FIRST_LANDING_WAIT_S:
+                self.fresh = False
+                return False
         if self._in_flight and self._num_completed == 0 \
                 and now - self._hold_began < FIRST_LANDING_WAIT_S:
             return True
         self.fresh = False
         return False
 
+    def _pending_tokens(self, compute_block: int) -> int:
+        """Tokens from `compute_block` on that the tiers may still deliver."""
+        return self.block_size * sum(1 for state in self.states[compute_block:]
+                                     if state in (BlockState.PENDING, BlockState.LOADING))
 
     def balanced_tokens(self, compute_block: int, num_tokens: int,
                         prefill_tokens_per_s: float | None) -> int:
@@ -246,8 +257,7 @@ class Restore:
         landed = sum(self.restored.values()) * bs
         if not self._in_flight or landed == 0 or elapsed <= 0:
             return num_tokens
-        remaining = bs * sum(1 for state in self.states[compute_block:]
-                             if state in (BlockState.PENDING, BlockState.LOADING))
+        remaining = self._pending_tokens(compute_block)
         load_tokens_per_s = landed / elapsed
         share = remaining * prefill_tokens_per_s / (prefill_tokens_per_s + load_tokens_per_s)
         return min(num_tokens, int(share) // bs * bs)

@@ -253,10 +253,11 @@ class Scheduler:
         if restore is None:
             assert num_new > 0, f"{request.request_id} has nothing to compute"
             return num_new
-        if restore.holds_first_claim():  # a tier that answers gets to deliver first
+        front = request.num_computed_tokens // request.block_size
+        rate = self.prefill_rate.tokens_per_s
+        if restore.holds_first_claim(front, rate):  # a tier that answers delivers first
             return 0
-        num_new = restore.balanced_tokens(request.num_computed_tokens // request.block_size,
-                                          num_new, self.prefill_rate.tokens_per_s)
+        num_new = restore.balanced_tokens(front, num_new, rate)
         if num_new == 0:  # the tiers deliver the rest sooner than a block is computed
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)

@@ -13,6 +13,13 @@ Two kinds of jobs, keyed by the hop they make:
     pins never grow without bound. Queued reads go before queued writes (a restore has a
     request waiting on it; a write-back runs ahead of demand), each in submission order.
 
+The I/O threads give up the GIL at every read, write and checksum, and take it back only when
+the thread holding it lets go: a thread launching a model step's kernels in Python lets go
+every `sys.getswitchinterval()` seconds (5 ms by default), so each block read waited several
+such turns and a disk restore ran at a third of the disk's speed while the model ran. A
+`TransferEngine` on CUDA shortens the interval to `IO_SWITCH_INTERVAL_S` (a process-wide
+setting; a shorter one already set is kept).
+
 A job that raises reports `ok=False`; cleaning up after it (pins, slots) is the submitter's
 business. `submit`, `get_finished` and `wait` may be called from many threads. Jobs must not
 submit jobs themselves (a worker blocked on a full queue would wait for itself).
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -118,6 +126,11 @@ def disk_write_job(disk: DiskTier, metas: Sequence[BlockMeta],
 
     return IOJob(Direction.HOST_TO_DISK, run), stored
 
+#: GIL switch interval (seconds) while I/O threads share the process with a model that
+#: launches its kernels from Python: short enough that a block read does not wait for
+#: turns, long enough that switching costs the launching thread little.
+IO_SWITCH_INTERVAL_S = 0.0005
+
 
 @dataclass(slots=True)
 class _CudaJob:
@@ -149,6 +162,8 @@ class TransferEngine:
         self.swap_method = swap_method
         self._swap = swap_blocks  # an attribute, so a test can make copies fail
         self._use_cuda = self.device.type == "cuda"
+        if self._use_cuda and sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
         self._stream = torch.cuda.Stream(self.device) if self._use_cuda else None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)

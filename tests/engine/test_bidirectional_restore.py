@@ -262,11 +262,15 @@ def test_a_measured_prefill_rate_sizes_the_compute_fronts_claims(
         disk_dir: Path, prefill_tokens_per_s: float) -> None:
     hashes = warm(disk_dir, [PROMPT])
     hook = ReadHook(gate_at=3)  # blocks 7 and 6 land, block 5's read is held
+    slow = prefill_tokens_per_s < 1
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
         driver.scheduler.prefill_rate.observe(1000, 1000 / prefill_tokens_per_s)
         request = driver.add(PROMPT)
-        driver.step()
+        admitted = [(p.start, p.num_new_tokens) for p in driver.step().scheduled]
+        # A model that computes the whole prefix sooner than the first landing could come
+        # is not held for it; a slow one is.
+        assert admitted == ([] if slow else [(0, 8)])
         assert hook.gated.wait(timeout=60)
         deadline = time.monotonic() + 60
         while restored_blocks_now(driver, request) < 2:
@@ -274,20 +278,18 @@ def test_a_measured_prefill_rate_sizes_the_compute_fronts_claims(
             time.sleep(0.001)
         chunks = [(p.start, p.num_new_tokens) for _ in range(3)
                   for p in driver.step().scheduled]
-        if prefill_tokens_per_s < 1:
-            # A model this slow would compute a block long after the tier delivers the
-            # rest at the rate it landed blocks 7 and 6: the front waits for the loads.
+        if slow:
+            # The model would compute a block long after the tier delivers the rest at the
+            # rate it landed blocks 7 and 6: the front waits for the loads.
             assert chunks == []
-            hook.release()
-            finish_idle(driver)
-            assert restored_blocks(request) == 8 and request.counters.computed == 1
         else:
-            # A model this fast computes everything the tier has not delivered yet, as
-            # the plain meeting point does (up to block 5, whose read has started).
-            assert chunks[:2] == [(0, 8), (8, 8)] and chunks[2][0] == 16
-            hook.release()
-            finish_idle(driver)
-            assert restored_blocks(request) in (2, 3)
+            # The model computes everything the tier has not delivered, as the plain
+            # meeting point does, up to block 5, whose read has started.
+            assert chunks == [(8, 8), (16, 4)]
+        hook.release()
+        finish_idle(driver)
+    assert restored_blocks(request) == (8 if slow else 3)
+    assert request.counters.computed == (1 if slow else 5 * BS + 1)
     assert hook.read[:3] == [hashes[7], hashes[6], hashes[5]]
 
 
