@@ -16,6 +16,10 @@ Softmax is online (running max and sum in float32, exp2 with the scale folded in
 Split-KV (flash-decoding): when a batch of short query tiles would give too few programs to
 fill the GPU, each (tile, kv head) also splits its keys into `num_splits` ranges; partial
 outputs and log-sum-exps go to float32 scratch and `kernels.paged_decode` merges them.
+
+The launcher's host work is done once per call geometry: a repeated geometry (the next
+layer, the next step) launches the compiled kernels through their handles with kept scratch
+(`kernels._attention_launch`); anything new takes the full path and is prepared after it.
 """
 
 from __future__ import annotations
