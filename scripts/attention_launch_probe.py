@@ -30,6 +30,8 @@ from kvtier.kernels.paged_attention import _attention_args, _paged_attention_ker
 from kvtier.kernels.paged_attention import paged_attention as launcher
 
 pa_module = importlib.import_module("kvtier.kernels.paged_attention")
+HYBRID_COUNTS: dict = {}
+HYBRID = importlib.import_module("prefill_sdpa_probe").make_hybrid(launcher, HYBRID_COUNTS)
 TABLE: list[str] = []
 RESULTS: dict = {}
 
@@ -193,7 +195,7 @@ def stage_prefill(setup: kb.PagedSetup) -> None:
         row: dict = {"prefix": prefix, "chunk": chunk}
         row["paged_ms"] = kb.median_ms(kb.paged_fn(meta, None))
         gather = lambda: gather_kv(meta["k_cache"], meta["v_cache"], table,  # noqa: E731
-                                   seq_len, group, k_scratch, v_scratch)
+                                   seq_len, group, k_scratch[:seq_len], v_scratch[:seq_len])
         row["gather_ms"] = kb.median_ms(gather)
         gather()
         expected = launcher(**meta, softmax_scale=kb.SCALE)  # [chunk, heads, d]
@@ -232,6 +234,10 @@ def stage_prefill(setup: kb.PagedSetup) -> None:
                 fn, out = split
                 row["cudnn_split_ms"] = kb.median_ms(fn)
                 row["cudnn_split_rel_error"] = kb.rel_error(out()[0].transpose(0, 1), expected)
+        hybrid_out = torch.empty_like(meta["query"])
+        hybrid_fn = lambda: HYBRID(**meta, softmax_scale=kb.SCALE, out=hybrid_out)  # noqa: E731
+        row["hybrid_ms"] = kb.median_ms(hybrid_fn)
+        row["hybrid_rel_error"] = kb.rel_error(hybrid_fn(), expected)
         if prefix == 0:
             ref_out = reference_chunk(meta)
             row["paged_vs_fp32_ref"] = kb.rel_error(expected, ref_out)
@@ -240,7 +246,7 @@ def stage_prefill(setup: kb.PagedSetup) -> None:
             row["cudnn_vs_fp32_ref"] = kb.rel_error(got[0].transpose(0, 1), ref_out)
         rows.append(row)
         for name in ("paged_ms", "gather_ms", "default_ms", "cudnn_ms", "flash_ms",
-                     "cudnn_split_ms"):
+                     "cudnn_split_ms", "hybrid_ms"):
             value = row.get(name)
             if value is None and name == "cudnn_split_ms":
                 value = row.get("cudnn_ms")  # the first chunk has no prefix: plain causal
@@ -249,9 +255,11 @@ def stage_prefill(setup: kb.PagedSetup) -> None:
         note("prefill " + json.dumps({key: (round(val, 4) if isinstance(val, float) else val)
                                       for key, val in row.items()}))
         torch.cuda.empty_cache()
-    RESULTS["prefill"] = {"rows": rows, "totals_ms_per_layer": totals}
+    RESULTS["prefill"] = {"rows": rows, "totals_ms_per_layer": totals,
+                          "hybrid_chunks": HYBRID_COUNTS}
     note("prefill 32K in 8K chunks, one layer, totals ms: "
-         + ", ".join(f"{name} {value:.3f}" for name, value in totals.items()))
+         + ", ".join(f"{name} {value:.3f}" for name, value in totals.items())
+         + f"; hybrid chunks {HYBRID_COUNTS}")
 
 
 def reference_chunk(meta: dict) -> torch.Tensor:
