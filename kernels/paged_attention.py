@@ -16,6 +16,10 @@ Softmax is online (running max and sum in float32, exp2 with the scale folded in
 Split-KV (flash-decoding): when a batch of short query tiles would give too few programs to
 fill the GPU, each (tile, kv head) also splits its keys into `num_splits` ranges; partial
 outputs and log-sum-exps go to float32 scratch and `kernels.paged_decode` merges them.
+
+The launcher's host work is done once per call geometry: a repeated geometry (the next
+layer, the next step) launches the compiled kernels through their handles with kept scratch
+(`kernels._attention_launch`); anything new takes the full path and is prepared after it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,19 @@ import torch
 import triton
 import triton.language as tl
 from kvtier.kernels import _checks
-from kvtier.kernels.paged_decode import AttentionConfig, pick_config, reduce_splits
+from kvtier.kernels._attention_checks import check_args, looks_valid
+from kvtier.kernels._attention_launch import PreparedLaunches, call_key
+from kvtier.kernels.paged_decode import AttentionConfig, pick_config, reduce_splits, split_scratch
 
 _LOG2E = 1.4426950408889634
+
+#: Launches prepared per call geometry (a bounded memo, see kernels._attention_launch).
+_PREPARED = PreparedLaunches()
+
+
+def prepared_launches() -> PreparedLaunches:
+    """The memo of prepared launches (its hits / misses counters; `clear()` to drop it)."""
+    return _PREPARED
 
 
 @triton.jit
@@ -165,66 +179,6 @@ def _paged_attention_kernel(
                      mask=row_ok)
 
 
-def _looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
-    """One cheap pass over the facts `_check_args` verifies, for the common valid call (this
-    runs per layer per step; the detailed checks cost tens of microseconds)."""
-    device, dtype = query.device, query.dtype
-    return (query.dim() == 3 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
-            and k_cache.shape[3] == query.shape[2] and k_cache.shape[2] > 0
-            and query.shape[1] % k_cache.shape[2] == 0
-            and dtype in _checks.FLOAT_DTYPES and k_cache.dtype == dtype
-            and v_cache.dtype == dtype and seq_lens.dim() == 1
-            and query_start_loc.shape == (seq_lens.shape[0] + 1,)
-            and block_tables.dim() == 2 and block_tables.shape[0] == seq_lens.shape[0]
-            and query_start_loc.dtype == torch.int32 and seq_lens.dtype == torch.int32
-            and block_tables.dtype == torch.int32 and device.type == "cuda"
-            and k_cache.device == device and v_cache.device == device
-            and query_start_loc.device == device and seq_lens.device == device
-            and block_tables.device == device
-            and query.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
-            and query_start_loc.stride(0) == 1 and seq_lens.stride(0) == 1
-            and block_tables.stride(1) == 1
-            and (out is None or (out.shape == query.shape and out.dtype == dtype
-                                 and out.device == device and out.stride(2) == 1)))
-
-
-def _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
-    _checks.check_shape("query", query, (None, None, None), "[num_tokens, num_heads, head_dim]")
-    _, num_heads, head_dim = query.shape
-    _checks.check_shape("k_cache", k_cache, (None, None, None, head_dim),
-                        f"[num_blocks, block_size, num_kv_heads, head_dim={head_dim}]")
-    _checks.check_shape("v_cache", v_cache, tuple(k_cache.shape),
-                        f"like k_cache {tuple(k_cache.shape)}")
-    num_kv_heads = k_cache.shape[2]
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of "
-                         f"num_kv_heads={num_kv_heads}")
-    _checks.check_shape("seq_lens", seq_lens, (None,), "[num_reqs]")
-    num_reqs = seq_lens.shape[0]
-    _checks.check_shape("query_start_loc", query_start_loc, (num_reqs + 1,),
-                        f"[num_reqs + 1 = {num_reqs + 1}]")
-    _checks.check_shape("block_tables", block_tables, (num_reqs, None),
-                        f"[num_reqs={num_reqs}, max_blocks_per_req]")
-    for name, tensor in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                         ("block_tables", block_tables)):
-        _checks.check_dtype(name, tensor, (torch.int32,))
-        _checks.check_inner_contiguous(name, tensor)
-    _checks.check_dtype("query", query, _checks.FLOAT_DTYPES)
-    _checks.check_same_dtype("query", query, k_cache=k_cache, v_cache=v_cache)
-    _checks.check_kernel_device("query", query)
-    _checks.check_same_device("query", query, k_cache=k_cache, v_cache=v_cache,
-                              query_start_loc=query_start_loc, seq_lens=seq_lens,
-                              block_tables=block_tables)
-    if out is not None:
-        _checks.check_shape("out", out, tuple(query.shape), f"like query {tuple(query.shape)}")
-        _checks.check_same_dtype("query", query, out=out)
-        _checks.check_same_device("query", query, out=out)
-    for name, tensor in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache),
-                         ("out", out)):
-        if tensor is not None:
-            _checks.check_inner_contiguous(name, tensor)
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
@@ -246,54 +200,71 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Accumulates in float32. Runs on the current stream. Raises ValueError on a wrong
     device, dtype, shape or stride, or num_heads not a multiple of num_kv_heads.
     """
-    if not _looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
-        _check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    key = call_key(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
+    if key is not None:
+        prepared = _PREPARED.lookup(key, config, max_query_len, max_seq_len)
+        if prepared is not None:
+            done = prepared.launch(query, k_cache, v_cache, query_start_loc, seq_lens,
+                                   block_tables, softmax_scale * _LOG2E, out)
+            if done is not None:
+                return done
+    if not looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
+        check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    group = num_heads // num_kv_heads
     if config is None:
         config = pick_config(query.device, query.dtype, num_tokens, num_reqs, num_kv_heads,
-                             group, head_dim, max_query_len, max_seq_len)
-    group_pad = triton.next_power_of_2(group)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    num_splits = config.num_splits
-    if num_splits > 1:
-        # One allocation (this runs per layer per step): [num_splits, num_tokens, num_heads,
-        # head_dim] float32 partial outputs, then their log2-sum-exp [num_splits, num_tokens,
-        # num_heads].
-        num_parts = num_splits * num_tokens * num_heads
-        scratch = torch.empty(num_parts * (head_dim + 1), dtype=torch.float32,
-                              device=query.device)
-        part_out = scratch[:num_parts * head_dim].view(num_splits, num_tokens, num_heads,
-                                                       head_dim)
-        part_lse = scratch[num_parts * head_dim:].view(num_splits, num_tokens, num_heads)
+                             num_heads // num_kv_heads, head_dim, max_query_len, max_seq_len)
+    if config.num_splits > 1:
+        part_out, part_lse = split_scratch(config.num_splits, num_tokens, num_heads, head_dim,
+                                           query.device)
     else:
         part_out = part_lse = out  # never read or written when num_splits == 1
+    grid = (num_tokens // config.block_q + num_reqs, num_kv_heads, config.num_splits)
+    args = _attention_args(query, k_cache, v_cache, out, part_out, part_lse, query_start_loc,
+                           seq_lens, block_tables, softmax_scale * _LOG2E, config)
+    compiled = _paged_attention_kernel[grid](*args, num_warps=config.num_warps,
+                                             num_stages=config.num_stages)
+    reduce = None
+    if config.num_splits > 1:
+        reduce = reduce_splits(part_out, part_lse, out, query_start_loc)
+    if key is not None and query.device.type == "cuda":
+        _PREPARED.record(key, query, num_reqs, num_kv_heads, config, (compiled, grid, args),
+                         reduce)
+    return out
+
+
+def _attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, qk_scale: float,
+                    config: AttentionConfig) -> tuple:
+    """`_paged_attention_kernel`'s arguments in parameter order, constexprs included (the
+    order `kernels._attention_launch` slices: 9 tensors, qk_scale, 12 integers fixed by the
+    geometry, the block table's row stride, then the scratch strides and constexprs)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
     dot_fp32 = query.dtype == torch.float32 or (
         query.dtype == torch.bfloat16 and _checks.interpreting())
-    grid = (num_tokens // config.block_q + num_reqs, num_kv_heads, num_splits)
-    _paged_attention_kernel[grid](
-        query, k_cache, v_cache, out, part_out, part_lse,
-        query_start_loc, seq_lens, block_tables,
-        softmax_scale * _LOG2E, num_reqs, num_splits,
+    return (
+        query, k_cache, v_cache, out, part_out, part_lse, query_start_loc, seq_lens,
+        block_tables, qk_scale, seq_lens.shape[0], config.num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=config.block_q,
-        BLOCK_M=config.block_q * group_pad, BLOCK_SIZE=block_size,
-        TILE_N=config.tile_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        SPLIT_KV=num_splits > 1,
-        DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        # GROUP, GROUP_PAD, BLOCK_Q, BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD,
+        # SPLIT_KV, DOT_PRECISION, DOT_FP32
+        group, group_pad, config.block_q, config.block_q * group_pad, k_cache.shape[1],
+        config.tile_n, head_dim, max(16, triton.next_power_of_2(head_dim)),
+        config.num_splits > 1, "ieee" if dot_fp32 else "tf32", dot_fp32,
     )
-    if num_splits > 1:
-        reduce_splits(part_out, part_lse, out, query_start_loc)
-    return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -170,24 +171,47 @@ def _reduce_splits_kernel(
                  (acc / total).to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
+def split_scratch(num_splits: int, num_tokens: int, num_heads: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 scratch of one split-KV launch, in one allocation: partial outputs
+    [num_splits, num_tokens, num_heads, head_dim], then their log2-sum-exps
+    [num_splits, num_tokens, num_heads]. Always laid out the same way for the same sizes
+    (prepared launches reuse kernels specialised on these strides and alignments)."""
+    num_parts = num_splits * num_tokens * num_heads
+    scratch = torch.empty(num_parts * (head_dim + 1), dtype=torch.float32, device=device)
+    part_out = scratch[:num_parts * head_dim].view(num_splits, num_tokens, num_heads, head_dim)
+    part_lse = scratch[num_parts * head_dim:].view(num_splits, num_tokens, num_heads)
+    return part_out, part_lse
+
+
+def reduce_split_args(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                      query_start_loc: torch.Tensor) -> tuple[tuple[int, int], tuple]:
+    """(grid, arguments in parameter order, constexprs included) of `_reduce_splits_kernel`;
+    the first four arguments are the tensors passed in, the rest depend only on shapes and
+    strides."""
+    num_splits, num_tokens, num_heads, head_dim = part_out.shape
+    args = (part_out, part_lse, out, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            _SPLIT_TILE, head_dim, triton.next_power_of_2(head_dim))
+    return (num_tokens, num_heads), args
+
+
 def reduce_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                  query_start_loc: torch.Tensor) -> None:
-    """Merge split-KV partials into `out`.
+                  query_start_loc: torch.Tensor) -> tuple[Any, tuple[int, int], tuple]:
+    """Merge split-KV partials into `out`; returns (what the JIT launch returned: the
+    compiled kernel on a GPU, grid, arguments) so the caller can prepare the next launch.
 
     part_out: [num_splits, num_tokens, num_heads, head_dim] float32 (normalised per split)
     part_lse: [num_splits, num_tokens, num_heads] float32, log2-sum-exp (-inf when empty)
     out: [num_tokens, num_heads, head_dim]; query_start_loc: [num_reqs + 1] int32.
     Internal to paged_attention, which has checked the arguments.
     """
-    num_splits, num_tokens, num_heads, head_dim = part_out.shape
+    num_splits, num_tokens, num_heads, _ = part_out.shape
     assert part_lse.shape == (num_splits, num_tokens, num_heads), \
         f"partials disagree: {tuple(part_out.shape)} vs {tuple(part_lse.shape)}"
     assert part_out.stride(-1) == 1 and part_lse.stride(-1) == 1 and out.stride(-1) == 1, \
         "reduce_splits needs unit inner strides"
-    _reduce_splits_kernel[(num_tokens, num_heads)](
-        part_out, part_lse, out, query_start_loc, query_start_loc.shape[0] - 1, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLIT_TILE=_SPLIT_TILE, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
-    )
+    grid, args = reduce_split_args(part_out, part_lse, out, query_start_loc)
+    compiled = _reduce_splits_kernel[grid](*args, num_warps=4)
+    return compiled, grid, args
