@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=32768)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--warm", action="store_true", help="keep the page cache")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -59,7 +60,10 @@ def main() -> None:
             log: dict[str, float] = {}
             llm.scheduler.schedule = timed(llm.scheduler.schedule, log, "schedule")
             llm.runner.execute = timed(llm.runner.execute, log, "execute")
-            print("page cache dropped:", drop_page_cache())
+            stats = llm.stats()
+            print("disk blocks", stats.disk.num_blocks if stats.disk else None,
+                  "gpu blocks", stats.pool.num_blocks, "free", stats.pool.num_free)
+            print("page cache dropped:", False if args.warm else drop_page_cache())
             profile = cProfile.Profile()
             started = time.perf_counter()
             llm.add_request(docs[0] + second[0], params)
