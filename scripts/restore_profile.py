@@ -44,7 +44,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    config = LongctxConfig(model=args.model, device=device, dtype=dtype, num_docs=1,
+    # Tiers sized for two documents (as `bench longctx` sizes them for its documents).
+    config = LongctxConfig(model=args.model, device=device, dtype=dtype, num_docs=2,
                            doc_tokens=args.doc_tokens, max_batched_tokens=args.max_batched_tokens,
                            max_tokens=2)
     loaded = load_model(args.model, torch.device(device), dtype)
@@ -61,7 +62,7 @@ def main() -> None:
             llm.scheduler.schedule = timed(llm.scheduler.schedule, log, "schedule")
             llm.runner.execute = timed(llm.runner.execute, log, "execute")
             stats = llm.stats()
-            print("disk blocks", stats.disk.num_blocks if stats.disk else None,
+            print("disk", stats.disk,
                   "gpu blocks", stats.pool.num_blocks, "free", stats.pool.num_free)
             print("page cache dropped:", False if args.warm else drop_page_cache())
             profile = cProfile.Profile()
