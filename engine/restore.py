@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 #: Bytes per load group from disk: large enough that per-read costs on the host are small,
 #: small enough that cancelling the groups not yet started leaves little to wait for.
-DISK_GROUP_BYTES = 8 << 20
+DISK_GROUP_BYTES = 16 << 20
 #: Blocks per load group from the host tier: its copies are queued on the GPU at once, so a
 #: group only bounds the size of one copy job.
 HOST_GROUP_BLOCKS = 256

@@ -365,7 +365,8 @@ class TierManager:
 
     def _complete(self, load_id: LoadId, leading_only: bool) -> list[bool]:
         load = self._get_load(load_id)
-        self.poll()
+        if not self._is_usable(load):
+            self.poll()
         while not self._is_usable(load):
             # Blocks waiting for a host slot wait for whatever is in flight to free one.
             pending = list(load.job_ids or self._on_done)
@@ -509,11 +510,14 @@ class TierManager:
                 on_done(ok)
         if self._remote_writes is not None:
             self._remote_writes.send()  # this step's newly cached blocks, in batches
-        self._schedule_writebacks(sum(len(load.waiting) for load in self._loads.values()))
-        for load in self._loads.values():
+        # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
+        # in flight, and `_complete` polls once per load it completes.
+        starved = [load for load in self._loads.values() if load.waiting]
+        self._schedule_writebacks(sum(len(load.waiting) for load in starved))
+        for load in starved:
             self._feed_load(load)
-        if not self._on_done:  # nothing in flight can free a slot: waiting blocks are misses
-            for load in self._loads.values():
+        if starved and not self._on_done:  # nothing in flight can free a slot: misses
+            for load in starved:
                 self._tiers[Tier.HOST].rejected += len(load.waiting)
                 for lb in load.waiting:
                     lb.done = True
