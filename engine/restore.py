@@ -156,6 +156,19 @@ class Restore:
 
     # ---- the load front ------------------------------------------------------------------
 
+    def forgo_slow_tiers(self, prefill_tokens_per_s: float | None) -> None:
+        """Call before the first `issue`: when the model computes every block still to come
+        in less than `FIRST_LANDING_WAIT_S` (at `prefill_tokens_per_s`, when measured), the
+        blocks on disk or in the remote tier are computed instead of read (their first read
+        would land after the compute is done, and the front would wait for it); host hits
+        still load, within the step."""
+        if prefill_tokens_per_s is None \
+                or self._pending_tokens(0) > prefill_tokens_per_s * FIRST_LANDING_WAIT_S:
+            return
+        for i, tier in enumerate(self.tiers):
+            if tier in (Tier.DISK, Tier.REMOTE) and self.states[i] is BlockState.PENDING:
+                self.states[i] = BlockState.COMPUTE
+
     def issue(self, floor: int) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
         while the window has room; groups whose bytes are queued on the GPU at once (host

@@ -226,6 +226,7 @@ class Scheduler:
                               self.restore_group_bytes)
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
+            restore.forgo_slow_tiers(self.prefill_rate.tokens_per_s)
             restore.issue(floor=num_leading)
 
     def _finish_loads(self) -> None:

@@ -257,40 +257,38 @@ def test_a_request_preempted_while_both_fronts_move_comes_back(disk_dir: Path) -
     assert hashes[7] in hook.read
 
 
-@pytest.mark.parametrize("prefill_tokens_per_s", [1e-3, 1e9])
-def test_a_measured_prefill_rate_sizes_the_compute_fronts_claims(
-        disk_dir: Path, prefill_tokens_per_s: float) -> None:
+def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> None:
     hashes = warm(disk_dir, [PROMPT])
     hook = ReadHook(gate_at=3)  # blocks 7 and 6 land, block 5's read is held
-    slow = prefill_tokens_per_s < 1
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
-        driver.scheduler.prefill_rate.observe(1000, 1000 / prefill_tokens_per_s)
+        driver.scheduler.prefill_rate.observe(1000, 1e6)  # a thousandth of a token a second
         request = driver.add(PROMPT)
-        admitted = [(p.start, p.num_new_tokens) for p in driver.step().scheduled]
-        # A model that computes the whole prefix sooner than the first landing could come
-        # is not held for it; a slow one is.
-        assert admitted == ([] if slow else [(0, 8)])
+        assert driver.step().scheduled == []  # the admitting step waits
         assert hook.gated.wait(timeout=60)
         deadline = time.monotonic() + 60
         while restored_blocks_now(driver, request) < 2:
             assert time.monotonic() < deadline, "blocks 7 and 6 never landed"
             time.sleep(0.001)
-        chunks = [(p.start, p.num_new_tokens) for _ in range(3)
-                  for p in driver.step().scheduled]
-        if slow:
-            # The model would compute a block long after the tier delivers the rest at the
-            # rate it landed blocks 7 and 6: the front waits for the loads.
-            assert chunks == []
-        else:
-            # The model computes everything the tier has not delivered, as the plain
-            # meeting point does, up to block 5, whose read has started.
-            assert chunks == [(8, 8), (16, 4)]
+        # The model would compute a block long after the tier delivers the rest at the rate
+        # it landed blocks 7 and 6: the front waits for the loads instead of claiming.
+        assert [p for _ in range(3) for p in driver.step().scheduled] == []
         hook.release()
         finish_idle(driver)
-    assert restored_blocks(request) == (8 if slow else 3)
-    assert request.counters.computed == (1 if slow else 5 * BS + 1)
-    assert hook.read[:3] == [hashes[7], hashes[6], hashes[5]]
+    assert restored_blocks(request) == 8 and request.counters.computed == 1
+    assert hook.read == list(reversed(hashes[:8]))
+
+
+def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(1000, 1e-6)  # the whole prompt in nanoseconds
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+    assert hook.read == []
+    assert restored_blocks(request) == 0 and request.counters.computed == 33
 
 
 def restored_blocks_now(driver: Driver, request: Request) -> int:
