@@ -19,6 +19,7 @@ from kvtier.cli.bench.longctx import (
     run_longctx_bench,
     run_longctx_sweep,
 )
+from kvtier.cli.bench.serve import EXTRA_MODES as EXTRA_SERVE_MODES
 from kvtier.cli.bench.serve import MODES as SERVE_MODES
 from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
 from kvtier.cli.bench.swap import DEFAULT_BLOCK_BYTES, run_swap_bench
@@ -260,7 +261,8 @@ def serve(
                                           "what all conversations need)."),
     max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
     modes: str = typer.Option(",".join(SERVE_MODES), help="Comma-separated tier modes; the "
-                              "first is the baseline of the ratios."),
+                              "first is the baseline of the ratios. Also host_third: the "
+                              "host tier of host_disk without the disk."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),
@@ -298,7 +300,7 @@ def serve(
                          system_tokens=system_tokens, user_tokens=user_tokens,
                          max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
                          max_batched_tokens=max_batched_tokens,
-                         modes=_parse_names(modes, SERVE_MODES, "--modes"),
+                         modes=_parse_names(modes, SERVE_MODES + EXTRA_SERVE_MODES, "--modes"),
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
                          repeats=repeats, seed=seed, remote_cache=remote_cache)

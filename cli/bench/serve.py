@@ -30,7 +30,10 @@ from kvtier.cli.bench.longctx import free_engine_memory, load_for_bench, summari
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
+#: off: tiers off. host: a host tier that holds every conversation. host_third: a host tier
+#: that holds a third of them (host_disk's), no disk. host_disk: that host tier, then disk.
 MODES = ("off", "host", "host_disk")
+EXTRA_MODES = ("host_third",)
 GIB = 1 << 30
 
 Progress = Callable[[str], None]
@@ -72,8 +75,9 @@ class ServeConfig:
         if self.hf_new_tokens < 2:
             raise ValueError(f"--hf-new-tokens must be at least 2 (decode needs a second "
                              f"token), got {self.hf_new_tokens}")
-        if not self.modes or any(m not in MODES for m in self.modes):
-            raise ValueError(f"--modes must name some of {MODES}, got {self.modes}")
+        if not self.modes or any(m not in MODES + EXTRA_MODES for m in self.modes):
+            raise ValueError(f"--modes must name some of {MODES + EXTRA_MODES}, "
+                             f"got {self.modes}")
         if self.gpu_blocks is not None and self.gpu_blocks < self.request_blocks:
             raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold one conversation's "
                              f"last request ({self.request_blocks} blocks)")
@@ -121,9 +125,11 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
                                "host_cache": mode != "off", "disk_cache": mode == "host_disk"}
     if mode == "host":
         options["host_cache_gb"] = 5 * everything / 4 / GIB
-    elif mode == "host_disk":
-        # The host tier holds a third of the conversations; the rest must go to disk.
+    elif mode in ("host_third", "host_disk"):
+        # The host tier holds a third of the conversations; the rest must go to disk (or,
+        # without one, be computed again).
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
+    if mode == "host_disk":
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
     if config.remote_cache is not None and mode != "off":
         from kvtier.remote_config import RemoteConfig

@@ -156,6 +156,19 @@ def test_serve_modes_agree_and_tiers_serve_history(runner):
             figures["engine_decode_tok_s"] / figures["hf_decode_tok_s"])
 
 
+def test_serve_compares_the_disk_with_the_same_host_tier_alone(runner):
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host_third,host_disk", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    third, disk = report["modes"]["host_third"], report["modes"]["host_disk"]
+    assert third["tokens"]["disk"] == 0 and third["bytes_moved"]["host->disk"] == 0
+    assert third["tokens"]["host"] > 0
+    # The same host tier; what it evicts goes to disk. (Whether it comes back from there
+    # or is computed depends on the rates: prompts this short on this model are computed.)
+    assert disk["bytes_moved"]["host->disk"] > 0
+
+
 def test_serve_table(runner):
     result = runner.invoke(app, [*SERVE, "--modes", "off,host"])
     assert result.exit_code == 0, result.output
