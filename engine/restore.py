@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.engine.restore_rates import SLOW_TIERS
+
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
 from kvtier.tiers.record import BlockMeta
@@ -55,21 +57,6 @@ FIRST_LANDING_WAIT_S = 0.05
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
-
-
-@dataclass(slots=True)
-class PrefillRate:
-    """Tokens per second the model computes in prefill steps, averaged over recent steps
-    (None until one was timed); sizes a restore's claims."""
-
-    tokens_per_s: float | None = None
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """Count one step of `num_tokens` tokens that took `seconds` (wall clock)."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        rate = num_tokens / seconds
-        self.tokens_per_s = rate if self.tokens_per_s is None else (self.tokens_per_s + rate) / 2
 
 
 class BlockState(enum.Enum):
@@ -104,7 +91,9 @@ class Restore:
 
     `tiers[i]` is where block i of the hit lives, `block_table[i]` its GPU block (a GPU hit's
     own block, else one allocated for its load, held by the request). `meta(i)` gives the
-    `BlockMeta` of block i. `group_bytes` sizes the disk groups. Driven from the
+    `BlockMeta` of block i. `group_bytes` sizes the disk groups. `expected_load_rate`
+    (tokens/s) is what the slow tiers delivered to recent restores (`TierRates`), None
+    when unknown. Driven from the
     scheduler's thread: `collect` (landed groups),
     `skip` (the front over VALID blocks), `claim` (a chunk), `issue` (more groups), and
     `abandon` when the request gives its blocks back.
@@ -112,7 +101,8 @@ class Restore:
 
     def __init__(self, manager: TierManager, tiers: Sequence[Tier],
                  block_table: Sequence[KVCacheBlock], meta: Callable[[int], BlockMeta],
-                 block_size: int, group_bytes: int = DISK_GROUP_BYTES) -> None:
+                 block_size: int, group_bytes: int = DISK_GROUP_BYTES,
+                 expected_load_rate: float | None = None) -> None:
         assert len(tiers) <= len(block_table), "a GPU block for every hit block"
         self.manager = manager
         self.tiers = list(tiers)
@@ -138,6 +128,8 @@ class Restore:
         self._began = time.monotonic()
         self._hold_began: float | None = None  # the first `holds_first_claim` call
         self._num_completed = 0  # groups landed or failed
+        self._expected_load_rate = expected_load_rate
+        self._last_landing: dict[Tier, float] = {}  # per slow tier, when a block last landed
 
     @property
     def num_blocks(self) -> int:
@@ -158,21 +150,25 @@ class Restore:
 
     def forgo_slow_tiers(self, prefill_tokens_per_s: float | None) -> None:
         """Call before the first `issue`: when the model computes every block still to come
-        in less than `FIRST_LANDING_WAIT_S` (at `prefill_tokens_per_s`, when measured), the
-        blocks on disk or in the remote tier are computed instead of read (their first read
-        would land after the compute is done, and the front would wait for it); host hits
-        still load, within the step."""
-        if prefill_tokens_per_s is None \
+        in less than `FIRST_LANDING_WAIT_S` (at `prefill_tokens_per_s`, when measured) and
+        the slow tiers' rate is not known from recent restores, the blocks on disk or in
+        the remote tier are computed instead of read (a first read would likely land after
+        the compute is done, and the front would wait for it); host hits still load,
+        within the step. With a known rate, `reserved_head` decides how much to read."""
+        if prefill_tokens_per_s is None or self._expected_load_rate is not None \
                 or self._pending_tokens(0) > prefill_tokens_per_s * FIRST_LANDING_WAIT_S:
             return
         for i, tier in enumerate(self.tiers):
             if tier in (Tier.DISK, Tier.REMOTE) and self.states[i] is BlockState.PENDING:
                 self.states[i] = BlockState.COMPUTE
 
-    def issue(self, floor: int) -> None:
+    def issue(self, floor: int, prefill_tokens_per_s: float | None = None) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
         while the window has room; groups whose bytes are queued on the GPU at once (host
-        hits on CUDA) land right away."""
+        hits on CUDA) land right away. With the prefill rate and the slow tiers' rate known,
+        disk and remote groups stay above the head the compute front will compute anyway
+        (`reserved_head`): a read there would only make the front wait for it."""
+        reserve = self.reserved_head(floor, prefill_tokens_per_s)
         while len(self._in_flight) < self._max_groups:
             while self._top >= floor and self.states[self._top] is not BlockState.PENDING:
                 self._top -= 1
@@ -180,8 +176,11 @@ class Restore:
                 return
             stop = self._top + 1
             tier = self.tiers[self._top]
+            low = max(floor, reserve) if tier in SLOW_TIERS else floor
+            if self._top < low:
+                return  # the reserved head: the compute front's
             start = stop
-            while (start > floor and stop - start < self._group_blocks[tier]
+            while (start > low and stop - start < self._group_blocks[tier]
                    and self.states[start - 1] is BlockState.PENDING
                    and self.tiers[start - 1] is tier):
                 start -= 1
@@ -197,6 +196,32 @@ class Restore:
             self._in_flight.append(_Group(load_id, start, stop, tier))
             if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
+
+    def reserved_head(self, floor: int, prefill_tokens_per_s: float | None) -> int:
+        """The first block from `floor` on that the slow tiers should load: above the head
+        of R*P/(P+L) tokens that the model (P tokens/s) computes while they deliver the
+        other R tokens still to come at L tokens/s (`floor` while either rate is unknown)."""
+        load_rate = self._load_rate()
+        if prefill_tokens_per_s is None or load_rate is None:
+            return floor
+        share = self._pending_tokens(floor) * prefill_tokens_per_s \
+            / (prefill_tokens_per_s + load_rate)
+        return floor + int(share) // self.block_size
+
+    def _load_rate(self) -> float | None:
+        """Tokens/s the slow tiers delivered to this restore, or what they delivered to
+        recent ones before the first landing here; None when neither is known."""
+        elapsed = time.monotonic() - self._began
+        landed = self.block_size * sum(self.restored[t] for t in SLOW_TIERS)
+        if landed and elapsed > 0:
+            return landed / elapsed
+        return self._expected_load_rate
+
+    def measured_rates(self) -> list[tuple[Tier, int, float]]:
+        """(tier, tokens landed, seconds from the start to its last landing) of each slow
+        tier that delivered to this restore, for `TierRates`."""
+        return [(tier, self.restored[tier] * self.block_size, when - self._began)
+                for tier, when in self._last_landing.items() if self.restored[tier]]
 
     def collect(self) -> bool:
         """Complete groups that landed (call after `TierManager.poll`). True if any did."""
@@ -217,6 +242,8 @@ class Restore:
         for i, ok in zip(range(group.start, group.stop), arrived):
             self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE
             self.restored[group.tier] += ok
+        if group.tier in SLOW_TIERS and any(arrived):
+            self._last_landing[group.tier] = time.monotonic()
 
     # ---- the compute front ---------------------------------------------------------------
 
@@ -231,14 +258,17 @@ class Restore:
         the request: it then computes everything, as it would without a tier, that much
         later. A prefix the model computes from `compute_block` on in less than that bound
         (at `prefill_tokens_per_s`, when measured) is not held at all: waiting could only
-        make it later."""
+        make it later; nor is one whose slow tiers' rate is known from recent restores (the
+        claims are sized from it)."""
         if not self.fresh:
             return False
         now = time.monotonic()
         if self._hold_began is None:
             self._hold_began = now
-            if prefill_tokens_per_s is not None and self._pending_tokens(compute_block) \
-                    <= prefill_tokens_per_s * FIRST_LANDING_WAIT_S:
+            cheap = prefill_tokens_per_s is not None and self._pending_tokens(compute_block) \
+                <= prefill_tokens_per_s * FIRST_LANDING_WAIT_S
+            if cheap or (prefill_tokens_per_s is not None
+                         and self._expected_load_rate is not None):
                 self.fresh = False
                 return False
         if self._in_flight and self._num_completed == 0 \
@@ -257,22 +287,20 @@ class Restore:
         """How many of `num_tokens` tokens from `compute_block` the compute front should
         claim now, so that it and the loads finish together. With R tokens the tiers may
         still deliver (PENDING or LOADING from the front on), the load front landing L
-        tokens/s so far and the model computing P tokens/s, that is the head's R*P/(P+L)
-        tokens, whole blocks: 0 (wait this step) when the tiers would deliver everything
-        before one block is computed. While the prefill rate is unknown the front claims
-        `PROBE_TOKENS` to measure it; while no group has landed, or none is in flight (a
-        tier that delivers nothing), it claims all of `num_tokens` (the plain meeting
-        point)."""
+        tokens/s (the slow tiers' landings so far, else their rate in recent restores) and the
+        model computing P tokens/s, that is the head's R*P/(P+L) tokens, whole blocks: 0
+        (wait this step) when the tiers would deliver everything before one block is
+        computed. While the prefill rate is unknown the front claims `PROBE_TOKENS` to
+        measure it; while the load rate is unknown, or nothing is in flight, it claims all
+        of `num_tokens` (the plain meeting point)."""
         bs = self.block_size
         if prefill_tokens_per_s is None:
             return min(num_tokens, PROBE_TOKENS)
-        elapsed = time.monotonic() - self._began
-        landed = sum(self.restored.values()) * bs
-        if not self._in_flight or landed == 0 or elapsed <= 0:
+        load_rate = self._load_rate()
+        if not self._in_flight or load_rate is None:
             return num_tokens
         remaining = self._pending_tokens(compute_block)
-        load_tokens_per_s = landed / elapsed
-        share = remaining * prefill_tokens_per_s / (prefill_tokens_per_s + load_tokens_per_s)
+        share = remaining * prefill_tokens_per_s / (prefill_tokens_per_s + load_rate)
         return min(num_tokens, int(share) // bs * bs)
 
     def skip(self, compute_block: int) -> int:

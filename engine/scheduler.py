@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.restore import DISK_GROUP_BYTES, PrefillRate, Restore, RestoreFronts
+from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
+from kvtier.engine.restore_rates import PrefillRate, TierRates
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -101,6 +102,8 @@ class Scheduler:
         #: The model's measured prefill speed, which sizes restores' claims (the engine
         #: feeds it: `PrefillRate.observe`).
         self.prefill_rate = PrefillRate()
+        #: What the disk and remote tiers delivered to recent restores (learnt here).
+        self.tier_rates = TierRates()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -223,11 +226,12 @@ class Scheduler:
         if load_positions:
             restore = Restore(self.manager, tiers, table,
                               lambda i: self._meta(request, i), request.block_size,
-                              self.restore_group_bytes)
+                              self.restore_group_bytes, self.tier_rates.expected(tiers))
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
-            restore.forgo_slow_tiers(self.prefill_rate.tokens_per_s)
-            restore.issue(floor=num_leading)
+            rate = self.prefill_rate.tokens_per_s
+            restore.forgo_slow_tiers(rate)
+            restore.issue(num_leading, rate)
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
@@ -260,9 +264,10 @@ class Scheduler:
             return 0
         num_new = restore.balanced_tokens(front, num_new, rate)
         if num_new == 0:  # the tiers deliver the rest sooner than a block is computed
+            restore.issue(front, rate)  # including the head, if it was left to the front
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
-        restore.issue(floor=-(-(request.num_computed_tokens + num_new) // request.block_size))
+        restore.issue(-(-(request.num_computed_tokens + num_new) // request.block_size), rate)
         return num_new
 
     def _end_restore(self, request: Request) -> None:
@@ -270,7 +275,7 @@ class Scheduler:
         restore = self._restores.pop(request.request_id, None)
         if restore is None:
             return
-        self._draining.extend(restore.abandon())
+        self._forget(restore)
         request.counters.cached_host += restore.restored[Tier.HOST] * request.block_size
         request.counters.cached_disk += restore.restored[Tier.DISK] * request.block_size
         request.counters.cached_remote += restore.restored[Tier.REMOTE] * request.block_size
@@ -358,7 +363,14 @@ class Scheduler:
         """Give up a restore whose request gives its blocks back (nothing is counted)."""
         restore = self._restores.pop(request.request_id, None)
         if restore is not None:
-            self._draining.extend(restore.abandon())
+            self._forget(restore)
+
+    def _forget(self, restore: Restore) -> None:
+        """Learn the slow tiers' rates from a restore that ends; complete its loads given up
+        later (`_draining`)."""
+        for tier, num_tokens, seconds in restore.measured_rates():
+            self.tier_rates.observe(tier, num_tokens, seconds)
+        self._draining.extend(restore.abandon())
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self.running:

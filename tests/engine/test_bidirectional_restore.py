@@ -291,6 +291,45 @@ def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: P
     assert restored_blocks(request) == 0 and request.counters.computed == 33
 
 
+def test_the_head_the_model_computes_while_the_disk_loads_the_tail_is_never_issued(
+        disk_dir: Path) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # block 7's read is held: nothing lands, the rates stay put
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        # The model computes as many tokens a second as the disk delivered to recent
+        # restores: each front takes half of the 32 tokens still to come.
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 100, 1.0)
+        request = driver.add(PROMPT)
+        first = driver.step()  # no wait for a first landing: the disk's rate is known
+        fronts = driver.scheduler.restore_fronts()[request.request_id]
+        assert (fronts.load_block, fronts.num_blocks) == (4, 8)  # blocks 0-3 never issued
+        chunks = [(p.start, p.num_new_tokens) for p in first.scheduled]
+        chunks += [(p.start, p.num_new_tokens) for _ in range(3)
+                   for p in driver.step().scheduled]
+        # The head first, then the queued loads in the way are cancelled and computed; the
+        # front stops at block 7, whose read has started.
+        assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4)]
+        hook.release()
+        finish_idle(driver)
+    assert hook.read == [hashes[7]]
+    assert restored_blocks(request) == 1 and request.counters.computed == 7 * BS + 1
+
+
+def test_restores_teach_the_scheduler_the_disks_rate(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
+        driver = Driver(manager)
+        assert driver.scheduler.tier_rates.expected([Tier.DISK]) is None
+        request = driver.add(PROMPT)
+        driver.step()
+        manager.flush()
+        finish_idle(driver)
+    assert restored_blocks(request) == 8
+    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 0
+
+
 def restored_blocks_now(driver: Driver, request: Request) -> int:
     driver.scheduler._finish_loads()  # noqa: SLF001
     fronts = driver.scheduler.restore_fronts()[request.request_id]

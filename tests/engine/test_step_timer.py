@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from kvtier.engine.restore import PrefillRate
+from kvtier.engine.restore_rates import PrefillRate
 from kvtier.engine.step_timer import MIN_TIMED_TOKENS, StepTimer
 
 
