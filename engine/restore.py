@@ -22,6 +22,12 @@ or at a group whose bytes are on their way, and waits for that group when it sto
 (at most one group's read: groups are a few MiB). Groups are only issued above the chunk just
 claimed, so a block is never both computed and loaded. A load that fails leaves its blocks to
 be computed: never a block served wrong.
+
+Speeds measured in the running process size the two fronts (`engine.restore_rates`): with
+the model's prefill rate P and the slow tiers' rate L known, a claim takes the head's share
+R*P/(P+L) of the R tokens still to come, so both fronts finish together, and disk or remote
+groups are only issued above that head (`reserved_head`), so the compute front does not run
+into reads under way. Until the rates are known the fronts meet where they meet.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ HOST_GROUP_BLOCKS = 256
 #: prefill step, and bounded so the I/O queue never blocks the engine.
 WINDOW_BYTES = 4 << 30
 #: Seconds a restore's compute front waits, at most, for the first group to land before it
-#: starts computing the head. A tier that answers at all lands its first group sooner (an
-#: 8 MiB read from a cold 1 GB/s disk takes ~8 ms); a dead or hanging one costs this much.
+#: starts computing the head. A tier that answers at all lands its first group sooner (a
+#: 16 MiB read from a cold 1 GB/s disk takes ~16 ms); a dead or hanging one costs this much.
 FIRST_LANDING_WAIT_S = 0.05
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
