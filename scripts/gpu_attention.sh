@@ -4,16 +4,8 @@
 #   bash scripts/gpu_attention.sh [OUT_DIR]      (default: $OUT, else ./out)
 # STAGES picks stages (default: all): tests firstreq kernels longctx.
 set -u
-cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-out}}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PY:-$(command -v python3 || command -v python)}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES=${STAGES:-"tests firstreq kernels longctx"}
-KV="$PY -m kvtier.cli.main"
-stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+source "$(dirname "$0")/gpu_env.sh" "$@"
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 

@@ -4,12 +4,8 @@
 # Each stage has its own time limit and log, so one failing stage still leaves the others'
 # results. Set SWEEP=1 to also time alternative attention tilings.
 set -u
-cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-out}}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PY:-$(command -v python || command -v python3)}
+STAGES=""  # every stage runs
+source "$(dirname "$0")/gpu_env.sh" "$@"
 # pytest is pure Python; use a carried copy when the machine has none.
 if ! $PY -c "import pytest" 2>/dev/null && [ -d .whl/pylib ]; then
     export PYTHONPATH="$PWD/.whl/pylib${PYTHONPATH:+:$PYTHONPATH}"

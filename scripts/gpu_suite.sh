@@ -5,25 +5,13 @@
 # SMOKE=1 shrinks every size (a quick check that each stage runs).
 # lmdb is not installed there: carry its wheel in .whl/ (see docs/BENCHMARKS.md).
 set -u
-cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-out}}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PY:-$(command -v python3 || command -v python)}
-if ! $PY -c "import lmdb" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES=${STAGES:-"tests roundtrip swap longctx serve"}
 SMOKE=${SMOKE:-0}
-KV="$PY -m kvtier.cli.main"
+source "$(dirname "$0")/gpu_env.sh" "$@"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$OUT_DIR/env.log"
 $PY -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT_DIR/env.log"
 
-stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
 
 if stage tests; then
     echo "== GPU tests" | tee "$OUT_DIR/gpu_tests.log"

@@ -5,22 +5,8 @@
 # order (the sweeps first, so their figures survive a short time limit). Each stage has its
 # own time limit; tables are printed last from the JSON files.
 set -u
-cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-out}}
-mkdir -p "$OUT_DIR"
-export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-PY=${PY:-$(command -v python3 || command -v python)}
-# lmdb, pydantic and platformdirs travel as wheels in .whl/ (here or two levels up).
-WHL=.whl; [ -d "$WHL" ] || WHL=../../.whl
-if ! $PY -c "import lmdb" 2>/dev/null && ls "$WHL"/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$WHL"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 STAGES=${STAGES:-"tests profile scattered hostruns contiguous streams"}
-KV="$PY -m kvtier.cli.main"
-stage() { case " $STAGES " in *" $1 "*) return 0;; *) return 1;; esac; }
+source "$(dirname "$0")/gpu_env.sh" "$@"
 
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
