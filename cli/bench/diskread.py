@@ -27,7 +27,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES
+from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, find_value
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
 _CHUNK = 8 << 20
@@ -153,7 +153,7 @@ def _value_spans(disk: DiskTier) -> list[tuple[int, int]]:
     page_size = index.env.stat()["psize"]
     with disk._map.txn() as txn, txn.cursor(db=index.blocks) as cursor:  # noqa: SLF001
         keys = [bytes(key) for key in cursor.iternext(values=False)]
-        spots = [index.find(cursor, key) for key in keys]
+        spots = [find_value(cursor, key) for key in keys]
     return sorted((spot.file_offset(page_size) + OVERFLOW_HEADER_BYTES, spot.size)
                   for spot in spots if spot is not None and spot.page is not None)
 

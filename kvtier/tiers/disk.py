@@ -33,7 +33,7 @@ from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, GuardedEnv, LmdbIndex, is_disk_full
-from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, check_overflow_header
+from kvtier.tiers.lmdb_value import find_value, pread_value
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
@@ -271,23 +271,17 @@ class DiskTier:
         header into the returned bytes, its payload (the last `array.nbytes` bytes) straight
         into `array`; also returns the record's length. (None, 0) when the block is not
         stored, its value sits in its leaf page, or the read comes short or lands elsewhere
-        than the tree says (the caller reads through LMDB then).
-
-        Nothing is read through the map but the tree's pages (`kvtier.tiers.lmdb_value`):
-        a value read through it is faulted in a few pages at a time, while one preadv reads
-        it at the disk's speed with the GIL released. The transaction of `cursor` keeps the
-        pages it read from being reused until it ends."""
+        than the tree says (the caller reads through LMDB then). Nothing is read through
+        the map but the tree's pages (`kvtier.tiers.lmdb_value`)."""
         try:
-            spot = self._index.find(cursor, block_hash)
+            spot = find_value(cursor, block_hash)
         except ValueError:
             return None, 0
         if spot is None or spot.page is None or spot.size <= array.nbytes:
             return None, 0
-        page_head = bytearray(OVERFLOW_HEADER_BYTES)
         head = bytearray(spot.size - array.nbytes)
-        buffers = [memoryview(page_head), memoryview(head), memoryview(array).cast("B")]
-        if not _preadv_full(self._data_file(), buffers, spot.file_offset(self._page_size)) \
-                or not check_overflow_header(page_head, spot, self._page_size):
+        if not pread_value(self._data_file(), spot, self._page_size,
+                           [memoryview(head), memoryview(array).cast("B")]):
             return None, 0
         return bytes(head), spot.size
 
@@ -503,18 +497,3 @@ class DiskTier:
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
-
-def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> bool:
-    """Fill `buffers` from `fd` at `offset`, reading again after a short read; False at the
-    end of the file."""
-    while buffers:
-        got = os.preadv(fd, buffers, offset)
-        if got <= 0:
-            return False
-        offset += got
-        while buffers and got >= len(buffers[0]):
-            got -= len(buffers[0])
-            buffers = buffers[1:]
-        if buffers and got:
-            buffers = [buffers[0][got:], *buffers[1:]]
-    return True

@@ -27,7 +27,7 @@ import lmdb
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk_check import check_disk_files
-from kvtier.tiers.lmdb_value import ValueSpot, find_value
+from kvtier.tiers.lmdb_value import find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -96,10 +96,6 @@ class LmdbIndex:
 
     def get(self, txn: lmdb.Transaction, block_hash: bytes) -> memoryview | bytes | None:
         return txn.get(block_hash, db=self.blocks)
-
-    def find(self, cursor: lmdb.Cursor, block_hash: bytes) -> ValueSpot | None:
-        """Where a block's value is (`cursor` on `blocks`), without reading it."""
-        return find_value(cursor, block_hash)
 
     def has_many(self, txn: lmdb.Transaction, block_hashes: Sequence[bytes]) -> list[bool]:
         """Whether each hash is stored; reads the tree's pages, never the values (a lookup

@@ -18,6 +18,7 @@ with F_BIGDATA, the 8-byte number of its first overflow page; an overflow page h
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from dataclasses import dataclass
 
@@ -66,6 +67,35 @@ def find_value(cursor: lmdb.Cursor, key: bytes) -> ValueSpot | None:
         return ValueSpot(size, None)
     (page,) = _PGNO.unpack(ctypes.string_at(address + key_size, _PGNO.size))
     return ValueSpot(size, page)
+
+
+def pread_value(fd: int, spot: ValueSpot, page_size: int, buffers: list[memoryview]) -> bool:
+    """Read the value `spot` names (on overflow pages) from data.mdb, open as `fd`, into
+    `buffers` (together `spot.size` bytes), with preadv: the value's bytes go straight
+    where the caller wants them, at the disk's speed, with the GIL released. False when the
+    file ends first or the page there is not the start of the value's overflow pages; the
+    caller then reads the value through LMDB. Only sound inside a read transaction that
+    found `spot`: it keeps those pages from being reused until it ends."""
+    assert spot.page is not None, "an inline value is read with Transaction.get"
+    page_head = bytearray(OVERFLOW_HEADER_BYTES)
+    return _preadv_full(fd, [memoryview(page_head), *buffers], spot.file_offset(page_size)) \
+        and check_overflow_header(page_head, spot, page_size)
+
+
+def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> bool:
+    """Fill `buffers` from `fd` at `offset`, reading again after a short read; False at the
+    end of the file."""
+    while buffers:
+        got = os.preadv(fd, buffers, offset)
+        if got <= 0:
+            return False
+        offset += got
+        while buffers and got >= len(buffers[0]):
+            got -= len(buffers[0])
+            buffers = buffers[1:]
+        if buffers and got:
+            buffers = [buffers[0][got:], *buffers[1:]]
+    return True
 
 
 def check_overflow_header(raw: bytes | bytearray, spot: ValueSpot, page_size: int) -> bool:
