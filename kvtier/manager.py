@@ -523,17 +523,21 @@ class TierManager:
                     lb.done = True
                 load.waiting.clear()
 
+    def drain(self) -> None:
+        """Block until no transfer is in flight (each one's completion has run)."""
+        self.poll()
+        while self._on_done:
+            self.transfers.wait(list(self._on_done))
+            self.poll()
+
     def flush(self) -> None:
         """Block until nothing is in flight and every dirty host block is written to disk."""
-        for write_back in (False, True):
-            if write_back and self._host_caches and self.disk is not None:
-                dirty = [s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]
-                for chunk in _chunks(dirty, _DISK_WRITE_BATCH):
-                    self._write_to_disk(chunk, staged=False)
-            self.poll()
-            while self._on_done:
-                self.transfers.wait(list(self._on_done))
-                self.poll()
+        self.drain()
+        if self._host_caches and self.disk is not None:
+            dirty = [s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]
+            for chunk in _chunks(dirty, _DISK_WRITE_BATCH):
+                self._write_to_disk(chunk, staged=False)
+            self.drain()
 
     def close(self) -> None:
         """Wait for in-flight work, flush write-backs to disk, stop the I/O threads and close

@@ -164,6 +164,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
             if rounds[conversation] < config.num_rounds:
                 send(conversation)
     elapsed = time.perf_counter() - start
+    llm.manager.drain()  # bytes moved count the writes the run started, landed or not yet
     ttft = [o.metrics.ttft_s for o in finished]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time)
             / (len(o.outputs[0].token_ids) - 1)

@@ -157,7 +157,9 @@ def test_serve_modes_agree_and_tiers_serve_history(runner):
 
 
 def test_serve_compares_the_disk_with_the_same_host_tier_alone(runner):
-    result = runner.invoke(app, [*SERVE, "--modes", "off,host_third,host_disk", "--json"])
+    # Four rounds: the conversations outgrow the third-size host tier by several blocks.
+    result = runner.invoke(app, [*SERVE, "--num-rounds", "4", "--modes", "off,host_third,host_disk",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["outputs_identical"] is True
