@@ -26,6 +26,7 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -99,6 +100,8 @@ class TierManager:
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._storing: set[BlockHash] = set()  # write-through in flight
+        # Write-throughs that found no host slot, oldest first (see `_defer`).
+        self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
         self._num_writing_back = 0
         self._writeback_reserve = max(1, num_host_slots // 8)
         self._tiers = new_tier_counters()
@@ -400,26 +403,53 @@ class TierManager:
         if self.host is None or not newly:
             return newly
         meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
-        self._schedule_writebacks(len(newly))
+        self._schedule_writebacks(len(newly) + len(self._deferred))
+        for block in newly:
+            if self._write_through([(block, meta_of[block.block_id])]) == 0:
+                self._defer(block, meta_of[block.block_id])
+        return newly
+
+    def _defer(self, block: KVCacheBlock, meta: BlockMeta) -> None:
+        """No host slot for `block`'s write-through now: count it skipped, and retry it when
+        write-backs free slots, if the GPU still caches it then (holding no reference)."""
+        self._tiers[Tier.HOST].rejected += 1
+        self._deferred[meta.block_hash] = (block, meta)
+        if len(self._deferred) > self._host.num_slots:  # older ones would be evicted anyway
+            self._deferred.popitem(last=False)
+
+    def _retry_deferred(self) -> None:
+        """Write through the deferred blocks the GPU still caches, oldest first, while host
+        slots can be had without waiting."""
+        pending = [(block, meta) for block, meta in self._deferred.values()
+                   if self.pool.get_cached_block(meta.block_hash) is block]
+        self._deferred.clear()
+        num_stored = self._write_through(pending)
+        for block, meta in pending[num_stored:]:
+            self._deferred[meta.block_hash] = (block, meta)
+
+    def _write_through(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]) -> int:
+        """Copy cached GPU blocks to host slots in one job, in order, up to the first one no
+        slot can be had for. Returns how many of `pairs` were handled (copied, or already
+        stored or being stored)."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        for block, meta in ((block, meta_of[block.block_id]) for block in newly):
+        num_handled = 0
+        for block, meta in pairs:
             # (Staging: the disk write itself skips blocks already on disk.)
-            if meta.block_hash in self._storing or (
+            if meta.block_hash not in self._storing and not (
                     self._host_caches and self._host.contains(meta.block_hash)):
-                continue
-            slot = self._host.allocate_slot(meta)
-            if slot is None:  # skipped, not waited for
-                self._tiers[Tier.HOST].rejected += 1
-                continue
-            items.append((block, meta, slot))
-            self._storing.add(meta.block_hash)
+                slot = self._host.allocate_slot(meta)
+                if slot is None:  # not waited for
+                    break
+                items.append((block, meta, slot))
+                self._storing.add(meta.block_hash)
+            num_handled += 1
         if items:
             self.pool.touch([block for block, _, _ in items])
             mapping = torch.tensor([[b.block_id, slot] for b, _, slot in items],
                                    dtype=torch.int64)  # [n, 2] (gpu block, slot)
             job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self._host.slab, mapping)
             self._submit(job, lambda ok: self._finish_store(items, ok))
-        return newly
+        return num_handled
 
     def _finish_store(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
                       ok: bool) -> None:
@@ -513,7 +543,10 @@ class TierManager:
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
         # in flight, and `_complete` polls once per load it completes.
         starved = [load for load in self._loads.values() if load.waiting]
-        self._schedule_writebacks(sum(len(load.waiting) for load in starved))
+        if self._deferred:
+            self._retry_deferred()
+        self._schedule_writebacks(sum(len(load.waiting) for load in starved)
+                                  + len(self._deferred))
         for load in starved:
             self._feed_load(load)
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
@@ -533,9 +566,9 @@ class TierManager:
     def flush(self) -> None:
         """Block until nothing is in flight and every dirty host block is written to disk."""
         self.drain()
-        if self._host_caches and self.disk is not None:
-            dirty = [s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]
-            for chunk in _chunks(dirty, _DISK_WRITE_BATCH):
+        while self._host_caches and self.disk is not None and (dirty := [
+                s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]):
+            for chunk in _chunks(dirty, _DISK_WRITE_BATCH):  # (a deferred store may follow)
                 self._write_to_disk(chunk, staged=False)
             self.drain()
 

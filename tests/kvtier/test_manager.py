@@ -228,29 +228,58 @@ def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release
         write(m, metas[i:i + 1], data[i:i + 1])
     assert entered.wait(timeout=60)
     # D and E find no slot: A and B are being written back (D's attempt started B's), and
-    # C is dirty and must not be dropped. They are skipped; the manager does not block.
+    # C is dirty and must not be dropped. They are skipped, not waited for, and C's
+    # write-back starts so that they can follow once the disk has the three.
     write(m, metas[3:4], data[3:4])
     write(m, metas[4:5], data[4:5])
     assert m.stats().tiers[Tier.HOST].rejected == 2
-    slot_c = m.host.lookup(hashes[2])
-    assert slot_c is not None and m.host.is_dirty(slot_c) and m.host.num_pins(slot_c) == 0
     assert all(m.host.contains(h) for h in hashes[:3])
+    assert not m.host.contains(hashes[3]) and not m.host.contains(hashes[4])
+    assert all(m.host.num_pins(m.host.lookup(h)) == 1 for h in hashes[:3])  # being written
     assert m.disk.contains(hashes[:3]) == [False] * 3
     release.set()
     m.flush()
-    assert m.disk.contains(hashes[:3]) == [True] * 3
+    # The three committed, then the deferred D and E (still cached on the GPU) took the
+    # least recently used clean slots, A's and B's, and were written back in turn.
+    assert m.disk.contains(hashes) == [True] * 5
     assert m.stats().host_dirty == 0
-    # Now the three are clean: a new block evicts the least recently used one, A.
+    assert [m.host.contains(h) for h in hashes] == [False, False, True, True, True]
+    # Now every slot is clean: a new block evicts the least recently used one, C.
     write(m, chain(layout, "f", 1), random_blocks(layout, 1, seed=4))
     m.flush()
-    assert not m.host.contains(hashes[0])
+    assert not m.host.contains(hashes[2])
     evict_gpu(m)
-    assert m.lookup(hashes[:3]).locations == [Tier.DISK, Tier.HOST, Tier.HOST]
-    num_ok, blocks = load(m, metas[:3])
-    assert num_ok == 3
-    for block, expected in zip(blocks, data[:3]):
+    assert m.lookup(hashes).locations == [Tier.DISK] * 3 + [Tier.HOST] * 2
+    num_ok, blocks = load(m, metas)
+    assert num_ok == 5
+    for block, expected in zip(blocks, data):
         assert same_bytes(m.kv_cache[block.block_id], expected)
     m.free(blocks)
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_path, managers,
+                                                                         release):
+    layout = small_layout()
+    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=2, io_threads=2))
+    managers.append(m)
+    real_put = m.disk.put
+    m.disk.put = lambda metas, payloads: (release.wait(), real_put(metas, payloads))[1]
+    metas, data = chain(layout, "gone", 3), random_blocks(layout, 3, seed=5)
+    for i in range(3):
+        write(m, metas[i:i + 1], data[i:i + 1])
+    assert m.stats().tiers[Tier.HOST].rejected == 1  # C: both slots are being written back
+    # Another request takes every GPU block and overwrites C's bytes before a slot frees.
+    blocks = m.allocate(m.pool.num_free_blocks)
+    assert blocks is not None
+    m.kv_cache[[b.block_id for b in blocks]] = 0
+    release.set()
+    m.flush()
+    m.free(blocks)
+    assert not m.host.contains(metas[2].block_hash)
+    assert m.disk.contains([metas[2].block_hash]) == [False]
+    assert m.lookup([meta.block_hash for meta in metas]).locations == [Tier.HOST] * 2
     check_idle(m)
 
 
