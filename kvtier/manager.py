@@ -2,13 +2,9 @@
 It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
 `TransferEngine`, and is driven from one engine thread.
 
-  * Write-through: newly cached full blocks are copied to host slots asynchronously; the copy
-    holds an extra pool reference on the block and a pin on the slot, which is indexed once
-    the bytes landed. With the host tier off and a disk tier on, a small staging slab carries
-    the bytes on to disk.
-  * Write-back: the least recently used dirty host blocks are written to disk ahead of demand;
-    a slot is evicted only once its block is clean (its disk write committed). When no slot
-    can be had, the write-through of that block is skipped and counted, never waited for.
+  * Stores (`kvtier.stores`): newly cached full blocks are written through to host slots
+    asynchronously (deferred, never waited for, when no slot can be had now), and dirty
+    host blocks written back to disk ahead of demand.
   * Loads: host hits are pinned and copied to the GPU; disk hits are read into host slots (in
     waves when slots are short), then copied. `poll` advances the chains. A load whose
     copies are all queued on the GPU can complete at once: the compute stream then waits
@@ -26,7 +22,6 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,20 +35,16 @@ from kvtier.layout import KVLayout
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
 from kvtier.remote_io import RemoteWrites, remote_read_job
 from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
+from kvtier.stores import StorePath, chunks
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
-from kvtier.tiers.host import HostTier, SlotId
+from kvtier.tiers.host import HostTier
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, disk_write_job
+from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job
 
-_DISK_WRITE_BATCH = 32  # blocks per LMDB write transaction
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
 _LOAD_COPY_CHUNK = 256
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 class TierManager:
@@ -99,11 +90,6 @@ class TierManager:
         self._on_done: dict[JobId, tuple[Load | None, Callable[[bool], None]]] = {}
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
-        self._storing: set[BlockHash] = set()  # write-through in flight
-        # Write-throughs that found no host slot, oldest first (see `_defer`).
-        self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
-        self._num_writing_back = 0
-        self._writeback_reserve = max(1, num_host_slots // 8)
         self._tiers = new_tier_counters()
         self._remote_writes: RemoteWrites | None = None
         if self.remote is not None:
@@ -111,6 +97,11 @@ class TierManager:
             self._remote_writes = RemoteWrites(self.remote, self.host, layout.bytes_per_block,
                                                config.remote.write_batch, self._submit,
                                                self._tiers[Tier.REMOTE])
+        self.stores: StorePath | None = None  # the way down (None: no tier below the GPU)
+        if self.host is not None:
+            self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
+                                    self.disk, self._remote_writes, layout.bytes_per_block,
+                                    self._submit, self._tiers)
         self._closed = False
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
@@ -254,7 +245,7 @@ class TierManager:
         num_jobs = self.config.io_threads if load.split_reads else 1
         for from_remote in (False, True):
             sources = [lb for lb in ready if lb.from_remote is from_remote]
-            for chunk in _chunks(sources, max(1, -(-len(sources) // num_jobs))):
+            for chunk in chunks(sources, max(1, -(-len(sources) // num_jobs))):
                 dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [block bytes]
                 metas = [lb.meta for lb in chunk]
                 if from_remote:
@@ -394,128 +385,17 @@ class TierManager:
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
                           metas: Sequence[BlockMeta]) -> list[KVCacheBlock]:
         """Cache full blocks in the pool and write the newly cached ones through to the host
-        (asynchronously); returns the newly cached blocks. A block already stored below, or
-        for which no host slot can be had now, is not copied. Raises ValueError as
+        (asynchronously, `kvtier.stores`); returns the newly cached blocks. A block already
+        stored below is not copied; one for which no host slot can be had now is copied
+        later if the GPU still caches it then. Raises ValueError as
         `BlockPool.cache_full_blocks` does, or on a length mismatch."""
         if len(blocks) != len(metas):
             raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas")
         newly = self.pool.cache_full_blocks(blocks, [meta.block_hash for meta in metas])
-        if self.host is None or not newly:
-            return newly
-        meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
-        self._schedule_writebacks(len(newly) + len(self._deferred))
-        for block in newly:
-            if self._write_through([(block, meta_of[block.block_id])]) == 0:
-                self._defer(block, meta_of[block.block_id])
+        if self.stores is not None and newly:
+            meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
+            self.stores.write_through(newly, [meta_of[block.block_id] for block in newly])
         return newly
-
-    def _defer(self, block: KVCacheBlock, meta: BlockMeta) -> None:
-        """No host slot for `block`'s write-through now: count it skipped, and retry it when
-        write-backs free slots, if the GPU still caches it then (holding no reference)."""
-        self._tiers[Tier.HOST].rejected += 1
-        self._deferred[meta.block_hash] = (block, meta)
-        if len(self._deferred) > self._host.num_slots:  # older ones would be evicted anyway
-            self._deferred.popitem(last=False)
-
-    def _retry_deferred(self) -> None:
-        """Write through the deferred blocks the GPU still caches, oldest first, while host
-        slots can be had without waiting."""
-        pending = [(block, meta) for block, meta in self._deferred.values()
-                   if self.pool.get_cached_block(meta.block_hash) is block]
-        self._deferred.clear()
-        num_stored = self._write_through(pending)
-        for block, meta in pending[num_stored:]:
-            self._deferred[meta.block_hash] = (block, meta)
-
-    def _write_through(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]) -> int:
-        """Copy cached GPU blocks to host slots in one job, in order, up to the first one no
-        slot can be had for. Returns how many of `pairs` were handled (copied, or already
-        stored or being stored)."""
-        items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        num_handled = 0
-        for block, meta in pairs:
-            # (Staging: the disk write itself skips blocks already on disk.)
-            if meta.block_hash not in self._storing and not (
-                    self._host_caches and self._host.contains(meta.block_hash)):
-                slot = self._host.allocate_slot(meta)
-                if slot is None:  # not waited for
-                    break
-                items.append((block, meta, slot))
-                self._storing.add(meta.block_hash)
-            num_handled += 1
-        if items:
-            self.pool.touch([block for block, _, _ in items])
-            mapping = torch.tensor([[b.block_id, slot] for b, _, slot in items],
-                                   dtype=torch.int64)  # [n, 2] (gpu block, slot)
-            job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self._host.slab, mapping)
-            self._submit(job, lambda ok: self._finish_store(items, ok))
-        return num_handled
-
-    def _finish_store(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
-                      ok: bool) -> None:
-        self.pool.free([block for block, _, _ in items])
-        self._storing.difference_update(meta.block_hash for _, meta, _ in items)
-        slots = [slot for _, _, slot in items]
-        self._tiers[Tier.HOST].failures += 0 if ok else len(items)
-        if ok and not self._host_caches:
-            for chunk in _chunks(slots, _DISK_WRITE_BATCH):
-                if self._remote_writes is not None:  # to the remote tier first, then to disk
-                    self._remote_writes.write(chunk,
-                                              lambda c=chunk: self._after_staged_remote(c))
-                else:
-                    self._write_to_disk(chunk, staged=True)
-            return
-        for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
-            if ok and self._host.commit(slot, dirty=self.disk is not None):
-                self._host.unpin(slot)
-                if self._remote_writes is not None:  # pinned until its batch is written
-                    self._remote_writes.offer(slot)
-            else:
-                self._host.free_slot(slot)
-
-    def _after_staged_remote(self, slots: list[SlotId]) -> None:
-        if self.disk is not None:
-            self._write_to_disk(slots, staged=True)
-        else:
-            for slot in slots:
-                self._host.free_slot(slot)
-
-    def _schedule_writebacks(self, num_needed: int) -> None:
-        """Start writing dirty host blocks to disk, least recently used first, so that
-        `num_needed` slots plus a small reserve can be had without waiting."""
-        if not self._host_caches or self.disk is None:
-            return
-        available = self._host.num_free_slots + self._host.num_clean + self._num_writing_back
-        shortfall = num_needed + self._writeback_reserve - available
-        if shortfall > 0:
-            for chunk in _chunks(self._host.writeback_candidates(shortfall), _DISK_WRITE_BATCH):
-                self._write_to_disk(chunk, staged=False)
-
-    def _write_to_disk(self, slots: list[SlotId], staged: bool) -> None:
-        """Write host slots to disk on the I/O pool. `staged`: RESERVED staging slots, freed
-        afterwards; else CACHED dirty slots, pinned meanwhile and clean afterwards."""
-        payloads = [self._host.slot_bytes(slot) for slot in slots]  # uint8 [bytes_per_block]
-        job, stored = disk_write_job(self.disk, [self._host.meta(slot) for slot in slots],
-                                     payloads, self.layout.bytes_per_block)
-
-        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
-            self._tiers[Tier.DISK].rejected += stored.count(False)
-            self._tiers[Tier.DISK].failures += len(slots) - len(stored)
-            for slot in slots:
-                if staged:
-                    self._host.free_slot(slot)
-                    continue
-                # Clean even when the write failed or was refused: the block is then lost
-                # on eviction, but a broken or full disk must not wedge the host tier.
-                self._host.unpin(slot)
-                self._host.mark_clean(slot)
-            self._num_writing_back -= 0 if staged else len(slots)
-
-        if not staged:
-            for slot in slots:
-                self._host.pin(slot)
-            self._num_writing_back += len(slots)
-        self._submit(job, finish)
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -543,10 +423,8 @@ class TierManager:
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
         # in flight, and `_complete` polls once per load it completes.
         starved = [load for load in self._loads.values() if load.waiting]
-        if self._deferred:
-            self._retry_deferred()
-        self._schedule_writebacks(sum(len(load.waiting) for load in starved)
-                                  + len(self._deferred))
+        if self.stores is not None:
+            self.stores.progress(sum(len(load.waiting) for load in starved))
         for load in starved:
             self._feed_load(load)
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
@@ -566,11 +444,8 @@ class TierManager:
     def flush(self) -> None:
         """Block until nothing is in flight and every dirty host block is written to disk."""
         self.drain()
-        while self._host_caches and self.disk is not None and (dirty := [
-                s for s in self._host.dirty_slots() if self._host.num_pins(s) == 0]):
-            for chunk in _chunks(dirty, _DISK_WRITE_BATCH):  # (a deferred store may follow)
-                self._write_to_disk(chunk, staged=False)
-            self.drain()
+        while self.stores is not None and self.stores.write_back_all():
+            self.drain()  # (a deferred write-through may follow the write-backs)
 
     def close(self) -> None:
         """Wait for in-flight work, flush write-backs to disk, stop the I/O threads and close

@@ -1,0 +1,208 @@
+"""The way down for computed blocks: GPU -> host -> disk (and the remote tier).
+
+  * Write-through: a newly cached full GPU block is copied to a host slot asynchronously;
+    the copy holds an extra pool reference on the block and a pin on the slot, which is
+    indexed once the bytes landed. With the host tier off and a disk tier on, a small
+    staging slab carries the bytes on to disk.
+  * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
+    reserved), the block is not waited for. It is remembered, without a reference, and
+    copied once write-backs free a slot, if the GPU still caches it then.
+  * Write-back: the least recently used dirty host blocks are written to disk ahead of
+    demand; a slot is evicted only once its block is clean (its disk write committed).
+
+`StorePath` is driven by the `TierManager` from the engine thread; its jobs run on the
+manager's `TransferEngine` through the `submit` callable it is given.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.block_pool import BlockPool
+from kvtier.free_queue import KVCacheBlock
+from kvtier.hashing import BlockHash
+from kvtier.remote_io import RemoteWrites
+from kvtier.stats import Direction, Tier, TierCounters
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier, SlotId
+from kvtier.tiers.record import BlockMeta
+from kvtier.transfer import IOJob, SwapJob, disk_write_job
+
+#: Blocks per LMDB write transaction.
+DISK_WRITE_BATCH = 32
+
+Submit = Callable[[SwapJob | IOJob, Callable[[bool], None]], object]
+
+
+def chunks(items: list, size: int) -> list[list]:
+    """`items` cut into consecutive lists of at most `size`."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+class StorePath:
+    """Write-through, deferred write-through and write-back over one manager's tiers.
+
+    kv_cache: [num_gpu_blocks, *layout.block_shape], the GPU blocks `pool` hands out.
+    host: the host tier, or (`host_caches` False) the staging slab in front of the disk.
+    disk, remote_writes: the tiers below, None when off. submit: runs a job and calls its
+    completion with whether it succeeded. counters: the manager's per-tier counters.
+    """
+
+    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, host: HostTier,
+                 host_caches: bool, disk: DiskTier | None, remote_writes: RemoteWrites | None,
+                 bytes_per_block: int, submit: Submit,
+                 counters: dict[Tier, TierCounters]) -> None:
+        self.pool, self.kv_cache, self.host = pool, kv_cache, host
+        self.host_caches, self.disk, self.remote_writes = host_caches, disk, remote_writes
+        self.bytes_per_block = bytes_per_block
+        self._submit = submit
+        self._counters = counters
+        self._storing: set[BlockHash] = set()  # write-through in flight
+        # Write-throughs that found no host slot, oldest first (see `_defer`).
+        self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
+        self._num_writing_back = 0
+        self._writeback_reserve = max(1, host.num_slots // 8) if host_caches else 0
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred)
+
+    def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta]) -> None:
+        """Copy newly cached GPU blocks (`metas[i]` names `blocks[i]`) to host slots; a block
+        already stored or being stored is skipped, one without a slot now is deferred."""
+        self.schedule_writebacks(len(blocks) + len(self._deferred))
+        for block, meta in zip(blocks, metas):
+            if self._copy_to_host([(block, meta)]) == 0:
+                self._defer(block, meta)
+
+    def progress(self, num_slots_wanted: int) -> None:
+        """Once per engine step, after finished jobs ran: retry deferred write-throughs and
+        start the write-backs that `num_slots_wanted` more slots (for loads) and the
+        deferred ones need."""
+        if self._deferred:
+            self._retry_deferred()
+        self.schedule_writebacks(num_slots_wanted + len(self._deferred))
+
+    def write_back_all(self) -> bool:
+        """Start writing every dirty, unpinned host block to disk; False when there is none
+        (or no disk). The caller waits for the jobs (a deferred store may follow them)."""
+        if not self.host_caches or self.disk is None:
+            return False
+        dirty = [s for s in self.host.dirty_slots() if self.host.num_pins(s) == 0]
+        for chunk in chunks(dirty, DISK_WRITE_BATCH):
+            self._write_to_disk(chunk, staged=False)
+        return bool(dirty)
+
+    # ---- write-through -------------------------------------------------------------------
+
+    def _defer(self, block: KVCacheBlock, meta: BlockMeta) -> None:
+        """No host slot for `block`'s write-through now: count it skipped, and retry it when
+        write-backs free slots, if the GPU still caches it then (holding no reference)."""
+        self._counters[Tier.HOST].rejected += 1
+        self._deferred[meta.block_hash] = (block, meta)
+        if len(self._deferred) > self.host.num_slots:  # older ones would be evicted anyway
+            self._deferred.popitem(last=False)
+
+    def _retry_deferred(self) -> None:
+        """Write through the deferred blocks the GPU still caches, oldest first, while host
+        slots can be had without waiting."""
+        pending = [(block, meta) for block, meta in self._deferred.values()
+                   if self.pool.get_cached_block(meta.block_hash) is block]
+        self._deferred.clear()
+        num_handled = self._copy_to_host(pending)
+        for block, meta in pending[num_handled:]:
+            self._deferred[meta.block_hash] = (block, meta)
+
+    def _copy_to_host(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]) -> int:
+        """Copy cached GPU blocks to host slots in one job, in order, up to the first one no
+        slot can be had for. Returns how many of `pairs` were handled (copied, or already
+        stored or being stored)."""
+        items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
+        num_handled = 0
+        for block, meta in pairs:
+            # (Staging: the disk write itself skips blocks already on disk.)
+            if meta.block_hash not in self._storing and not (
+                    self.host_caches and self.host.contains(meta.block_hash)):
+                slot = self.host.allocate_slot(meta)
+                if slot is None:  # not waited for
+                    break
+                items.append((block, meta, slot))
+                self._storing.add(meta.block_hash)
+            num_handled += 1
+        if items:
+            self.pool.touch([block for block, _, _ in items])
+            mapping = torch.tensor([[b.block_id, slot] for b, _, slot in items],
+                                   dtype=torch.int64)  # [n, 2] (gpu block, slot)
+            job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self.host.slab, mapping)
+            self._submit(job, lambda ok: self._finish_copy(items, ok))
+        return num_handled
+
+    def _finish_copy(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
+                     ok: bool) -> None:
+        self.pool.free([block for block, _, _ in items])
+        self._storing.difference_update(meta.block_hash for _, meta, _ in items)
+        slots = [slot for _, _, slot in items]
+        self._counters[Tier.HOST].failures += 0 if ok else len(items)
+        if ok and not self.host_caches:
+            for chunk in chunks(slots, DISK_WRITE_BATCH):
+                if self.remote_writes is not None:  # to the remote tier first, then to disk
+                    self.remote_writes.write(chunk, lambda c=chunk: self._after_staged_remote(c))
+                else:
+                    self._write_to_disk(chunk, staged=True)
+            return
+        for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
+            if ok and self.host.commit(slot, dirty=self.disk is not None):
+                self.host.unpin(slot)
+                if self.remote_writes is not None:  # pinned until its batch is written
+                    self.remote_writes.offer(slot)
+            else:
+                self.host.free_slot(slot)
+
+    def _after_staged_remote(self, slots: list[SlotId]) -> None:
+        if self.disk is not None:
+            self._write_to_disk(slots, staged=True)
+        else:
+            for slot in slots:
+                self.host.free_slot(slot)
+
+    # ---- write-back ----------------------------------------------------------------------
+
+    def schedule_writebacks(self, num_needed: int) -> None:
+        """Start writing dirty host blocks to disk, least recently used first, so that
+        `num_needed` slots plus a small reserve can be had without waiting."""
+        if not self.host_caches or self.disk is None:
+            return
+        available = self.host.num_free_slots + self.host.num_clean + self._num_writing_back
+        shortfall = num_needed + self._writeback_reserve - available
+        if shortfall > 0:
+            for chunk in chunks(self.host.writeback_candidates(shortfall), DISK_WRITE_BATCH):
+                self._write_to_disk(chunk, staged=False)
+
+    def _write_to_disk(self, slots: list[SlotId], staged: bool) -> None:
+        """Write host slots to disk on the I/O pool. `staged`: RESERVED staging slots, freed
+        afterwards; else CACHED dirty slots, pinned meanwhile and clean afterwards."""
+        payloads = [self.host.slot_bytes(slot) for slot in slots]  # uint8 [bytes_per_block]
+        job, stored = disk_write_job(self.disk, [self.host.meta(slot) for slot in slots],
+                                     payloads, self.bytes_per_block)
+
+        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
+            self._counters[Tier.DISK].rejected += stored.count(False)
+            self._counters[Tier.DISK].failures += len(slots) - len(stored)
+            for slot in slots:
+                if staged:
+                    self.host.free_slot(slot)
+                    continue
+                # Clean even when the write failed or was refused: the block is then lost
+                # on eviction, but a broken or full disk must not wedge the host tier.
+                self.host.unpin(slot)
+                self.host.mark_clean(slot)
+            self._num_writing_back -= 0 if staged else len(slots)
+
+        if not staged:
+            for slot in slots:
+                self.host.pin(slot)
+            self._num_writing_back += len(slots)
+        self._submit(job, finish)
