@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config_sources import load_engine_config
-from kvtier.engine.engine_config import default_disk_cache_dir
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device_dtype
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
@@ -37,9 +37,7 @@ from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, use_user_triton_cache, warm_up
 
-from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
-from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.remote_config import RemoteConfig
 from kvtier.stats import ManagerStats
@@ -132,11 +130,14 @@ class LLM:
         self.model_config = loaded.config
         self.model_id = loaded.model_id
         self.model_fingerprint = loaded.cache_identity
-        self.max_model_len = _max_model_len(cfg.max_model_len,
-                                            loaded.config.max_position_embeddings)
+        # (`max_model_len` here is the argument; the sizes come from `cfg`.)
+        self.max_model_len = sizing.max_model_len(cfg.max_model_len,
+                                                  loaded.config.max_position_embeddings)
         self.layout = loaded.config.kv_layout(block_size, self.dtype)
-        self.num_gpu_blocks = self._num_gpu_blocks(self.layout)
-        self.manager = TierManager(self.layout, self._tier_config(self.layout), self.device)
+        self.num_gpu_blocks = sizing.num_gpu_blocks(cfg, self.max_model_len, self.device,
+                                                    self.layout)
+        self.manager = TierManager(
+            self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
         if (cfg.cuda_graphs and self.device.type == "cuda"
@@ -163,41 +164,6 @@ class LLM:
         self._stopped: list[Request] = []  # aborted, reported by the next step
         self._request_counter = itertools.count()
         self._closed = False
-
-    # ---- construction helpers ------------------------------------------------------------
-
-    def _num_gpu_blocks(self, layout: KVLayout) -> int:
-        cfg = self.config
-        if cfg.gpu_blocks is not None:
-            return cfg.gpu_blocks
-        blocks_per_seq = -(-self.max_model_len // cfg.block_size)
-        if self.device.type != "cuda":
-            return cpu_pool_blocks(blocks_per_seq, cfg.max_num_seqs)
-        free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        num_blocks = int(free_bytes * cfg.gpu_memory_utilization) // layout.bytes_per_block
-        # More than every running sequence at full context could ever use is wasted memory.
-        num_blocks = min(num_blocks, cfg.max_num_seqs * blocks_per_seq)
-        if num_blocks < 1:
-            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} of the "
-                             f"free memory holds no {layout.bytes_per_block}-byte block; raise "
-                             "it or pass gpu_blocks")
-        return num_blocks
-
-    def _tier_config(self, layout: KVLayout) -> TierConfig:
-        cfg = self.config
-        host_bytes = cfg.host_cache_bytes
-        if host_bytes and host_bytes < layout.bytes_per_block:
-            raise ValueError(f"host_cache_gb={cfg.host_cache_gb} is smaller than one block "
-                             f"({layout.bytes_per_block} bytes); raise it or turn the host "
-                             "cache off")
-        disk_path = None
-        if cfg.disk_cache:
-            disk_path = Path(cfg.disk_cache_dir) if cfg.disk_cache_dir is not None \
-                else default_disk_cache_dir()
-        return TierConfig(num_gpu_blocks=self.num_gpu_blocks, host_capacity_bytes=host_bytes,
-                          disk_path=disk_path,
-                          disk_budget_bytes=cfg.disk_cache_bytes if disk_path else None,
-                          remote=cfg.remote_config)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -524,27 +490,6 @@ def _check_loaded(loaded: LoadedModel, device: str | torch.device,
     if dtype != "auto" and resolve_device_dtype(weight.device, dtype)[1] != weight.dtype:
         raise ValueError(f"the loaded model is {weight.dtype}, not {dtype}")
     return weight.device, weight.dtype
-
-
-def _max_model_len(asked: int | None, model_context: int) -> int:
-    """The engine's context: the model's, or less when `max_model_len` asks for less."""
-    if asked is None:
-        return model_context
-    if asked > model_context:
-        raise ValueError(f"max_model_len={asked} exceeds the model's context of "
-                         f"{model_context} tokens; lower it or leave it unset")
-    return asked
-
-
-def cpu_pool_blocks(blocks_per_seq: int, max_num_seqs: int) -> int:
-    """KV blocks of the pool on the CPU, where the "device" memory is the machine's RAM.
-
-    Sized from the context and the batch, not from free RAM: one sequence at the full
-    context (`blocks_per_seq` blocks) plus one block per other sequence of the batch for its
-    decode tail. Longer batches preempt and come back through the tiers; pass `gpu_blocks`
-    or lower `max_model_len` to change it.
-    """
-    return blocks_per_seq + max_num_seqs - 1
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.config import named_config
-from kvtier.engine.llm import cpu_pool_blocks
+from kvtier.engine.sizing import cpu_pool_blocks
 
 
 def test_cpu_pool_follows_context_and_batch() -> None:
