@@ -26,24 +26,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 import torch
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, GuardedEnv, LmdbIndex, is_disk_full
-from kvtier.tiers.lmdb_value import find_value, pread_value
+from kvtier.tiers.disk_read import RecordSource, read_record_into
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
     assemble_record,
-    check_payload_len,
-    copy_checksummed,
-    decode_header,
     decode_record,
     dest_array,
-    payload_checksum,
     payload_view,
     record_size,
 )
@@ -221,11 +216,13 @@ class DiskTier:
             return [False] * len(metas)
         results: list[bool] = []
         rejects: list[BlockMeta] = []
+        source = RecordSource(self._index, self._data_file(), self._page_size,
+                              self._fingerprint)
         with self._map.txn() as txn, txn.cursor(db=self._index.blocks) as cursor:
             for meta, array in zip(metas, arrays):
                 if self._read_hook is not None:
                     self._read_hook(meta)
-                ok, rejected = self._read_into(txn, cursor, meta, array)
+                ok, rejected = read_record_into(source, txn, cursor, meta, array)
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)
@@ -237,53 +234,6 @@ class DiskTier:
         if hit_hashes:
             self.touch(hit_hashes)
         return results
-
-    def _read_into(self, txn: lmdb.Transaction, cursor: lmdb.Cursor, meta: BlockMeta,
-                   array: np.ndarray) -> tuple[bool, bool]:
-        """Copy a value's payload into `array`. Returns (whether it is a verified hit,
-        whether the value failed a check and should be deleted)."""
-        head, size = self._pread_record(cursor, meta.block_hash, array)
-        value = None
-        if head is None:  # a short value in its leaf page, or the pread did not work out
-            value = self._index.get(txn, meta.block_hash)
-            if value is None:
-                return False, False
-            size = len(value)
-        try:
-            header, offset = decode_header(value if head is None else head, self._fingerprint)
-            # With `head`, this also pins the payload to start right after it.
-            check_payload_len(header, size - offset, array.nbytes)
-            if not header.matches(meta):
-                raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
-            # The checksum is taken over the copy, the bytes the caller will use.
-            checksum = (copy_checksummed(value[offset:], array) if value is not None
-                        else payload_checksum(array))
-            if checksum != header.payload_checksum:
-                raise CorruptRecord("bad checksum")
-        except CorruptRecord as exc:
-            logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
-            return False, True
-        return True, False
-
-    def _pread_record(self, cursor: lmdb.Cursor, block_hash: BlockHash,
-                      array: np.ndarray) -> tuple[bytes | None, int]:
-        """Read a stored record from `data.mdb` with one preadv at its overflow page: its
-        header into the returned bytes, its payload (the last `array.nbytes` bytes) straight
-        into `array`; also returns the record's length. (None, 0) when the block is not
-        stored, its value sits in its leaf page, or the read comes short or lands elsewhere
-        than the tree says (the caller reads through LMDB then). Nothing is read through
-        the map but the tree's pages (`kvtier.tiers.lmdb_value`)."""
-        try:
-            spot = find_value(cursor, block_hash)
-        except ValueError:
-            return None, 0
-        if spot is None or spot.page is None or spot.size <= array.nbytes:
-            return None, 0
-        head = bytearray(spot.size - array.nbytes)
-        if not pread_value(self._data_file(), spot, self._page_size,
-                           [memoryview(head), memoryview(array).cast("B")]):
-            return None, 0
-        return bytes(head), spot.size
 
     def _data_file(self) -> int:
         with self._lock:
