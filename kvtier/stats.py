@@ -89,8 +89,9 @@ class TierStats:
     hits / misses: lookups that found / did not find a block in this tier, counted per
         `lookup` call for every hash that reached this tier (a GPU miss goes on to the host).
     failures: blocks whose transfer out of or into this tier failed (the block is a miss).
-    rejected: blocks this tier could not take: no host slot for a write-through (skipped)
-        or a load (a miss), no room on disk.
+    rejected: blocks this tier could not take: no host slot for a write-through (deferred:
+        copied later if the GPU still holds the block then) or a load (a miss), no room on
+        disk.
     """
 
     hits: int

@@ -187,6 +187,8 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
                    "computed": sum(o.metrics.computed_tokens for o in finished)},
         "num_preemptions": sum(o.metrics.num_preemptions for o in finished),
         "bytes_moved": {d.value: t.num_bytes for d, t in stats.transfers.items()},
+        "tier_blocks": {tier.value: asdict(counts)
+                        for tier, counts in stats.tiers.items()},
         "histories": histories,
     }
 

@@ -166,6 +166,7 @@ def test_serve_compares_the_disk_with_the_same_host_tier_alone(runner):
     third, disk = report["modes"]["host_third"], report["modes"]["host_disk"]
     assert third["tokens"]["disk"] == 0 and third["bytes_moved"]["host->disk"] == 0
     assert third["tokens"]["host"] > 0
+    assert third["tier_blocks"]["host"]["hits"] * 16 >= third["tokens"]["host"]
     # The same host tier; what it evicts goes to disk. (Whether it comes back from there
     # or is computed depends on the rates: prompts this short on this model are computed.)
     assert disk["bytes_moved"]["host->disk"] > 0
