@@ -4,7 +4,8 @@
 # under memory pressure (with host_third: host_disk's host tier without the disk), and a
 # profile of the engine thread over one cold 32K restore. JSON and logs go to $OUT; a short
 # table is printed last. STAGES picks stages (default: all; together they take longer than
-# one 10-minute device call, so split them, e.g. STAGES="longctx_cold" then the rest).
+# one 10-minute device call, so split them, e.g. STAGES="longctx_cold", then "serve"
+# (three runs of four modes), then the rest).
 set -u
 OUT=${OUT:-/tmp/kvtier-restore}
 mkdir -p "$OUT"
@@ -27,7 +28,8 @@ stage longctx_cold 420 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "$
   --doc-tokens 1024,8192,32768 --cold
 stage longctx_warm 90 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
   --doc-tokens 32768 --strategies recompute,disk
-stage serve 200 python3 -m kvtier.cli.main bench serve "${MODEL[@]}" --num-conversations 16 \
-  --num-rounds 3 --system-tokens 512 --user-tokens 512 --modes off,host,host_third,host_disk --json
+stage serve 540 python3 -m kvtier.cli.main bench serve "${MODEL[@]}" --num-conversations 16 \
+  --num-rounds 3 --system-tokens 512 --user-tokens 512 --modes off,host,host_third,host_disk \
+  --runs 3 --json
 stage profile 150 python3 scripts/restore_profile.py --doc-tokens 32768
 python3 scripts/restore_summary.py "$OUT"

@@ -52,6 +52,9 @@ def main(directory: str) -> None:
             print(f"serve {mode:>10} tok/s {m['throughput_tok_s']:8.1f} ttft p50 "
                   f"{m['ttft_s']['p50']:.3f} p99 {m['ttft_s']['p99']:.3f} "
                   f"ratio {serve['ratios_vs_baseline'][mode]}")
+            for run in m.get("runs", []):
+                print(f"      run tok/s {run['throughput_tok_s']:8.1f} "
+                      f"ttft p99 {run['ttft_p99_s']:.3f}")
 
 
 if __name__ == "__main__":

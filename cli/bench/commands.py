@@ -234,6 +234,12 @@ def _print_serve(result: dict[str, Any]) -> None:
                   _mib(sum(m["bytes_moved"].values()))) for name, m in modes.items()])
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"conversations across modes: {verdict}")
+    if config["runs"] > 1:
+        print_table(f"Every run (each mode above is its median run of {config['runs']})",
+                    ("mode", "tok/s per run", "TTFT p99 per run (ms)"),
+                    [(name, " / ".join(f"{r['throughput_tok_s']:,.1f}" for r in m["runs"]),
+                      " / ".join(_ms(r["ttft_p99_s"]) for r in m["runs"]))
+                     for name, m in modes.items()])
     comparison = result.get("hf_comparison")
     if comparison:
         print_table("engine (tiers off) vs transformers generate(): tokens/s",
@@ -269,6 +275,8 @@ def serve(
     hf_prompt_tokens: int = typer.Option(128, help="Prompt tokens in the comparison."),
     hf_new_tokens: int = typer.Option(32, help="Generated tokens in the comparison."),
     repeats: int = typer.Option(3, help="Timed runs of the comparison; figures are medians."),
+    runs: int = typer.Option(1, help="Runs of every mode, in turn; each mode reports its "
+                             "median-throughput run (and every run's throughput)."),
     seed: int = typer.Option(0, help="Seed of the token ids."),
     url: str | None = typer.Option(None, "--url", help="Drive the workload over HTTP at a "
                                    "running `kvtier serve` (e.g. http://127.0.0.1:8000); the "
@@ -303,7 +311,7 @@ def serve(
                          modes=_parse_names(modes, SERVE_MODES + EXTRA_SERVE_MODES, "--modes"),
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
-                         repeats=repeats, seed=seed, remote_cache=remote_cache)
+                         repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

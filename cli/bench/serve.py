@@ -62,13 +62,14 @@ class ServeConfig:
     hf_prompt_tokens: int = 128
     hf_new_tokens: int = 32
     repeats: int = 3
+    runs: int = 1  # rounds over every mode; each mode reports its median-throughput run
     seed: int = 0
     remote_cache: str | None = None  # a Redis URL: the tiered modes also get a remote tier
 
     def __post_init__(self) -> None:
         for name in ("num_conversations", "num_rounds", "system_tokens", "user_tokens",
                      "max_tokens", "block_size", "max_batched_tokens", "hf_batch",
-                     "hf_prompt_tokens", "repeats"):
+                     "hf_prompt_tokens", "repeats", "runs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
@@ -191,6 +192,16 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
                         for tier, counts in stats.tiers.items()},
         "histories": histories,
     }
+
+
+def _median_run(mode_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's run with the median throughput (the lower middle one of an even count), with
+    every run's throughput and TTFT p99 beside it under "runs"."""
+    ranked = sorted(mode_runs, key=lambda r: r["throughput_tok_s"])
+    median = dict(ranked[(len(ranked) - 1) // 2])
+    median["runs"] = [{"throughput_tok_s": r["throughput_tok_s"], "ttft_p99_s": r["ttft_s"]["p99"]}
+                      for r in mode_runs]
+    return median
 
 
 # ---- transformers comparison -------------------------------------------------------------
@@ -341,18 +352,21 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
             _run_mode(llm, config, system, questions)
         del llm
         free_engine_memory(weight.device)
-    modes: dict[str, dict[str, Any]] = {}
-    for mode in config.modes:
-        report(f"mode {mode}: {config.num_conversations} conversations x "
-               f"{config.num_rounds} rounds")
-        with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
-            options = _tier_options(mode, config, layout.bytes_per_block)
-            with LLM(loaded, disk_cache_dir=scratch, **options) as llm:
-                modes[mode] = _run_mode(llm, config, system, questions)
-            del llm
-            free_engine_memory(weight.device)
+    # Runs go round the modes, so that a drift of the machine touches every mode alike.
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in config.modes}
+    for run in range(config.runs):
+        for mode in config.modes:
+            report(f"run {run + 1}/{config.runs}, mode {mode}: {config.num_conversations} "
+                   f"conversations x {config.num_rounds} rounds")
+            with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
+                options = _tier_options(mode, config, layout.bytes_per_block)
+                with LLM(loaded, disk_cache_dir=scratch, **options) as llm:
+                    runs[mode].append(_run_mode(llm, config, system, questions))
+                del llm
+                free_engine_memory(weight.device)
+    histories = [r.pop("histories") for mode_runs in runs.values() for r in mode_runs]
+    modes = {mode: _median_run(mode_runs) for mode, mode_runs in runs.items()}
     baseline = modes[config.modes[0]]
-    histories = [m.pop("histories") for m in modes.values()]
     result: dict[str, Any] = {
         "bench": "serve",
         "config": asdict(config),

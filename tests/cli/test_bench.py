@@ -172,6 +172,22 @@ def test_serve_compares_the_disk_with_the_same_host_tier_alone(runner):
     assert disk["bytes_moved"]["host->disk"] > 0
 
 
+def test_serve_runs_go_round_the_modes_and_report_the_median_run(runner):
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host", "--runs", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True  # every run of every mode
+    for mode in report["modes"].values():
+        runs = sorted(r["throughput_tok_s"] for r in mode["runs"])
+        assert len(runs) == 3 and mode["throughput_tok_s"] == runs[1]
+        assert mode["ttft_s"]["p99"] in [r["ttft_p99_s"] for r in mode["runs"]]
+    table = runner.invoke(app, [*SERVE, "--modes", "off", "--runs", "2"])
+    assert table.exit_code == 0, table.output
+    assert "Every run (each mode above is its median run of 2)" in table.stdout
+    bad = runner.invoke(app, [*SERVE, "--runs", "0"])
+    assert bad.exit_code != 0 and "--runs must be positive" in bad.output
+
+
 def test_serve_table(runner):
     result = runner.invoke(app, [*SERVE, "--modes", "off,host"])
     assert result.exit_code == 0, result.output
