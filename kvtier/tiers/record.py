@@ -44,10 +44,6 @@ _CHECKSUM = struct.Struct("<Q")
 _MAX_HASH_LEN = 64
 # Far above any block size; bounds what a corrupt header can make us read.
 _MAX_TOKENS = 1 << 20
-#: Bytes `copy_checksummed` copies and hashes at a time: a chunk is still in the CPU cache
-#: when it is hashed, and the per-chunk overhead stays small (64 to 512 KiB measured alike
-#: on 2 MiB blocks; 1 MiB was slower, a whole block slower still).
-CHECKSUM_CHUNK_BYTES = 256 * 1024
 
 
 class CorruptRecord(ValueError):
@@ -118,24 +114,21 @@ def payload_checksum(payload) -> int:
 
 def copy_checksummed(src, dest) -> int:
     """Copy bytes-like `src` into the writable bytes-like `dest` of the same length and
-    return `payload_checksum` of the bytes now in `dest`.
+    return `payload_checksum` of the bytes now in `dest` (what the caller will use, not
+    `src`). Raises ValueError when the lengths differ.
 
-    The copy goes in chunks of `CHECKSUM_CHUNK_BYTES`, each hashed right after it lands, while
-    it is still in the CPU cache: one pass over memory instead of a copy and then a second
-    full pass to hash. The checksum is taken over `dest` (what the caller will use), not
-    over `src`. Raises ValueError when the lengths differ.
+    One copy, then one hash: two calls that release the GIL. Each time an I/O thread gives
+    the GIL up it must win it back from the engine thread, which runs Python flat out and
+    yields only at its switch interval; copying and hashing in cache-sized chunks (16
+    releases per 2 MiB block) made a disk write take 8 ms of waiting per block next to a
+    busy thread, against 0.06 ms alone (`docs/BENCHMARKS.md`, "I/O threads and the GIL").
     """
-    # numpy's copy and xxhash both release the GIL, so other threads run meanwhile.
     source = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
     target = np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)
     if source.nbytes != target.nbytes:
         raise ValueError(f"cannot copy {source.nbytes} bytes into {target.nbytes}")
-    hasher = xxhash.xxh3_64()
-    for start in range(0, target.nbytes, CHECKSUM_CHUNK_BYTES):
-        chunk = target[start:start + CHECKSUM_CHUNK_BYTES]
-        np.copyto(chunk, source[start:start + CHECKSUM_CHUNK_BYTES])
-        hasher.update(chunk)
-    return hasher.intdigest()
+    np.copyto(target, source)
+    return payload_checksum(target)
 
 
 def encode_header(meta: BlockMeta, layout: KVLayout, payload_len: int, checksum: int) -> bytes:
@@ -176,7 +169,7 @@ def assemble_record(meta: BlockMeta, layout: KVLayout, payload, out) -> memoryvi
     """Write the record of `meta` and `payload` (bytes-like) into the front of `out`, a
     writable buffer of at least `record_size` bytes; return the view of `out` it fills.
 
-    The payload is copied and checksummed in one pass (`copy_checksummed`); the header,
+    The payload is copied and checksummed (`copy_checksummed`); the header,
     which holds that checksum, is written in front of it afterwards. Raises ValueError
     like `encode_header`, or when `out` is too small.
     """

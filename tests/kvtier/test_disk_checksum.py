@@ -1,7 +1,7 @@
-"""The disk tier's one-pass copy-and-checksum: on reads (`copy_checksummed` into the caller's
-tensor) the same checksum as one pass over the bytes, and damage anywhere in a block of
-several chunks is a miss; on writes (`assemble_record`) exactly the record `encode_record`
-gives, so the on-disk format is unchanged."""
+"""The disk tier's copy-and-checksum: on reads (`copy_checksummed` into the caller's tensor)
+the same checksum as a hash of the bytes, and damage anywhere in a block is a miss; on
+writes (`assemble_record`) exactly the record `encode_record` gives, so the on-disk format is
+unchanged."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from disk_cases import make_blocks, read_back, same_bytes
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.record import (
-    CHECKSUM_CHUNK_BYTES,
     BlockMeta,
     assemble_record,
     copy_checksummed,
@@ -23,13 +22,12 @@ from kvtier.tiers.record import (
     record_size,
 )
 
-# 640 KiB blocks: two and a half checksum chunks.
-MULTI_CHUNK = KVLayout(num_layers=10, num_kv_heads=2, head_dim=64, block_size=128,
+# 640 KiB blocks.
+BIG_BLOCK = KVLayout(num_layers=10, num_kv_heads=2, head_dim=64, block_size=128,
                        dtype=torch.float16)
 
 
-@pytest.mark.parametrize("num_bytes", [0, 1, CHECKSUM_CHUNK_BYTES - 1, CHECKSUM_CHUNK_BYTES,
-                                       2 * CHECKSUM_CHUNK_BYTES + 17])
+@pytest.mark.parametrize("num_bytes", [0, 1, 4095, 4096, (2 << 20) + 17])
 def test_copy_checksummed_copies_and_matches_one_pass(num_bytes):
     src = np.random.default_rng(num_bytes).integers(0, 256, num_bytes, dtype=np.uint8)
     dest = np.zeros(num_bytes, dtype=np.uint8)
@@ -42,15 +40,14 @@ def test_copy_checksummed_refuses_other_lengths():
         copy_checksummed(bytes(10), bytearray(9))
 
 
-def test_damage_in_any_chunk_of_a_block_is_a_miss(tmp_path):
-    assert MULTI_CHUNK.bytes_per_block > 2 * CHECKSUM_CHUNK_BYTES
-    metas, payloads = make_blocks(MULTI_CHUNK, seed=3, num_blocks=5)
-    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+def test_damage_anywhere_in_a_block_is_a_miss(tmp_path):
+    metas, payloads = make_blocks(BIG_BLOCK, seed=3, num_blocks=5)
+    with DiskTier(tmp_path, BIG_BLOCK, 1 << 28) as tier:
         assert tier.put(metas, payloads) == 5
-    # Flip one payload byte (counted from the value's end) in the first chunk, at the start
-    # of the second, and in the short last chunk; blocks 3 and 4 stay intact.
-    last = MULTI_CHUNK.bytes_per_block - 1
-    from_end = [last, last - CHECKSUM_CHUNK_BYTES, 0]
+    # Flip one payload byte (counted from the value's end) at its first byte, in its middle
+    # and at its last byte; blocks 3 and 4 stay intact.
+    last = BIG_BLOCK.bytes_per_block - 1
+    from_end = [last, last // 2, 0]
     env = lmdb.open(str(tmp_path), max_dbs=8, map_size=1 << 28)
     blocks = env.open_db(b"blocks")
     with env.begin(write=True) as txn:
@@ -59,7 +56,7 @@ def test_damage_in_any_chunk_of_a_block_is_a_miss(tmp_path):
             value[len(value) - 1 - offset] ^= 0x04
             txn.put(meta.block_hash, bytes(value), db=blocks)
     env.close()
-    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+    with DiskTier(tmp_path, BIG_BLOCK, 1 << 28) as tier:
         assert [read_back(tier, meta) is not None for meta in metas] == [False] * 3 + [True] * 2
         assert same_bytes(read_back(tier, metas[4]), payloads[4])
         assert tier.stats().rejected == 3
@@ -67,25 +64,25 @@ def test_damage_in_any_chunk_of_a_block_is_a_miss(tmp_path):
 
 
 def test_assembled_records_are_the_encoded_format():
-    metas, payloads = make_blocks(MULTI_CHUNK, seed=4, num_blocks=2)
-    out = bytearray(MULTI_CHUNK.bytes_per_block + 4096)  # larger than a record: reused scratch
+    metas, payloads = make_blocks(BIG_BLOCK, seed=4, num_blocks=2)
+    out = bytearray(BIG_BLOCK.bytes_per_block + 4096)  # larger than a record: reused scratch
     for meta, payload in zip(metas, payloads):
-        record = assemble_record(meta, MULTI_CHUNK, payload.view(torch.uint8).numpy(), out)
-        expected = encode_record(meta, MULTI_CHUNK, payload.view(torch.uint8).numpy())
-        assert len(record) == record_size(meta, MULTI_CHUNK.bytes_per_block) == len(expected)
+        record = assemble_record(meta, BIG_BLOCK, payload.view(torch.uint8).numpy(), out)
+        expected = encode_record(meta, BIG_BLOCK, payload.view(torch.uint8).numpy())
+        assert len(record) == record_size(meta, BIG_BLOCK.bytes_per_block) == len(expected)
         assert bytes(record) == expected
 
 
 def test_assembly_refuses_a_small_buffer_and_bad_token_ids(tmp_path):
-    metas, payloads = make_blocks(MULTI_CHUNK, seed=5, num_blocks=1)
+    metas, payloads = make_blocks(BIG_BLOCK, seed=5, num_blocks=1)
     payload = payloads[0].view(torch.uint8).numpy()
     with pytest.raises(ValueError, match="does not fit"):
-        assemble_record(metas[0], MULTI_CHUNK, payload, bytearray(MULTI_CHUNK.bytes_per_block))
-    bad = BlockMeta(b"x" * 16, metas[0].block_hash, (-1,) * MULTI_CHUNK.block_size)
+        assemble_record(metas[0], BIG_BLOCK, payload, bytearray(BIG_BLOCK.bytes_per_block))
+    bad = BlockMeta(b"x" * 16, metas[0].block_hash, (-1,) * BIG_BLOCK.block_size)
     with pytest.raises(ValueError, match="token ids"):
-        record_size(bad, MULTI_CHUNK.bytes_per_block)
+        record_size(bad, BIG_BLOCK.bytes_per_block)
     # The tier checks token ids before its write transaction: nothing is stored.
-    with DiskTier(tmp_path, MULTI_CHUNK, 1 << 28) as tier:
+    with DiskTier(tmp_path, BIG_BLOCK, 1 << 28) as tier:
         with pytest.raises(ValueError, match="token ids"):
             tier.put([metas[0], bad], [payloads[0], payloads[0]])
         assert tier.stats().num_blocks == 0
