@@ -1,7 +1,9 @@
-"""Disk-tier writes and warm reads on four I/O threads, alone and beside a thread that runs
-Python flat out (as the engine thread does while it launches kernels), with the disk tier's
-copy-and-checksum done in one call per block (as now) and in 256 KiB chunks (as before), side
-by side in one run. Prints MB/s and how fast the busy thread still ran.
+"""Disk-tier writes and reads (warm, and cold where the page cache can be dropped) on four
+I/O threads, alone and beside a thread that runs Python flat out (as the engine thread does
+while it launches kernels), side by side in one run: writes with the copy-and-checksum done
+in one call per block (as now) and in 256 KiB chunks (as before); reads of 8-block groups
+with one preadv per run of neighbouring records (as now) and one per record (as before).
+Prints MB/s and how fast the busy thread still ran.
 
     python3 scripts/io_beside_busy_thread.py [--switch-interval-ms 0.5] [--blocks 128]
 
@@ -22,14 +24,16 @@ import time
 import numpy as np
 import torch
 import xxhash
+from kvtier.cli.bench.diskread import drop_page_cache
 
+import kvtier.tiers.lmdb_value as lmdb_value
 import kvtier.tiers.record as record
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.record import BlockMeta
 
 LAYOUT = KVLayout(32, 8, 128, 16, torch.bfloat16)  # Llama-3-8B's 2 MiB blocks
-WHOLE = record.copy_checksummed
+WHOLE, RUN = record.copy_checksummed, lmdb_value.MAX_RUN_VALUES
 
 
 def chunked(src, dest, chunk: int = 256 * 1024) -> int:
@@ -84,13 +88,16 @@ def main() -> None:
              for _ in range(num_threads)]
     _, alone = timed(lambda k: time.sleep(0.5), 1, busy=True)
     print(f"switch interval {args.switch_interval_ms} ms; busy thread alone "
-          f"{alone / 1e6:.1f} M loops/s")
+          f"{alone / 1e6:.1f} M loops/s; before: copy and hash in 256 KiB chunks, one preadv "
+          "per record; now: one copy and one hash, one preadv per run of records")
     total_mb = num_threads * num_blocks * LAYOUT.bytes_per_block / 1e6
     with tempfile.TemporaryDirectory(dir=args.dir) as path, \
             DiskTier(path, LAYOUT, 1 << 40) as disk:
         for busy in (False, True):
-            for name, copy in (("chunked 256 KiB", chunked), ("one call", WHOLE)):
+            for name, copy, run_values in (("before", chunked, 1),
+                                           ("now", WHOLE, lmdb_value.MAX_RUN_VALUES)):
                 record.copy_checksummed = copy
+                lmdb_value.MAX_RUN_VALUES = run_values
                 metas = [[BlockMeta(os.urandom(16), b"p" * 16, tuple(range(16)))
                           for _ in range(num_blocks)] for _ in range(num_threads)]
 
@@ -103,14 +110,16 @@ def main() -> None:
                         group = metas[k][i:i + 8]
                         assert all(disk.get_many_into(group, dests[k][:len(group)]))
 
-                for what, work in (("write", write), ("read (warm)", read)):
+                for what, work in (("write", write), ("read (warm)", read),
+                                   ("read (cold)", read)):
+                    if what == "read (cold)" and not drop_page_cache():
+                        continue  # not root: no cold figure
                     seconds, loops = timed(work, num_threads, busy)
                     beside = f"; busy thread at {loops / alone:.2f}x" if busy else ""
-                    print(f"{what:12s} copy-and-checksum {name:16s} "
-                          f"{'beside a busy thread' if busy else 'alone':21s} "
+                    print(f"{what:12s} {name:6s} {'beside a busy thread' if busy else 'alone':21s} "
                           f"{total_mb / seconds:7.0f} MB/s{beside}", flush=True)
                 disk.delete([meta.block_hash for group in metas for meta in group])
-    record.copy_checksummed = WHOLE
+    record.copy_checksummed, lmdb_value.MAX_RUN_VALUES = WHOLE, RUN
 
 
 if __name__ == "__main__":

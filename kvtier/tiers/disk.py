@@ -32,7 +32,7 @@ from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, GuardedEnv, LmdbIndex, is_disk_full
-from kvtier.tiers.disk_read import RecordSource, read_record_into
+from kvtier.tiers.disk_read import RecordSource, read_records_into
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
@@ -219,10 +219,11 @@ class DiskTier:
         source = RecordSource(self._index, self._data_file(), self._page_size,
                               self._fingerprint)
         with self._map.txn() as txn, txn.cursor(db=self._index.blocks) as cursor:
-            for meta, array in zip(metas, arrays):
-                if self._read_hook is not None:
+            if self._read_hook is not None:
+                for meta in metas:
                     self._read_hook(meta)
-                ok, rejected = read_record_into(source, txn, cursor, meta, array)
+            for meta, (ok, rejected) in zip(metas, read_records_into(source, txn, cursor,
+                                                                     metas, arrays)):
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)

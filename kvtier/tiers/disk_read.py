@@ -1,23 +1,25 @@
-"""Reading one disk-tier record into the caller's buffer, checked.
+"""Reading disk-tier records into the caller's buffers, checked.
 
-The record is found from its key's leaf node (`kvtier.tiers.lmdb_value.find_value`) and read
-from `data.mdb` with one `preadv` at its overflow page: the header into a small buffer, the
-payload straight into the destination. A value too short for overflow pages, or a read that
-does not land where the tree says, is read through LMDB instead. Either way the header must
-name this layout and block, the payload length must match, and the xxh3 checksum is taken
-over the bytes in the destination, the ones the caller will use.
+A record is found from its key's leaf node (`kvtier.tiers.lmdb_value.find_value`) and read
+from `data.mdb` at its overflow page: the header into a small buffer, the payload straight
+into the destination, with one `preadv` for each run of records that lie one after the
+other. A value too short for overflow pages, or a read that does not land where the tree
+says, is read through LMDB instead. Either way the header must name this layout and block,
+the payload length must match, and the xxh3 checksum is taken over the bytes in the
+destination, the ones the caller will use.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import lmdb
 import numpy as np
 
 from kvtier.tiers.disk_index import LmdbIndex
-from kvtier.tiers.lmdb_value import find_value, pread_value
+from kvtier.tiers.lmdb_value import ValueSpot, find_value, pread_values
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,
@@ -41,26 +43,53 @@ class RecordSource:
     fingerprint: bytes
 
 
-def read_record_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.Cursor,
-                     meta: BlockMeta, array: np.ndarray) -> tuple[bool, bool]:
-    """Copy the payload of `meta`'s record into `array` (uint8, the block's bytes) inside the
-    read transaction `txn` (buffers=True) whose `cursor` is on the blocks database.
-    Returns (whether it is a verified hit, whether the value failed a check and should be
-    deleted); on (False, _) the contents of `array` are unspecified."""
-    head, size = _pread_record(source, cursor, meta, array)
-    value = None
-    if head is None:  # a short value in its leaf page, or the pread did not work out
-        value = source.index.get(txn, meta.block_hash)
-        if value is None:
-            return False, False
-        size = len(value)
+def read_records_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.Cursor,
+                      metas: Sequence[BlockMeta],
+                      arrays: Sequence[np.ndarray]) -> list[tuple[bool, bool]]:
+    """Copy the payload of each `metas[i]`'s record into `arrays[i]` (uint8, the block's
+    bytes) inside the read transaction `txn` (buffers=True) whose `cursor` is on the blocks
+    database. Records lying one after the other in data.mdb are read with one preadv
+    (`lmdb_value.pread_values`). Per block: (whether it is a verified hit, whether the
+    value failed a check and should be deleted); on (False, _) the contents of its array
+    are unspecified."""
+    spots: list[ValueSpot | None] = []
+    for meta, array in zip(metas, arrays):
+        try:
+            spot = find_value(cursor, meta.block_hash)
+        except ValueError:  # not LMDB's node layout: read through LMDB
+            spot = None
+        # A value in its leaf page, or one too short for the payload, goes through LMDB.
+        spots.append(spot if spot is not None and spot.page is not None
+                     and spot.size > array.nbytes else None)
+    direct = [i for i, spot in enumerate(spots) if spot is not None]
+    heads = {i: bytearray(spots[i].size - arrays[i].nbytes) for i in direct}
+    landed = pread_values(source.data_fd, [spots[i] for i in direct], source.page_size,
+                          [[memoryview(heads[i]), memoryview(arrays[i]).cast("B")]
+                           for i in direct])
+    read = {i for i, ok in zip(direct, landed) if ok}
+    results = []
+    for i, (meta, array) in enumerate(zip(metas, arrays)):
+        if i in read:
+            results.append(_verify(source, meta, array, bytes(heads[i]), spots[i].size))
+            continue
+        value = source.index.get(txn, meta.block_hash)  # not stored, or read it through LMDB
+        results.append((False, False) if value is None
+                       else _verify(source, meta, array, value, len(value), copy=True))
+    return results
+
+
+def _verify(source: RecordSource, meta: BlockMeta, array: np.ndarray, record_head,
+            size: int, copy: bool = False) -> tuple[bool, bool]:
+    """Check a record of `size` bytes whose start is `record_head`: with `copy`, the whole
+    record, whose payload is copied into `array`; else its header alone, its payload already
+    in `array`. Returns (verified hit, should be deleted)."""
     try:
-        header, offset = decode_header(value if head is None else head, source.fingerprint)
-        # With `head`, this also pins the payload to start right after it.
+        header, offset = decode_header(record_head, source.fingerprint)
+        # Without `copy`, this also pins the payload to start right after the header.
         check_payload_len(header, size - offset, array.nbytes)
         if not header.matches(meta):
             raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
-        checksum = (copy_checksummed(value[offset:], array) if value is not None
+        checksum = (copy_checksummed(record_head[offset:], array) if copy
                     else payload_checksum(array))
         if checksum != header.payload_checksum:
             raise CorruptRecord("bad checksum")
@@ -68,24 +97,3 @@ def read_record_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.C
         logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
         return False, True
     return True, False
-
-
-def _pread_record(source: RecordSource, cursor: lmdb.Cursor, meta: BlockMeta,
-                  array: np.ndarray) -> tuple[bytes | None, int]:
-    """Read a stored record from data.mdb with one preadv at its overflow page: its header
-    into the returned bytes, its payload (the last `array.nbytes` bytes) straight into
-    `array`; also returns the record's length. (None, 0) when the block is not stored, its
-    value sits in its leaf page, or the read comes short or lands elsewhere than the tree
-    says (the caller reads through LMDB then). Nothing is read through the map but the
-    tree's pages."""
-    try:
-        spot = find_value(cursor, meta.block_hash)
-    except ValueError:
-        return None, 0
-    if spot is None or spot.page is None or spot.size <= array.nbytes:
-        return None, 0
-    head = bytearray(spot.size - array.nbytes)
-    if not pread_value(source.data_fd, spot, source.page_size,
-                       [memoryview(head), memoryview(array).cast("B")]):
-        return None, 0
-    return bytes(head), spot.size

@@ -69,17 +69,68 @@ def find_value(cursor: lmdb.Cursor, key: bytes) -> ValueSpot | None:
     return ValueSpot(size, page)
 
 
-def pread_value(fd: int, spot: ValueSpot, page_size: int, buffers: list[memoryview]) -> bool:
-    """Read the value `spot` names (on overflow pages) from data.mdb, open as `fd`, into
-    `buffers` (together `spot.size` bytes), with preadv: the value's bytes go straight
-    where the caller wants them, at the disk's speed, with the GIL released. False when the
-    file ends first or the page there is not the start of the value's overflow pages; the
-    caller then reads the value through LMDB. Only sound inside a read transaction that
-    found `spot`: it keeps those pages from being reused until it ends."""
-    assert spot.page is not None, "an inline value is read with Transaction.get"
-    page_head = bytearray(OVERFLOW_HEADER_BYTES)
-    return _preadv_full(fd, [memoryview(page_head), *buffers], spot.file_offset(page_size)) \
-        and check_overflow_header(page_head, spot, page_size)
+#: Bytes between two values that a grouped read reads (and drops) rather than issue a
+#: second read: LMDB puts a few tree pages between the values of two write transactions.
+MAX_GAP_BYTES = 64 << 10
+#: Values per preadv at most (4 buffers each, well under the kernel's IOV_MAX of 1024).
+MAX_RUN_VALUES = 64
+
+
+def num_pages(spot: ValueSpot, page_size: int) -> int:
+    """Overflow pages the value `spot` names takes (LMDB's OVPAGES)."""
+    return (OVERFLOW_HEADER_BYTES - 1 + spot.size) // page_size + 1
+
+
+def pread_values(fd: int, spots: list[ValueSpot], page_size: int,
+                 buffers: list[list[memoryview]]) -> list[bool]:
+    """Read the values `spots` name (on overflow pages) from data.mdb, open as `fd`:
+    `buffers[i]` (together `spots[i].size` bytes) receives value i, straight where the
+    caller wants it, with the GIL released. Values lying one after the other in the file (as
+    the values of one write transaction do), at most `MAX_GAP_BYTES` apart, are read with
+    one preadv: one system call, and one release of the GIL, for a run of them instead of
+    one per value. Per value, whether it was read and the page there is the start of its
+    overflow pages (False, e.g. where the file ended first: the caller reads that value
+    through LMDB). Only sound inside a read transaction that found `spots`: it keeps those
+    pages from being reused until it ends."""
+    assert all(spot.page is not None for spot in spots), "inline values are read with get"
+    order = sorted(range(len(spots)), key=lambda i: spots[i].page)
+    results = [False] * len(spots)
+    run: list[int] = []
+    for index in order:
+        if run and (len(run) == MAX_RUN_VALUES or not 0 <= _gap(spots[run[-1]], spots[index],
+                                                               page_size) <= MAX_GAP_BYTES):
+            _pread_run(fd, spots, page_size, buffers, run, results)
+            run = []
+        run.append(index)
+    if run:
+        _pread_run(fd, spots, page_size, buffers, run, results)
+    return results
+
+
+def _gap(first: ValueSpot, second: ValueSpot, page_size: int) -> int:
+    """Bytes from the end of `first`'s value to the start of `second`'s overflow pages
+    (negative when `second` does not lie after it)."""
+    return second.file_offset(page_size) - (first.file_offset(page_size)
+                                            + OVERFLOW_HEADER_BYTES + first.size)
+
+
+def _pread_run(fd: int, spots: list[ValueSpot], page_size: int,
+               buffers: list[list[memoryview]], run: list[int], results: list[bool]) -> None:
+    """Read the values `run` (ascending in the file, gaps within bounds) with one preadv;
+    set `results` for them."""
+    filler = memoryview(bytearray(MAX_GAP_BYTES + page_size))  # the gaps' bytes, dropped
+    heads = [bytearray(OVERFLOW_HEADER_BYTES) for _ in run]
+    vectors: list[memoryview] = []
+    for k, index in enumerate(run):
+        vectors += [memoryview(heads[k]), *buffers[index]]
+        if k + 1 < len(run):
+            gap = _gap(spots[index], spots[run[k + 1]], page_size)
+            if gap:
+                vectors.append(filler[:gap])
+    if not _preadv_full(fd, vectors, spots[run[0]].file_offset(page_size)):
+        return
+    for head, index in zip(heads, run):
+        results[index] = bool(check_overflow_header(head, spots[index], page_size))
 
 
 def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> bool:
@@ -101,6 +152,5 @@ def _preadv_full(fd: int, buffers: list[memoryview], offset: int) -> bool:
 def check_overflow_header(raw: bytes | bytearray, spot: ValueSpot, page_size: int) -> bool:
     """Whether `raw`, the 16 bytes read at `spot.file_offset`, is the header of the run of
     overflow pages that `spot` names, long enough for the value."""
-    page, _, flags, num_pages = _PAGE_HEADER.unpack(bytes(raw[:OVERFLOW_HEADER_BYTES]))
-    needed = (OVERFLOW_HEADER_BYTES - 1 + spot.size) // page_size + 1
-    return page == spot.page and flags & P_OVERFLOW and num_pages >= needed
+    page, _, flags, num_stored = _PAGE_HEADER.unpack(bytes(raw[:OVERFLOW_HEADER_BYTES]))
+    return page == spot.page and flags & P_OVERFLOW and num_stored >= num_pages(spot, page_size)

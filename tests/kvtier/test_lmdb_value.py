@@ -1,6 +1,6 @@
 """`kvtier.tiers.lmdb_value` on real LMDB files: a value's length and first overflow page,
 found from its leaf node without reading it, agree with what LMDB returns and with the
-bytes at that place in data.mdb."""
+bytes at that place in data.mdb; values stored together are read back with one preadv."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from kvtier.tiers import lmdb_value
 from kvtier.tiers.lmdb_value import (
+    MAX_GAP_BYTES,
     OVERFLOW_HEADER_BYTES,
     ValueSpot,
     check_overflow_header,
     find_value,
+    num_pages,
+    pread_values,
 )
 
 BIG = os.urandom(300_000)  # on overflow pages
@@ -60,3 +64,58 @@ def test_a_transaction_without_buffers_is_refused(env) -> None:
     with environment.begin(buffers=False) as txn, txn.cursor(db=db) as cursor:
         with pytest.raises(ValueError, match="buffers"):
             find_value(cursor, b"big")
+
+
+def _preadv_calls(monkeypatch) -> list[int]:
+    """Counts the preadv system calls `lmdb_value` makes (each still made, for real)."""
+    calls: list[int] = []
+    real = os.preadv
+
+    def counted(fd, buffers, offset):
+        calls.append(offset)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(lmdb_value.os, "preadv", counted)
+    return calls
+
+
+def test_values_of_one_transaction_are_read_with_one_preadv(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    environment = lmdb.open(str(tmp_path), map_size=1 << 28, max_dbs=2)
+    db = environment.open_db(b"blocks")
+    values = {f"k{i:02d}".encode(): os.urandom(200_000 + 1000 * i) for i in range(12)}
+    keys = list(values)
+    with environment.begin(write=True) as txn:  # the first eight, then (apart) the rest
+        for key in keys[:8]:
+            txn.put(key, values[key], db=db)
+    with environment.begin(write=True) as txn:
+        txn.put(b"spacer", os.urandom(400_000), db=db)  # 400 KB between the two runs
+        for key in keys[8:]:
+            txn.put(key, values[key], db=db)
+    page_size = environment.stat()["psize"]
+    fd = os.open(tmp_path / "data.mdb", os.O_RDONLY)
+    try:
+        with environment.begin(buffers=True) as txn, txn.cursor(db=db) as cursor:
+            asked = keys[::-1]  # in any order: read in file order
+            spots = [find_value(cursor, key) for key in asked]
+            assert num_pages(spots[0], page_size) * page_size >= spots[0].size
+            buffers = [bytearray(spot.size) for spot in spots]
+            calls = _preadv_calls(monkeypatch)
+            landed = pread_values(fd, spots, page_size, [[memoryview(b)] for b in buffers])
+        assert landed == [True] * 12
+        assert [bytes(b) for b in buffers] == [values[key] for key in asked]
+        assert len(calls) == 2  # two runs: the spacer is farther than MAX_GAP_BYTES
+        assert 400_000 > MAX_GAP_BYTES
+        # A spot that does not name the start of its overflow pages is not taken.
+        spot = spots[0]
+        wrong = [ValueSpot(spot.size, spot.page + 1), spot]
+        buffers = [bytearray(spot.size), bytearray(spot.size)]
+        assert pread_values(fd, wrong, page_size, [[memoryview(b)] for b in buffers]) \
+            == [False, True]
+        # Past the end of the file: not read.
+        beyond = ValueSpot(spot.size, os.fstat(fd).st_size // page_size + 10)
+        assert pread_values(fd, [beyond], page_size, [[memoryview(bytearray(spot.size))]]) \
+            == [False]
+    finally:
+        os.close(fd)
+        environment.close()
