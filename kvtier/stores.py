@@ -108,13 +108,18 @@ class StorePath:
 
     def _retry_deferred(self) -> None:
         """Write through the deferred blocks the GPU still caches, oldest first, while host
-        slots can be had without waiting."""
-        pending = [(block, meta) for block, meta in self._deferred.values()
-                   if self.pool.get_cached_block(meta.block_hash) is block]
-        self._deferred.clear()
+        slots can be had without waiting. Costs O(slots to be had + stale entries dropped),
+        not O(entries): a host tier that stays dirty keeps up to a slab's worth of them."""
+        num_room = self.host.num_free_slots + self.host.num_clean  # at most: some are pinned
+        pending: list[tuple[KVCacheBlock, BlockMeta]] = []
+        while self._deferred and len(pending) < num_room:
+            block_hash, (block, meta) = self._deferred.popitem(last=False)
+            if self.pool.get_cached_block(block_hash) is block:  # else reused: dropped
+                pending.append((block, meta))
         num_handled = self._copy_to_host(pending)
-        for block, meta in pending[num_handled:]:
+        for block, meta in reversed(pending[num_handled:]):  # back in front, in order
             self._deferred[meta.block_hash] = (block, meta)
+            self._deferred.move_to_end(meta.block_hash, last=False)
 
     def _copy_to_host(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]) -> int:
         """Copy cached GPU blocks to host slots in one job, in order, up to the first one no
