@@ -76,6 +76,16 @@ def run(llm: LLM, prompts: list[list[int]]) -> list:
     return [llm.generate([prompt], PARAMS)[0] for prompt in prompts]
 
 
+def run_to_disk(llm: LLM, prompts: list[list[int]]) -> list:
+    """`run`, with each prompt's blocks on disk before the next prompt, whatever the pace of
+    the I/O threads (a flush writes every dirty host block)."""
+    outputs = []
+    for prompt in prompts:
+        outputs += run(llm, [prompt])
+        llm.manager.flush()
+    return outputs
+
+
 def check_idle(llm: LLM) -> None:
     """Nothing in flight, every GPU block free with ref_cnt 0, no host slot pinned."""
     manager = llm.manager
@@ -350,7 +360,7 @@ def test_a_disk_budget_of_three_blocks_prunes_and_keeps_serving(tiny, tmp_path):
     bytes_per_block = tiny.config.kv_layout(16, torch.float32).bytes_per_block
     budget_gb = 3.5 * bytes_per_block / 2**30  # three records (header included)
     with tiny_llm(tiny, tmp_path / "kv", disk_cache_gb=budget_gb) as llm:
-        outputs = run(llm, prompts) + run(llm, prompts)
+        outputs = run_to_disk(llm, prompts + prompts)
         disk = llm.stats().disk
         check_idle(llm)
     assert [o.outputs[0].token_ids for o in outputs] == expected + expected
@@ -372,7 +382,7 @@ def test_a_full_lmdb_map_prunes_or_refuses_and_keeps_serving(tiny, tmp_path, mon
     expected = tiers_off(tiny, prompts)
     monkeypatch.setattr("kvtier.manager.DiskTier", TinyMapDisk)
     with tiny_llm(tiny, tmp_path / "kv", disk_cache_gb=1.0) as llm:
-        outputs = run(llm, prompts) + run(llm, prompts)
+        outputs = run_to_disk(llm, prompts + prompts)  # more blocks than the map holds
         disk = llm.stats().disk
         check_idle(llm)
     assert [o.outputs[0].token_ids for o in outputs] == expected + expected
