@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Restore figures on a GPU machine in one go (each stage under `timeout`): cold reads of
-# 2 MiB disk-tier values by each method, `bench longctx` swept cold, 32K warm, `bench serve`
-# under memory pressure (with host_third: host_disk's host tier without the disk), and a
+# 2 MiB disk-tier values by each method, disk-tier writes and reads beside a busy Python
+# thread (before / now, cold where permitted: `io`, a text table), `bench longctx` swept
+# cold, 32K warm, `bench serve` under memory pressure (with host_third: host_disk's host
+# tier without the disk), and a
 # profile of the engine thread over one cold 32K restore. JSON and logs go to $OUT; a short
 # table is printed last. STAGES picks stages (default: all; together they take longer than
 # one 10-minute device call, so split them, e.g. STAGES="longctx_cold", then "serve"
@@ -12,7 +14,7 @@ mkdir -p "$OUT"
 MODEL=(--model random:llama3-8b --device cuda --dtype bfloat16)
 LONG=(--num-docs 3 --max-batched-tokens 8192 --disk-dir /tmp --json)
 
-STAGES=${STAGES:-"diskread longctx_cold longctx_warm serve profile"}
+STAGES=${STAGES:-"diskread io longctx_cold longctx_warm serve profile"}
 stage() {  # name, seconds, command...
   local name=$1 limit=$2
   shift 2
@@ -24,6 +26,7 @@ stage() {  # name, seconds, command...
 
 stage diskread 50 python3 -m kvtier.cli.main bench diskread --gib 2 --dir /tmp \
   --threads 1,4,16 --json
+stage io 120 python3 scripts/io_beside_busy_thread.py --blocks 256 --dir /tmp
 stage longctx_cold 420 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
   --doc-tokens 1024,8192,32768 --cold
 stage longctx_warm 90 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \

@@ -46,6 +46,9 @@ def main(directory: str) -> None:
         result = load(out / f"{name}.json")
         if result:
             longctx_rows(name, result)
+    io_table = out / "io.json"  # the `io` stage prints text
+    if io_table.exists():
+        print(io_table.read_text())
     serve = load(out / "serve.json")
     if serve:
         for mode, m in serve["modes"].items():
