@@ -74,9 +74,8 @@ class StorePath:
         """Copy newly cached GPU blocks (`metas[i]` names `blocks[i]`) to host slots; a block
         already stored or being stored is skipped, one without a slot now is deferred."""
         self.schedule_writebacks(len(blocks) + len(self._deferred))
-        for block, meta in zip(blocks, metas):
-            if self._copy_to_host([(block, meta)]) == 0:
-                self._defer(block, meta)
+        for block, meta in self._copy_to_host(list(zip(blocks, metas))):
+            self._defer(block, meta)
 
     def progress(self, num_slots_wanted: int) -> None:
         """Once per engine step, after finished jobs ran: retry deferred write-throughs and
@@ -116,34 +115,35 @@ class StorePath:
             block_hash, (block, meta) = self._deferred.popitem(last=False)
             if self.pool.get_cached_block(block_hash) is block:  # else reused: dropped
                 pending.append((block, meta))
-        num_handled = self._copy_to_host(pending)
-        for block, meta in reversed(pending[num_handled:]):  # back in front, in order
+        for block, meta in reversed(self._copy_to_host(pending)):  # back in front, in order
             self._deferred[meta.block_hash] = (block, meta)
             self._deferred.move_to_end(meta.block_hash, last=False)
 
-    def _copy_to_host(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]) -> int:
-        """Copy cached GPU blocks to host slots in one job, in order, up to the first one no
-        slot can be had for. Returns how many of `pairs` were handled (copied, or already
-        stored or being stored)."""
+    def _copy_to_host(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]]
+                      ) -> list[tuple[KVCacheBlock, BlockMeta]]:
+        """Copy cached GPU blocks to host slots, all in one job; a block already stored or
+        being stored is skipped. Returns, in order, the pairs no slot could be had for (once
+        one finds none, the later ones would not either)."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        num_handled = 0
+        no_slot: list[tuple[KVCacheBlock, BlockMeta]] = []
         for block, meta in pairs:
             # (Staging: the disk write itself skips blocks already on disk.)
-            if meta.block_hash not in self._storing and not (
+            if meta.block_hash in self._storing or (
                     self.host_caches and self.host.contains(meta.block_hash)):
-                slot = self.host.allocate_slot(meta)
-                if slot is None:  # not waited for
-                    break
-                items.append((block, meta, slot))
-                self._storing.add(meta.block_hash)
-            num_handled += 1
+                continue
+            slot = None if no_slot else self.host.allocate_slot(meta)
+            if slot is None:  # not waited for
+                no_slot.append((block, meta))
+                continue
+            items.append((block, meta, slot))
+            self._storing.add(meta.block_hash)
         if items:
             self.pool.touch([block for block, _, _ in items])
             mapping = torch.tensor([[b.block_id, slot] for b, _, slot in items],
                                    dtype=torch.int64)  # [n, 2] (gpu block, slot)
             job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self.host.slab, mapping)
             self._submit(job, lambda ok: self._finish_copy(items, ok))
-        return num_handled
+        return no_slot
 
     def _finish_copy(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
                      ok: bool) -> None:

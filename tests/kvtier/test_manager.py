@@ -297,6 +297,17 @@ def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
     assert m.allocate(2) is not None
 
 
+def test_the_blocks_of_one_store_are_copied_in_one_job(managers):
+    layout = small_layout()
+    m = TierManager(layout, config(layout, None, gpu=8, host=6))
+    managers.append(m)
+    metas, data = chain(layout, "batch", 5), random_blocks(layout, 5, seed=6)
+    write(m, metas, data)
+    stats = m.stats()
+    assert stats.transfers[Direction.GPU_TO_HOST].num_jobs == 1
+    assert stats.host_cached == 5
+
+
 # ---- fail closed ---------------------------------------------------------------------------
 
 def test_a_failed_disk_read_is_a_miss_and_releases_its_slot(tmp_path, managers):
