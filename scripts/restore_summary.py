@@ -31,7 +31,8 @@ def longctx_rows(name: str, result: dict) -> None:
             print(f"{name} {run['prompt_tokens']:>6} disk tier {disk['tier']['gb_s']:.2f} GB/s"
                   f" (cold={disk['tier']['cold']}); raw buffered {raw.get('buffered_gb_s')}"
                   f" direct {raw.get('direct_gb_s')} best {raw['best_gb_s']:.2f};"
-                  f" ratio {disk['tier_vs_best_raw']:.2f}")
+                  f" ratio {disk['tier_vs_best_raw']:.2f}"
+                  f" (scattered {disk.get('scattered_vs_best_raw', float('nan')):.2f})")
         print(f"{name} {run['prompt_tokens']:>6} outputs identical: {run['outputs_identical']}")
 
 

@@ -4,8 +4,10 @@
   * `raw_sequential_read(directory, num_bytes)`: a file of that size written in `directory`
     (same disk as the tier), read back sequentially in 8 MiB requests, cold: buffered, with
     O_DIRECT, and buffered by several threads at once. The best of them is the bar.
-  * `disk_tier_read(path, layout)`: every block of a disk tier read through
-    `DiskTier.get_many_into` in groups of `group_blocks`, by `threads` threads, cold.
+  * `disk_tier_read(path, layout)`: blocks of a disk tier read through
+    `DiskTier.get_many_into` in groups of `group_blocks`, by `threads` threads, cold: every
+    block in key order (scattered over the file), or one document's from its tail backward
+    (as a restore reads them).
   * `read_methods(path, layout)`: ways of reading the tier's values cold (through LMDB's
     map, the map after madvise(WILLNEED), pread at the value's offset with 1..N threads,
     O_DIRECT on the pages holding it), which chose the disk tier's read path.
@@ -112,18 +114,51 @@ def tier_metas(disk: DiskTier) -> list[BlockMeta]:
     return metas
 
 
+def longest_chain(metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+    """The longest run of blocks each of whose parent is the one before (one document's
+    blocks, in order), following the first child where chains branch."""
+    by_hash = {meta.block_hash: meta for meta in metas}
+    children: dict[bytes, BlockMeta] = {}
+    for meta in metas:
+        children.setdefault(meta.parent_hash, meta)
+    best: list[BlockMeta] = []
+    for meta in metas:
+        if meta.parent_hash in by_hash:
+            continue  # not the start of a chain
+        chain = [meta]
+        # (Bounded: a damaged tier could hold a cycle.)
+        while (child := children.get(chain[-1].block_hash)) is not None \
+                and len(chain) <= len(by_hash):
+            chain.append(child)
+        if len(chain) > len(best):
+            best = chain
+    return best
+
+
 def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int = 4,
                    group_blocks: int = 4, pin_memory: bool = False,
-                   max_blocks: int | None = None) -> dict[str, Any]:
-    """Read every block (at most `max_blocks`) of the disk tier at `path` cold through
-    `DiskTier.get_many_into`, `group_blocks` per call, on `threads` threads; GB/s and how
-    many blocks verified."""
+                   max_blocks: int | None = None, order: str = "key") -> dict[str, Any]:
+    """Read blocks of the disk tier at `path` cold through `DiskTier.get_many_into`,
+    `group_blocks` per call, on `threads` threads; GB/s and how many blocks verified.
+
+    order "key": every block (at most `max_blocks`) in key order, so scattered over the
+    file; "document": the longest chain of blocks (one document, at most its last
+    `max_blocks`) in groups from the tail backward, as a restore's load front reads them."""
+    if order not in ("key", "document"):
+        raise ValueError(f"order must be 'key' or 'document', got {order!r}")
     with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
-        metas = tier_metas(disk)[:max_blocks]
+        metas = tier_metas(disk)
+    if order == "key":
+        metas = metas[:max_blocks]
+        groups = [metas[i:i + group_blocks] for i in range(0, len(metas), group_blocks)]
+    else:
+        metas = longest_chain(metas)
+        metas = metas[len(metas) - min(len(metas), max_blocks or len(metas)):]
+        groups = [metas[max(0, stop - group_blocks):stop]
+                  for stop in range(len(metas), 0, -group_blocks)]
     # Opened again: the pages the headers were read through stay mapped, and a mapped page
     # survives a cache drop.
     with DiskTier(path, layout, 1 << 50, readonly=True) as disk:
-        groups = [metas[i:i + group_blocks] for i in range(0, len(metas), group_blocks)]
         dests = [torch.empty(layout.bytes_per_block, dtype=torch.uint8,
                              pin_memory=pin_memory) for _ in range(threads * group_blocks)]
         slots = threading.local()
@@ -144,7 +179,8 @@ def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int 
         seconds = time.perf_counter() - started
     num_bytes = len(metas) * layout.bytes_per_block
     return {"blocks": len(metas), "verified": num_ok, "bytes": num_bytes, "cold": cold,
-            "threads": threads, "group_blocks": group_blocks, "gb_s": _gb_s(num_bytes, seconds)}
+            "threads": threads, "group_blocks": group_blocks, "order": order,
+            "gb_s": _gb_s(num_bytes, seconds)}
 
 
 def _value_spans(disk: DiskTier) -> list[tuple[int, int]]:

@@ -42,6 +42,7 @@ from kvtier.cli.bench.diskread import disk_tier_read, drop_page_cache, raw_seque
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.llm import resolve_device
 from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.restore import DISK_GROUP_BYTES
 
 from kvtier.config import DEFAULT_IO_THREADS
 from kvtier.layout import KVLayout
@@ -278,12 +279,19 @@ def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,
     """The disk tier's cold read bandwidth next to the same disk's raw sequential reads."""
     layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
     report("disk: reading the tier back cold, then a raw file of one document's size")
+    doc_blocks = config.doc_tokens // config.block_size
+    # One document's blocks as a restore reads them (its groups, from the tail backward),
+    # and as many blocks in key order, scattered over the file (the worst case).
     tier = disk_tier_read(disk_dir, layout, threads=DEFAULT_IO_THREADS,
-                          group_blocks=max(1, (8 << 20) // layout.bytes_per_block),
-                          max_blocks=config.doc_tokens // config.block_size)
+                          group_blocks=max(1, DISK_GROUP_BYTES // layout.bytes_per_block),
+                          max_blocks=doc_blocks, order="document")
+    scattered = disk_tier_read(disk_dir, layout, threads=DEFAULT_IO_THREADS,
+                               group_blocks=max(1, DISK_GROUP_BYTES // layout.bytes_per_block),
+                               max_blocks=doc_blocks, order="key")
     raw = raw_sequential_read(disk_dir.parent, config.doc_tokens * layout.bytes_per_token)
-    return {"tier": tier, "raw": raw,
-            "tier_vs_best_raw": tier["gb_s"] / raw["best_gb_s"]}
+    return {"tier": tier, "tier_scattered": scattered, "raw": raw,
+            "tier_vs_best_raw": tier["gb_s"] / raw["best_gb_s"],
+            "scattered_vs_best_raw": scattered["gb_s"] / raw["best_gb_s"]}
 
 
 def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,

@@ -68,12 +68,18 @@ def print_disk_read(result: dict[str, Any]) -> None:
 
     threaded = next((v for k, v in raw.items() if k.startswith("buffered_")
                      and k.endswith("threads_gb_s")), None)
-    typer.echo(f"disk tier cold read {disk['tier']['gb_s']:.2f} GB/s "
-               f"({disk['tier']['threads']} threads, cold={disk['tier']['cold']}); raw "
+    scattered = disk.get("tier_scattered")
+    typer.echo(f"disk tier cold read, one document as a restore reads it: "
+               f"{disk['tier']['gb_s']:.2f} GB/s"
+               + ("" if scattered is None else
+                  f"; as many blocks scattered over the file: {scattered['gb_s']:.2f} GB/s")
+               + f" ({disk['tier']['threads']} threads, cold={disk['tier']['cold']}); raw "
                f"sequential read of {raw['bytes'] / 2**30:.2f} GiB: buffered "
                f"{gbs(raw.get('buffered_gb_s'))}, O_DIRECT {gbs(raw.get('direct_gb_s'))}, "
-               f"threaded {gbs(threaded)} GB/s "
-               f"(cold={raw['cold']}); tier / best raw = {disk['tier_vs_best_raw']:.2f}")
+               f"threaded {gbs(threaded)} GB/s (cold={raw['cold']}); tier / best raw = "
+               f"{disk['tier_vs_best_raw']:.2f}"
+               + ("" if scattered is None else
+                  f" (scattered {disk['scattered_vs_best_raw']:.2f})"))
 
 
 def print_longctx_sweep(sweep: dict[str, Any]) -> None:
