@@ -270,6 +270,9 @@ class TierManager:
         """Disk or remote reads landed in host slots: copy the good ones to the GPU."""
         landed = []
         cancelled = load.cancelled.is_set()
+        # A job cancelled before it started read nothing (no result): no failure. One that
+        # ran and missed a block (pruned meanwhile) failed that block, cancelled or not.
+        ran = bool(results) or not cancelled
         for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
             assert lb.slot is not None
             if ok:
@@ -281,8 +284,7 @@ class TierManager:
             else:
                 self._host.free_slot(lb.slot)
                 lb.slot, lb.done = None, True
-                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += \
-                    0 if cancelled else 1
+                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += ran
         if cancelled:  # the bytes stay in the host tier; the GPU blocks are the caller's now
             for lb in landed:
                 assert lb.slot is not None

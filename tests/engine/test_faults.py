@@ -215,7 +215,7 @@ def test_damaged_disk_values_are_recomputed_and_counted(tiny, tmp_path):
     # a rejected value is deleted.
     assert num_damaged == len(prompts) // 2
     assert stats.disk.rejected <= num_damaged
-    # (A read of a cancelled load still rejects what it finds; it is not a failed load.)
+    # (A read of a cancelled load still rejects what it finds, and counts it failed.)
     assert stats.tiers[Tier.DISK].failures <= stats.disk.rejected
     with tiny_llm(tiny, disk_dir) as llm:
         assert [o.outputs[0].token_ids for o in run(llm, prompts)] == expected

@@ -194,7 +194,7 @@ def test_bad_remote_values_are_recomputed(tiny, tmp_path, redis_cluster, damage)
         assert outputs[0].metrics.cached_tokens_remote <= (len(keys) - 1) * 16
         rejected = llm.stats().remote.rejected
         assert rejected <= 1
-        # (A read of a cancelled load still rejects what it finds; it is not a failed load.)
+        # (A read of a cancelled load still rejects what it finds, and counts it failed.)
         assert llm.stats().tiers[Tier.REMOTE].failures <= rejected
 
 
