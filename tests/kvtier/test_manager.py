@@ -333,6 +333,37 @@ def test_a_failed_disk_read_is_a_miss_and_releases_its_slot(tmp_path, managers):
     m.free(targets)
 
 
+@pytest.mark.timeout(120)
+def test_a_read_that_missed_counts_failed_even_if_its_load_was_cancelled(tmp_path, managers,
+                                                                         release):
+    layout = small_layout()
+    m, blocks = disk_only(tmp_path, managers, layout, {"a": 2})
+    metas, data = blocks["a"]
+    m.disk.delete([metas[1].block_hash])  # pruned between the lookup and the read
+    real_read, entered = m.disk.get_many_into, threading.Event()
+
+    def held_read(metas, dests):
+        entered.set()
+        release.wait()
+        return real_read(metas, dests)
+
+    m.disk.get_many_into = held_read
+    targets = m.allocate(2)
+    load_id = m.prepare_load(metas, targets, split_reads=False, known_on_disk=True)
+    assert entered.wait(timeout=60)
+    m.cancel_load(load_id)  # the read is under way: it goes on
+    release.set()
+    while not m.is_load_ready(load_id):
+        m.poll()
+    m.complete_load_blocks(load_id)
+    stats = m.stats()
+    # The disk missed block 1; the manager counts that read failed, as the soak checks.
+    assert stats.disk.misses == 1 and stats.disk.hits == 1
+    assert stats.tiers[Tier.DISK].failures == 1
+    m.free(targets)
+    check_idle(m)
+
+
 def test_a_record_for_other_tokens_is_never_served(tmp_path, managers):
     layout = small_layout()
     m, blocks = disk_only(tmp_path, managers, layout, {"ab": 2})
