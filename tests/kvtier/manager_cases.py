@@ -3,6 +3,8 @@ random bit patterns, tier configs (a real LMDB disk tier in a temp directory), a
 that write, evict and load blocks through a manager.
 """
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +18,19 @@ from kvtier.tiers.record import BlockMeta, metas_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def held_before(call: Callable, release: threading.Event) -> tuple[Callable, threading.Event]:
+    """`call` wrapped to set the returned event, then wait for `release`, before it runs (a
+    disk call held open while the test looks at the manager)."""
+    entered = threading.Event()
+
+    def held(*args):
+        entered.set()
+        release.wait()
+        return call(*args)
+
+    return held, entered
 
 
 def small_layout(dtype: torch.dtype = torch.float16) -> KVLayout:

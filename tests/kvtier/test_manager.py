@@ -24,6 +24,7 @@ from manager_cases import (
     config,
     disk_only,
     evict_gpu,
+    held_before,
     load,
     random_blocks,
     same_bytes,
@@ -213,14 +214,7 @@ def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release
     layout = small_layout()
     m = TierManager(layout, config(layout, tmp_path, gpu=8, host=3, io_threads=2))
     managers.append(m)
-    real_put, entered = m.disk.put, threading.Event()
-
-    def held_put(metas, payloads):
-        entered.set()
-        release.wait()
-        return real_put(metas, payloads)
-
-    m.disk.put = held_put
+    m.disk.put, entered = held_before(m.disk.put, release)
     metas, data = chain(layout, "wb", 5), random_blocks(layout, 5, seed=3)
     hashes = [meta.block_hash for meta in metas]
     # A, B, C fill the host (dirty). Taking the last free slot starts A's write-back.
@@ -264,8 +258,7 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     layout = small_layout()
     m = TierManager(layout, config(layout, tmp_path, gpu=8, host=2, io_threads=2))
     managers.append(m)
-    real_put = m.disk.put
-    m.disk.put = lambda metas, payloads: (release.wait(), real_put(metas, payloads))[1]
+    m.disk.put, _ = held_before(m.disk.put, release)
     metas, data = chain(layout, "gone", 3), random_blocks(layout, 3, seed=5)
     for i in range(3):
         write(m, metas[i:i + 1], data[i:i + 1])
@@ -340,14 +333,7 @@ def test_a_read_that_missed_counts_failed_even_if_its_load_was_cancelled(tmp_pat
     m, blocks = disk_only(tmp_path, managers, layout, {"a": 2})
     metas, data = blocks["a"]
     m.disk.delete([metas[1].block_hash])  # pruned between the lookup and the read
-    real_read, entered = m.disk.get_many_into, threading.Event()
-
-    def held_read(metas, dests):
-        entered.set()
-        release.wait()
-        return real_read(metas, dests)
-
-    m.disk.get_many_into = held_read
+    m.disk.get_many_into, entered = held_before(m.disk.get_many_into, release)
     targets = m.allocate(2)
     load_id = m.prepare_load(metas, targets, split_reads=False, known_on_disk=True)
     assert entered.wait(timeout=60)
