@@ -21,6 +21,7 @@ import math
 import time
 from pathlib import Path
 
+import probe_timing
 import torch
 import torch.nn.functional as F
 from kvtier.cli.bench import kernels as kb
@@ -32,26 +33,14 @@ from kvtier.kernels.paged_attention import paged_attention as launcher
 pa_module = importlib.import_module("kvtier.kernels.paged_attention")
 HYBRID_COUNTS: dict = {}
 HYBRID = importlib.import_module("prefill_sdpa_probe").make_hybrid(launcher, HYBRID_COUNTS)
-TABLE: list[str] = []
+TABLE = probe_timing.Notes()
+note = TABLE
 RESULTS: dict = {}
 
 
-def note(line: str) -> None:
-    print(line, flush=True)
-    TABLE.append(line)
-
 
 def host_us(fn, calls: int = 200) -> float:
-    """Python time of one call while the GPU is busy (so the queue never blocks)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # GPU work ahead of the calls
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return probe_timing.host_us(fn, calls, busy_cycles=100_000_000)
 
 
 def py_us(fn, calls: int = 5000) -> float:

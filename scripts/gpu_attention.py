@@ -16,29 +16,18 @@ import sys
 import time
 from pathlib import Path
 
+import probe_timing
 import torch
 from kvtier.cli.bench import kernels as kb
 from kvtier.kernels import AttentionConfig
 
-TABLE: list[str] = []
+TABLE = probe_timing.Notes()
+note = TABLE
 
-
-def note(line: str) -> None:
-    print(line, flush=True)
-    TABLE.append(line)
 
 
 def host_us(fn, calls: int = 50) -> float:
-    """Python time of one call while the GPU is busy (so the queue never blocks)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # ~30 ms of GPU work ahead of the calls
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return probe_timing.host_us(fn, calls, busy_cycles=50_000_000)
 
 
 def decode_variants(auto: AttentionConfig) -> dict[str, AttentionConfig]:
