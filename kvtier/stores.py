@@ -66,10 +66,6 @@ class StorePath:
         self._num_writing_back = 0
         self._writeback_reserve = max(1, host.num_slots // 8) if host_caches else 0
 
-    @property
-    def num_deferred(self) -> int:
-        return len(self._deferred)
-
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta]) -> None:
         """Copy newly cached GPU blocks (`metas[i]` names `blocks[i]`) to host slots; a block
         already stored or being stored is skipped, one without a slot now is deferred."""

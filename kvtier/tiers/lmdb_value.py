@@ -118,15 +118,14 @@ def _pread_run(fd: int, spots: list[ValueSpot], page_size: int,
                buffers: list[list[memoryview]], run: list[int], results: list[bool]) -> None:
     """Read the values `run` (ascending in the file, gaps within bounds) with one preadv;
     set `results` for them."""
-    filler = memoryview(bytearray(MAX_GAP_BYTES + page_size))  # the gaps' bytes, dropped
+    gaps = [_gap(spots[a], spots[b], page_size) for a, b in zip(run, run[1:])] + [0]
+    filler = memoryview(bytearray(max(gaps)))  # the gaps' bytes, dropped
     heads = [bytearray(OVERFLOW_HEADER_BYTES) for _ in run]
     vectors: list[memoryview] = []
-    for k, index in enumerate(run):
-        vectors += [memoryview(heads[k]), *buffers[index]]
-        if k + 1 < len(run):
-            gap = _gap(spots[index], spots[run[k + 1]], page_size)
-            if gap:
-                vectors.append(filler[:gap])
+    for head, index, gap in zip(heads, run, gaps):
+        vectors += [memoryview(head), *buffers[index]]
+        if gap:
+            vectors.append(filler[:gap])
     if not _preadv_full(fd, vectors, spots[run[0]].file_offset(page_size)):
         return
     for head, index in zip(heads, run):
