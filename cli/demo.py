@@ -24,8 +24,7 @@ import typer
 from kvtier.cli.common import print_json, print_table
 from kvtier.cli.docs_corpus import CORPUS, Document
 from kvtier.engine import LLM, SamplingParams
-from kvtier.engine.llm import resolve_device
-from kvtier.engine.loader import load_model
+from kvtier.engine.loader import load_model, resolve_device
 from kvtier.engine.paths import cache_dir
 from rich import box
 from rich.console import Console

@@ -24,7 +24,8 @@ import typer
 from kvtier.cli.common import print_json, print_table
 from kvtier.engine.config_sources import load_engine_config
 from kvtier.engine.engine_config import AttnBackend, DType, HashAlgorithm
-from kvtier.engine.llm import LLM, resolve_device
+from kvtier.engine.llm import LLM
+from kvtier.engine.loader import resolve_device
 from kvtier.engine.outputs import RequestOutput
 from kvtier.engine.sampler import SamplingParams
 

@@ -27,7 +27,13 @@ import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config_sources import load_engine_config
-from kvtier.engine.loader import LoadedModel, load_model, resolve_device_dtype
+from kvtier.engine.loader import (
+    LoadedModel,
+    check_loaded,
+    load_model,
+    resolve_device,
+    resolve_device_dtype,
+)
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
@@ -45,29 +51,6 @@ from kvtier.stats import ManagerStats
 #: While only transfers are in flight a step may have nothing to run; it then waits this long
 #: (seconds) instead of spinning.
 _IDLE_WAIT_S = 0.0005
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" -> cuda when available, else cpu; "cpu", "cuda", "cuda:N" as given.
-
-    Raises ValueError for anything else, and for CUDA when it is not available.
-    """
-    if isinstance(device, torch.device):
-        resolved = device
-    elif device == "auto":
-        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        text = str(device)
-        if text != "cpu" and not (text == "cuda" or text.startswith("cuda:")):
-            raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or "
-                             "'cuda:N'")
-        try:
-            resolved = torch.device(text)
-        except RuntimeError as exc:
-            raise ValueError(f"unknown device {device!r}: {exc}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use 'cpu'")
-    return resolved
 
 
 class LLM:
@@ -120,7 +103,7 @@ class LLM:
             use_user_triton_cache()  # before anything compiles, so a second start is fast
         if isinstance(model, LoadedModel):
             loaded = model
-            self.device, self.dtype = _check_loaded(loaded, device or "auto", dtype or "auto")
+            self.device, self.dtype = check_loaded(loaded, device or "auto", dtype or "auto")
         else:
             self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
             backend = select_backend(self.device, block_size, cfg.attn_backend)
@@ -478,18 +461,6 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _check_loaded(loaded: LoadedModel, device: str | torch.device,
-                  dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype of an already loaded model; ValueError if they contradict the
-    ones asked for."""
-    weight = next(loaded.model.parameters())
-    if device != "auto" and resolve_device(device).type != weight.device.type:
-        raise ValueError(f"the loaded model is on {weight.device}, not {device}")
-    if dtype != "auto" and resolve_device_dtype(weight.device, dtype)[1] != weight.dtype:
-        raise ValueError(f"the loaded model is {weight.dtype}, not {dtype}")
-    return weight.device, weight.dtype
 
 
 @dataclass(slots=True)

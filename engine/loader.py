@@ -83,6 +83,41 @@ def resolve_device_dtype(device: torch.device | str,
     return device, parse_dtype(dtype)
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; "cpu", "cuda", "cuda:N" as given.
+
+    Raises ValueError for anything else, and for CUDA when it is not available.
+    """
+    if isinstance(device, torch.device):
+        resolved = device
+    elif device == "auto":
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        text = str(device)
+        if text != "cpu" and not (text == "cuda" or text.startswith("cuda:")):
+            raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or "
+                             "'cuda:N'")
+        try:
+            resolved = torch.device(text)
+        except RuntimeError as exc:
+            raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use 'cpu'")
+    return resolved
+
+
+def check_loaded(loaded: LoadedModel, device: str | torch.device,
+                  dtype: str | torch.dtype) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype of an already loaded model; ValueError if they contradict the
+    ones asked for."""
+    weight = next(loaded.model.parameters())
+    if device != "auto" and resolve_device(device).type != weight.device.type:
+        raise ValueError(f"the loaded model is on {weight.device}, not {device}")
+    if dtype != "auto" and resolve_device_dtype(weight.device, dtype)[1] != weight.dtype:
+        raise ValueError(f"the loaded model is {weight.dtype}, not {dtype}")
+    return weight.device, weight.dtype
+
+
 def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtype | str = "auto",
                attn_backend: str | None = None, seed: int = 0) -> LoadedModel:
     """Load `model` (see the module docstring) on `device` in `dtype`.

@@ -40,8 +40,7 @@ import numpy as np
 import torch
 from kvtier.cli.bench.diskread import disk_tier_read, drop_page_cache, raw_sequential_read
 from kvtier.engine import LLM, RequestOutput, SamplingParams
-from kvtier.engine.llm import resolve_device
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel, load_model, resolve_device
 from kvtier.engine.restore import DISK_GROUP_BYTES
 
 from kvtier.config import DEFAULT_IO_THREADS
