@@ -136,6 +136,8 @@ class LLM:
                 cfg.max_num_seqs, self.max_model_len,
                 graph_seconds=graphs.capture_seconds if graphs else 0.0,
                 num_graphs=len(graphs.buckets) if graphs else 0)
+            # The first restore after start is sized with the model's rate, as later ones.
+            self.scheduler.prefill_rate.tokens_per_s = self.warmup_report.prefill_tokens_per_s
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}

@@ -27,7 +27,9 @@ Speeds measured in the running process size the two fronts (`engine.restore_rate
 the model's prefill rate P and the slow tiers' rate L known, a claim takes the head's share
 R*P/(P+L) of the R tokens still to come, so both fronts finish together, and disk or remote
 groups are only issued above that head (`reserved_head`), so the compute front does not run
-into reads under way. Until the rates are known the fronts meet where they meet.
+into reads under way. Until the rates are known the fronts meet where they meet. Before any
+of this, the scheduler does not even look in the slow tiers for a prefix that reading could
+not shorten by `restore_rates.MIN_SAVING_S` (`restore_rates.worth_reading`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ FIRST_LANDING_WAIT_S = 0.05
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
+
+
+def busy_seconds(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) `spans`: how long a tier was
+    reading, however many reads ran at once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class BlockState(enum.Enum):
@@ -131,11 +144,11 @@ class Restore:
         #: The compute front has not claimed yet: it first gives the tiers the rest of the
         #: step, then waits for their first group to land (see `holds_first_claim`).
         self.fresh = True
-        self._began = time.monotonic()
         self._hold_began: float | None = None  # the first `holds_first_claim` call
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
-        self._last_landing: dict[Tier, float] = {}  # per slow tier, when a block last landed
+        #: Per slow tier, (start, end) of the reads of the groups that landed.
+        self._read_spans: dict[Tier, list[tuple[float, float]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -153,20 +166,6 @@ class Restore:
                              self.states.count(BlockState.COMPUTE))
 
     # ---- the load front ------------------------------------------------------------------
-
-    def forgo_slow_tiers(self, prefill_tokens_per_s: float | None) -> None:
-        """Call before the first `issue`: when the model computes every block still to come
-        in less than `FIRST_LANDING_WAIT_S` (at `prefill_tokens_per_s`, when measured) and
-        the slow tiers' rate is not known from recent restores, the blocks on disk or in
-        the remote tier are computed instead of read (a first read would likely land after
-        the compute is done, and the front would wait for it); host hits still load,
-        within the step. With a known rate, `reserved_head` decides how much to read."""
-        if prefill_tokens_per_s is None or self._expected_load_rate is not None \
-                or self._pending_tokens(0) > prefill_tokens_per_s * FIRST_LANDING_WAIT_S:
-            return
-        for i, tier in enumerate(self.tiers):
-            if tier in (Tier.DISK, Tier.REMOTE) and self.states[i] is BlockState.PENDING:
-                self.states[i] = BlockState.COMPUTE
 
     def issue(self, floor: int, prefill_tokens_per_s: float | None = None) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
@@ -215,19 +214,21 @@ class Restore:
         return floor + int(share) // self.block_size
 
     def _load_rate(self) -> float | None:
-        """Tokens/s the slow tiers delivered to this restore, or what they delivered to
-        recent ones before the first landing here; None when neither is known."""
-        elapsed = time.monotonic() - self._began
+        """Tokens/s the slow tiers delivered to this restore while they were reading, or
+        what they delivered to recent ones before the first landing here; None when
+        neither is known."""
         landed = self.block_size * sum(self.restored[t] for t in SLOW_TIERS)
-        if landed and elapsed > 0:
-            return landed / elapsed
+        busy = busy_seconds([span for spans in self._read_spans.values() for span in spans])
+        if landed and busy > 0:
+            return landed / busy
         return self._expected_load_rate
 
     def measured_rates(self) -> list[tuple[Tier, int, float]]:
-        """(tier, tokens landed, seconds from the start to its last landing) of each slow
+        """(tier, tokens landed, seconds that tier's reads were under way) of each slow
         tier that delivered to this restore, for `TierRates`."""
-        return [(tier, self.restored[tier] * self.block_size, when - self._began)
-                for tier, when in self._last_landing.items() if self.restored[tier]]
+        return [(tier, self.restored[tier] * self.block_size, busy_seconds(spans))
+                for tier, spans in self._read_spans.items()
+                if self.restored[tier] and busy_seconds(spans) > 0]
 
     def collect(self) -> bool:
         """Complete groups that landed (call after `TierManager.poll`). True if any did."""
@@ -244,12 +245,13 @@ class Restore:
 
     def _land(self, group: _Group) -> None:
         self._num_completed += 1
+        spans = self.manager.load_read_spans(group.load_id)
         arrived = self.manager.complete_load_blocks(group.load_id)
         for i, ok in zip(range(group.start, group.stop), arrived):
             self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE
             self.restored[group.tier] += ok
         if group.tier in SLOW_TIERS and any(arrived):
-            self._last_landing[group.tier] = time.monotonic()
+            self._read_spans.setdefault(group.tier, []).extend(spans)
 
     # ---- the compute front ---------------------------------------------------------------
 

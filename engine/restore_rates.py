@@ -13,6 +13,26 @@ from kvtier.stats import Tier
 #: Tiers whose loads take longer than a step: the load front may leave their head to the
 #: compute front. Host hits land within the step that issues them.
 SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
+#: Seconds a restore must be expected to save over computing before the slow tiers are
+#: consulted at all. Before a cold disk's first block lands, its index lookups and first
+#: read cost tens of milliseconds: on a lent H100 a 1K-token prefix (25 ms to compute)
+#: took 140 ms to restore from a cold disk, an 8K one 1.16x its compute time.
+MIN_SAVING_S = 0.05
+
+
+def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
+                  load_tokens_per_s: float | None) -> bool:
+    """Whether `num_tokens` tokens still to come are worth looking for in the slow tiers:
+    computing them alone (at the prefill rate P) must take `MIN_SAVING_S` longer than the
+    two fronts together (P + L, L the slow tiers' rate), or, while L is not known, at
+    least `MIN_SAVING_S` at all. True while P is not known (nothing to weigh it with)."""
+    if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
+        return True
+    alone = num_tokens / prefill_tokens_per_s
+    if load_tokens_per_s is None:
+        return alone >= MIN_SAVING_S
+    together = num_tokens / (prefill_tokens_per_s + load_tokens_per_s)
+    return alone - together >= MIN_SAVING_S
 
 
 def _average(old: float | None, new: float) -> float:
@@ -37,7 +57,7 @@ class PrefillRate:
 @dataclass(slots=True)
 class TierRates:
     """Tokens per second each slow tier delivered to recent restores (tokens landed over
-    the time from a restore's start to its last landing from that tier), averaged like
+    the time that tier's reads were under way, timed on the I/O threads), averaged like
     `PrefillRate`. A new restore expects its slow tiers to do as well until they land."""
 
     tokens_per_s: dict[Tier, float] = field(default_factory=dict)

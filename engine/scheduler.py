@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
-from kvtier.engine.restore_rates import PrefillRate, TierRates
+from kvtier.engine.restore_rates import PrefillRate, TierRates, worth_reading
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -198,7 +198,8 @@ class Scheduler:
         """Give a waiting request its cached prefix: GPU hits shared, a restore started for
         the rest."""
         num_lookup = (request.num_tokens - 1) // request.block_size
-        hit = self.manager.lookup(request.block_hashes[:num_lookup])
+        hit = self.manager.lookup(request.block_hashes[:num_lookup],
+                                  read_slow=lambda i: self._worth_reading(request, i))
         tiers = list(hit.locations)
         gpu_blocks = list(hit.gpu_blocks)
         # GPU hits leave the free queue before anything is allocated, or the allocation
@@ -229,9 +230,17 @@ class Scheduler:
                               self.restore_group_bytes, self.tier_rates.expected(tiers))
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
-            rate = self.prefill_rate.tokens_per_s
-            restore.forgo_slow_tiers(rate)
-            restore.issue(num_leading, rate)
+            restore.issue(num_leading, self.prefill_rate.tokens_per_s)
+
+    def _worth_reading(self, request: Request, first_block: int) -> bool:
+        """Whether `request`'s tokens from block `first_block` on (the first block neither
+        the GPU nor the host holds) are worth looking up in the disk and remote tiers, at
+        the measured prefill rate and those tiers' rates (`restore_rates.worth_reading`)."""
+        slow = [tier for tier, present in ((Tier.DISK, self.manager.disk is not None),
+                                           (Tier.REMOTE, self.manager.remote is not None))
+                if present]
+        return worth_reading(request.num_tokens - first_block * request.block_size,
+                             self.prefill_rate.tokens_per_s, self.tier_rates.expected(slow))
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""

@@ -63,6 +63,9 @@ class WarmupReport:
     graph_seconds: float
     num_graphs: int
     triton_cache_dir: str
+    #: Tokens per second of the full-budget prefill step, timed once it was compiled (seeds
+    #: the scheduler's prefill rate, so the first restore is sized like the later ones).
+    prefill_tokens_per_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -171,12 +174,30 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
     steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len)
     run_steps(model, kv_cache, block_size, steps)
     _warm_block_copies(kv_cache)
+    rate = time_prefill(model, kv_cache, block_size, steps[0])
     torch.cuda.synchronize(kv_cache.device)
     report = WarmupReport(steps=tuple(s.name for s in steps) + ("block copies",),
                           step_seconds=time.perf_counter() - start,
                           graph_seconds=graph_seconds, num_graphs=num_graphs,
-                          triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""))
+                          triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
+                          prefill_tokens_per_s=rate)
     logger.info("warm-up: %d step shapes and %d CUDA graphs ready in %.1f s (steps %.1f s, "
-                "graphs %.1f s); Triton cache %s", len(report.steps), num_graphs,
-                report.seconds, report.step_seconds, graph_seconds, report.triton_cache_dir)
+                "graphs %.1f s, prefill %.0f tokens/s); Triton cache %s", len(report.steps),
+                num_graphs, report.seconds, report.step_seconds, graph_seconds, rate,
+                report.triton_cache_dir)
     return report
+
+
+@torch.inference_mode()
+def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 step: WarmupStep) -> float:
+    """Tokens per second of `step` (a fresh prompt chunk, already compiled) run once more
+    on `kv_cache`'s device, timed by CUDA events; stores nothing."""
+    input_ids, positions, metadata = _step_inputs(step, block_size, kv_cache.device)
+    begin = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    begin.record()
+    model.forward(input_ids, positions, kv_cache, metadata)
+    end.record()
+    end.synchronize()
+    return sum(step.q_lens) / (begin.elapsed_time(end) / 1e3)

@@ -59,3 +59,6 @@ class Load:
     waiting: deque[LoadBlock] = field(default_factory=deque)  # disk/remote hits, no slot
     job_ids: set[JobId] = field(default_factory=set)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: (start, end) on `time.monotonic` of each disk or remote read job of this load that
+    #: ran, appended by the I/O threads: how long the tier took, not when it was noticed.
+    read_spans: list[tuple[float, float]] = field(default_factory=list)

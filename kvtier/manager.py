@@ -22,6 +22,7 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job
+from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, timed_job
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
@@ -102,6 +103,15 @@ class TierManager:
             self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
                                     self.disk, self._remote_writes, layout.bytes_per_block,
                                     self._submit, self._tiers)
+        # The disk index's pages are read in the background, so the first lookups after a
+        # start do not fault them in one by one (`DiskTier.warm_index`).
+        self._stop_warming = threading.Event()
+        self._index_warmer: threading.Thread | None = None
+        if self.disk is not None:
+            self._index_warmer = threading.Thread(
+                target=self.disk.warm_index, args=(self._stop_warming,),
+                name="kvtier-disk-index", daemon=True)
+            self._index_warmer.start()
         self._closed = False
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
@@ -111,21 +121,33 @@ class TierManager:
         assert self.host is not None, "no host slab: the host and disk tiers are both off"
         return self.host
 
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> PrefixHit:
+    def lookup(self, block_hashes: Sequence[BlockHash],
+               read_slow: Callable[[int], bool] | None = None) -> PrefixHit:
         """The longest prefix of `block_hashes` held by some tier, each block from the
         fastest tier holding it. Takes no references and pins nothing (call `touch` on GPU
-        hits, `prepare_load` for the rest); counts hits and misses per tier."""
+        hits, `prepare_load` for the rest); counts hits and misses per tier.
+
+        `read_slow(i)`, asked once at the first block `i` that neither the GPU nor the host
+        tier holds, says whether to look in the disk and remote tiers (False: the prefix
+        ends there, and those tiers are not asked at all)."""
         gpu_run = self.pool.lookup_prefix(block_hashes)  # the common case; counts pool stats
         locations = [Tier.GPU] * len(gpu_run)
         gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
         self._tiers[Tier.GPU].hits += len(gpu_run)
         on_disk: list[bool] = []
         on_remote: list[bool] | None = None
+        slow: bool | None = None  # whether the disk and remote tiers are asked
         for i in range(len(gpu_run), len(block_hashes)):
             block = self.pool.get_cached_block(block_hashes[i])
             tier = Tier.GPU if block is not None else None
             if tier is None and self._host_caches and self._host.contains(block_hashes[i]):
                 tier = Tier.HOST
+            if tier is None and slow is None:
+                slow = read_slow is None or read_slow(i)
+            if tier is None and not slow:
+                count_lookup(self._tiers, [t for t in self._search_order
+                                           if t in (Tier.GPU, Tier.HOST)], None)
+                break
             if tier is None and self.disk is not None:
                 if not on_disk:  # one read transaction for all the rest
                     on_disk = [False] * i + self.disk.contains(list(block_hashes[i:]))
@@ -258,7 +280,7 @@ class TierManager:
                 else:
                     job, results = disk_read_job(self.disk, metas, dests,
                                                  self.layout.bytes_per_block, load.cancelled)
-                self._submit(job, lambda ok, c=chunk, r=results:
+                self._submit(timed_job(job, load.read_spans), lambda ok, c=chunk, r=results:
                              self._finish_disk_read(load, c, r), load)
 
     def _remote_keeps_on_disk(self) -> bool:
@@ -352,6 +374,12 @@ class TierManager:
         finished. Raises ValueError for an unknown or completed load."""
         arrived = self._complete(load_id, leading_only=True)
         return next((i for i, ok in enumerate(arrived) if not ok), len(arrived))
+
+    def load_read_spans(self, load_id: LoadId) -> list[tuple[float, float]]:
+        """(start, end) on `time.monotonic` of each disk or remote read of the load that
+        has run so far (call before completing it). Raises ValueError for an unknown or
+        completed load."""
+        return list(self._get_load(load_id).read_spans)
 
     def complete_load_blocks(self, load_id: LoadId) -> list[bool]:
         """`complete_load` for a caller that uses every block that arrived, not only the
@@ -456,6 +484,9 @@ class TierManager:
             return
         self.flush()
         self.transfers.close()
+        self._stop_warming.set()
+        if self._index_warmer is not None:
+            self._index_warmer.join()
         if self.disk is not None:
             self.disk.close()
         if self.remote is not None:

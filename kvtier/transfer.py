@@ -88,6 +88,18 @@ class IOJob:
     run: Callable[[], int]
 
 
+def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
+    """`job`, appending `(start, end)` of its run (`time.monotonic`) to `spans`."""
+    def run() -> int:
+        start = time.monotonic()
+        try:
+            return job.run()
+        finally:
+            spans.append((start, time.monotonic()))
+
+    return IOJob(job.direction, run)
+
+
 def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[torch.Tensor],
                   bytes_per_block: int,
                   cancelled: threading.Event | None = None) -> tuple[IOJob, list[bool]]:

@@ -20,7 +20,8 @@ stage() {  # name, seconds, command...
   shift 2
   case " $STAGES " in *" $name "*) ;; *) return 0;; esac
   local started=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+  # SIGABRT on timeout: faulthandler writes every thread's stack to the log first.
+  PYTHONFAULTHANDLER=1 timeout -s ABRT "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
   echo "stage $name: rc=$? in $((SECONDS - started)) s"
 }
 

@@ -7,6 +7,7 @@ attaches them to the `bench` group.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -51,8 +52,20 @@ def _parse_ints(text: str, option: str) -> tuple[int, ...]:
 
 
 def _with_status(message: str, run):
-    """Run `run(update)` under a spinner on stderr; `update(text)` changes its line."""
+    """Run `run(update)` under a spinner on stderr; `update(text)` changes its line.
+
+    When stderr is not a terminal (a log file, a pipe), each update is written as its own
+    line with the seconds since the start, so a long run's log shows where it is.
+    """
     console = Console(stderr=True)
+    if not console.is_terminal:
+        started = time.perf_counter()
+
+        def log(text: str) -> None:
+            console.print(f"[{time.perf_counter() - started:8.1f} s] {message}: {text}",
+                          highlight=False, markup=False)
+        log("started")
+        return run(log)
     with console.status(message) as status:
         return run(lambda text: status.update(text))
 

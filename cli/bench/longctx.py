@@ -236,11 +236,13 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
             recorder.start(llm, "round 2")
             progress(f"{strategy}: round 2 on a fresh engine, restoring from disk")
             outputs["round2"] = []
-            for d, q in zip(docs, second):
+            for i, (d, q) in enumerate(zip(docs, second)):
                 if config.cold:
                     cold_ok = drop_page_cache()
                     cold = cold_ok if cold is None else cold and cold_ok
                 outputs["round2"].append(run_one(llm, d + q, params, recorder))
+                progress(f"{strategy}: round 2, document {i + 1}/{len(docs)}: TTFT "
+                         f"{outputs['round2'][-1].metrics.ttft_s * 1e3:.1f} ms")
         del llm
         free_engine_memory(device)
     round2 = outputs["round2"]

@@ -22,6 +22,7 @@ import torch
 from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.request import Request, RequestId, RequestStatus
+from kvtier.engine.restore import busy_seconds
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 
 from kvtier.config import TierConfig
@@ -287,7 +288,25 @@ def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: P
         driver.scheduler.prefill_rate.observe(1000, 1e-6)  # the whole prompt in nanoseconds
         request = driver.add(PROMPT)
         finish_idle(driver)
+        disk = manager.stats().tiers[Tier.DISK]
     assert hook.read == []
+    assert (disk.hits, disk.misses) == (0, 0)  # the disk was not even asked
+    assert restored_blocks(request) == 0 and request.counters.computed == 33
+
+
+def test_a_disk_too_slow_to_save_time_on_a_prefix_is_not_asked(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        # 32 tokens to come: 0.32 s to compute alone, 0.317 s with a disk delivering one
+        # token a second beside the model, a saving under MIN_SAVING_S.
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+        disk = manager.stats().tiers[Tier.DISK]
+    assert hook.read == [] and (disk.hits, disk.misses) == (0, 0)
     assert restored_blocks(request) == 0 and request.counters.computed == 33
 
 
@@ -328,6 +347,27 @@ def test_restores_teach_the_scheduler_the_disks_rate(disk_dir: Path) -> None:
         finish_idle(driver)
     assert restored_blocks(request) == 8
     assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 0
+
+
+def test_the_disks_rate_is_timed_while_it_reads_not_until_the_engine_notices(
+        disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
+        driver = Driver(manager)
+        request = driver.add(PROMPT)
+        driver.step()
+        manager.flush()  # every read has run: the blocks wait in host slots
+        time.sleep(0.5)  # a long model step: nobody collects them meanwhile
+        finish_idle(driver)
+    assert restored_blocks(request) == 8
+    # 32 tokens over 0.5 s would be 64 tokens/s: the reads themselves took milliseconds.
+    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 32 / 0.5 * 4
+
+
+def test_busy_seconds_counts_overlapping_reads_once() -> None:
+    assert busy_seconds([]) == 0
+    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == pytest.approx(2.5)
+    assert busy_seconds([(2.0, 3.0), (0.0, 4.0)]) == pytest.approx(4.0)
 
 
 def restored_blocks_now(driver: Driver, request: Request) -> int:

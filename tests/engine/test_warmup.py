@@ -128,6 +128,9 @@ def test_after_warmup_serving_compiles_nothing(long_context_model: LoadedModel) 
         report = llm.warmup_report
         assert report is not None and report.seconds > 0
         assert "long decode" in report.steps and report.num_graphs == 5
+        # The timed prefill seeds the rate that sizes the first restore's fronts.
+        assert report.prefill_tokens_per_s is not None and report.prefill_tokens_per_s > 0
+        assert llm.scheduler.prefill_rate.tokens_per_s == report.prefill_tokens_per_s
         compiled = _compiled_variants()
         assert compiled.get("_paged_attention_kernel", 0) >= 4  # (decode, prefill) x split
         tokens = _serve(llm, prefix.tolist())
