@@ -30,7 +30,7 @@ stage diskread 50 python3 -m kvtier.cli.main bench diskread --gib 2 --dir /tmp \
 stage io 120 python3 scripts/io_beside_busy_thread.py --blocks 256 --dir /tmp
 stage longctx_cold 420 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
   --doc-tokens 1024,8192,32768 --cold
-stage longctx_warm 90 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
+stage longctx_warm 200 python3 -m kvtier.cli.main bench longctx "${MODEL[@]}" "${LONG[@]}" \
   --doc-tokens 32768 --strategies recompute,disk
 stage serve 540 python3 -m kvtier.cli.main bench serve "${MODEL[@]}" --num-conversations 16 \
   --num-rounds 3 --system-tokens 512 --user-tokens 512 --modes off,host,host_third,host_disk \
