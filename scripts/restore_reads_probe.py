@@ -71,6 +71,7 @@ class Recorder:
         self._stop.set()
 
     def clear(self) -> None:
+        self._stop.clear()
         self.calls.clear()
         self.preads.clear()
         self.lateness.clear()
@@ -143,7 +144,7 @@ def main() -> None:
                     print(f"{doc_tokens} tokens, cold: page cache dropped "
                           f"{drop_page_cache()}")
                     rec.clear()
-                    probe = Recorder.probe_gil(rec)
+                    probe = rec.probe_gil()
                     steps: list[tuple[float, float, float]] = []
                     execute = llm.runner.execute
                     spent = [0.0]
@@ -164,9 +165,8 @@ def main() -> None:
                         outputs = llm.step()
                         steps.append((start, time.perf_counter() - start, spent[0]))
                     llm.runner.execute = execute
-                    rec._stop.set()
+                    rec.stop()
                     probe.join()
-                    rec._stop.clear()
                     while llm.has_unfinished():
                         llm.step()
                     metrics = outputs[0].metrics

@@ -64,7 +64,6 @@ def _with_status(message: str, run):
         def log(text: str) -> None:
             console.print(f"[{time.perf_counter() - started:8.1f} s] {message}: {text}",
                           highlight=False, markup=False)
-        log("started")
         return run(log)
     with console.status(message) as status:
         return run(lambda text: status.update(text))
