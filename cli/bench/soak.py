@@ -10,9 +10,9 @@ soak checks:
 
   * every GPU block is free with ref_cnt 0 (pool invariants), no host slot is pinned or
     reserved, nothing is in flight;
-  * the tier counters add up (lookups cascade GPU -> host -> disk; bytes moved are whole
-    blocks; the disk's verified reads are the disk -> host bytes; restored tokens were
-    moved), no transfer failed, no stored value was rejected, the only failed disk reads
+  * the tier counters add up (lookups cascade GPU -> host -> disk, the disk asked for at
+    most the host's misses; bytes moved are whole blocks; the disk's verified reads are the
+    disk -> host bytes; restored tokens were moved), no transfer failed, no stored value was rejected, the only failed disk reads
     are blocks pruned between lookup and read, the disk stays in budget;
   * nothing leaked: the I/O threads are joined, open file descriptors are back to the
     baseline, and resident memory grew by less than `max_rss_growth_mb` after the first
@@ -175,9 +175,11 @@ def _phase_checks(llm: LLM, stats: ManagerStats, outputs: list[RequestOutput],
     moved = {d: stats.bytes_moved(d) for d in Direction}
     restored = sum(o.metrics.cached_tokens_host + o.metrics.cached_tokens_disk
                    for o in outputs) // block_size
+    # The disk is asked only for prefixes worth reading (`restore_rates.worth_reading`), so
+    # at most every host miss is a disk lookup.
     checks["lookups_cascade"] = (tiers[Tier.GPU].misses == tiers[Tier.HOST].hits
                                  + tiers[Tier.HOST].misses and tiers[Tier.HOST].misses
-                                 == tiers[Tier.DISK].hits + tiers[Tier.DISK].misses)
+                                 >= tiers[Tier.DISK].hits + tiers[Tier.DISK].misses)
     checks["bytes_are_whole_blocks"] = all(n % bpb == 0 for n in moved.values())
     checks["restored_tokens_were_moved"] = moved[Direction.HOST_TO_GPU] >= restored * bpb
     disk = stats.disk
