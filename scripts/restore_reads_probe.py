@@ -13,7 +13,6 @@ the preadv, and what the engine thread was doing meanwhile.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import threading
 import time
@@ -24,6 +23,7 @@ from kvtier.cli.bench.diskread import drop_page_cache
 from kvtier.cli.bench.longctx import LongctxConfig, _engine_options, make_documents
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import load_model
+
 from kvtier.tiers import disk_read
 from kvtier.tiers.disk import DiskTier
 
@@ -75,6 +75,17 @@ class Recorder:
         self.calls.clear()
         self.preads.clear()
         self.lateness.clear()
+
+
+def timed(execute, spent: list[float]):
+    """`execute`, adding the seconds of each call to `spent[0]`."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+    return run
 
 
 def pct(values: list[float], q: float) -> float:
@@ -148,14 +159,7 @@ def main() -> None:
                     steps: list[tuple[float, float, float]] = []
                     execute = llm.runner.execute
                     spent = [0.0]
-
-                    def timed_execute(*a, _execute=execute, **k):
-                        start = time.perf_counter()
-                        try:
-                            return _execute(*a, **k)
-                        finally:
-                            spent[0] += time.perf_counter() - start
-                    llm.runner.execute = timed_execute
+                    llm.runner.execute = timed(execute, spent)
                     began = time.perf_counter()
                     llm.add_request(doc + question, params)
                     outputs = []

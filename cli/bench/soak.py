@@ -12,8 +12,9 @@ soak checks:
     reserved, nothing is in flight;
   * the tier counters add up (lookups cascade GPU -> host -> disk, the disk asked for at
     most the host's misses; bytes moved are whole blocks; the disk's verified reads are the
-    disk -> host bytes; restored tokens were moved), no transfer failed, no stored value was rejected, the only failed disk reads
-    are blocks pruned between lookup and read, the disk stays in budget;
+    disk -> host bytes; restored tokens were moved), no transfer failed, no stored value
+    was rejected, the only failed disk reads are blocks pruned between lookup and read, the
+    disk stays in budget;
   * nothing leaked: the I/O threads are joined, open file descriptors are back to the
     baseline, and resident memory grew by less than `max_rss_growth_mb` after the first
     phase (allocators and caches warm up during it);
