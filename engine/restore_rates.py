@@ -21,18 +21,19 @@ MIN_SAVING_S = 0.05
 
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
-                  load_tokens_per_s: float | None) -> bool:
+                  load_tokens_per_s: float | None, min_saving_s: float = MIN_SAVING_S) -> bool:
     """Whether `num_tokens` tokens still to come are worth looking for in the slow tiers:
-    computing them alone (at the prefill rate P) must take `MIN_SAVING_S` longer than the
+    computing them alone (at the prefill rate P) must take `min_saving_s` longer than the
     two fronts together (P + L, L the slow tiers' rate), or, while L is not known, at
-    least `MIN_SAVING_S` at all. True while P is not known (nothing to weigh it with)."""
+    least `min_saving_s` at all. True while P is not known (nothing to weigh it with), and
+    always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
     if load_tokens_per_s is None:
-        return alone >= MIN_SAVING_S
+        return alone >= min_saving_s
     together = num_tokens / (prefill_tokens_per_s + load_tokens_per_s)
-    return alone - together >= MIN_SAVING_S
+    return alone - together >= min_saving_s
 
 
 def _average(old: float | None, new: float) -> float:

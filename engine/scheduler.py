@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
-from kvtier.engine.restore_rates import PrefillRate, TierRates, worth_reading
+from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -104,6 +104,9 @@ class Scheduler:
         self.prefill_rate = PrefillRate()
         #: What the disk and remote tiers delivered to recent restores (learnt here).
         self.tier_rates = TierRates()
+        #: Seconds reading from the disk or remote tier must be expected to save before they
+        #: are asked (`restore_rates.worth_reading`); 0 asks them for every prefix.
+        self.min_restore_saving_s = MIN_SAVING_S
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -240,7 +243,8 @@ class Scheduler:
                                            (Tier.REMOTE, self.manager.remote is not None))
                 if present]
         return worth_reading(request.num_tokens - first_block * request.block_size,
-                             self.prefill_rate.tokens_per_s, self.tier_rates.expected(slow))
+                             self.prefill_rate.tokens_per_s, self.tier_rates.expected(slow),
+                             self.min_restore_saving_s)
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
