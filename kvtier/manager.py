@@ -34,8 +34,9 @@ from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
+from kvtier.prefix_lookup import find_prefix
 from kvtier.remote_io import RemoteWrites, remote_read_job
-from kvtier.stats import Direction, ManagerStats, Tier, count_lookup, new_tier_counters
+from kvtier.stats import Direction, ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath, chunks
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
@@ -130,53 +131,8 @@ class TierManager:
         `read_slow(i)`, asked once at the first block `i` that neither the GPU nor the host
         tier holds, says whether to look in the disk and remote tiers (False: the prefix
         ends there, and those tiers are not asked at all)."""
-        gpu_run = self.pool.lookup_prefix(block_hashes)  # the common case; counts pool stats
-        locations = [Tier.GPU] * len(gpu_run)
-        gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
-        self._tiers[Tier.GPU].hits += len(gpu_run)
-        on_disk: list[bool] = []
-        on_remote: list[bool] | None = None
-        slow: bool | None = None  # whether the disk and remote tiers are asked
-        for i in range(len(gpu_run), len(block_hashes)):
-            block = self.pool.get_cached_block(block_hashes[i])
-            tier = Tier.GPU if block is not None else None
-            if tier is None and self._host_caches and self._host.contains(block_hashes[i]):
-                tier = Tier.HOST
-            if tier is None and slow is None:
-                slow = read_slow is None or read_slow(i)
-            if tier is None and not slow:
-                count_lookup(self._tiers, [t for t in self._search_order
-                                           if t in (Tier.GPU, Tier.HOST)], None)
-                break
-            if tier is None and self.disk is not None:
-                if not on_disk:  # one read transaction for all the rest
-                    on_disk = [False] * i + self.disk.contains(list(block_hashes[i:]))
-                tier = Tier.DISK if on_disk[i] else None
-            if tier is None and self.remote is not None:
-                if on_remote is None:
-                    on_remote = self._remote_lookup(block_hashes, i, on_disk)
-                tier = Tier.REMOTE if on_remote[i] else None
-            count_lookup(self._tiers, self._search_order, tier)
-            if tier is None:
-                break
-            locations.append(tier)
-            gpu_blocks.append(block)
-        return PrefixHit(locations, gpu_blocks)
-
-    def _remote_lookup(self, block_hashes: Sequence[BlockHash], start: int,
-                       on_disk: list[bool]) -> list[bool]:
-        """Per hash, whether the remote tier holds it, asked (one pipelined round trip)
-        only for the hashes from `start` on that no local tier holds."""
-        missing = [i for i in range(start, len(block_hashes))
-                   if self.pool.get_cached_block(block_hashes[i]) is None
-                   and not (self._host_caches and self._host.contains(block_hashes[i]))
-                   and not (on_disk and on_disk[i])]
-        assert self.remote is not None
-        found = self.remote.contains([block_hashes[i] for i in missing])
-        on_remote = [False] * len(block_hashes)
-        for i, hit in zip(missing, found):
-            on_remote[i] = hit
-        return on_remote
+        return find_prefix(block_hashes, self.pool, self.host if self._host_caches else None,
+                           self.disk, self.remote, self._tiers, self._search_order, read_slow)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few

@@ -357,9 +357,9 @@ def test_lookups_read_no_values_and_reads_read_each_value_once(tmp_path):
 
 
 def test_warming_the_index_walks_every_key_in_short_transactions(tmp_path, monkeypatch):
-    from kvtier.tiers import disk as disk_module
+    from kvtier.tiers import disk_index
 
-    monkeypatch.setattr(disk_module, "_WARM_BATCH_KEYS", 3)  # several transactions
+    monkeypatch.setattr(disk_index, "WALK_BATCH_KEYS", 3)  # several transactions
     metas, payloads = make_blocks(SMALL, seed=4, num_blocks=10)
     with DiskTier(tmp_path / "d", SMALL, BIG_BUDGET) as tier:
         assert tier.warm_index() == 0  # empty
