@@ -37,11 +37,11 @@ from kvtier.engine.loader import (
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
-from kvtier.engine.request import Request, RequestId, check_token_ids
+from kvtier.engine.request import OutputTokenIds, Request, RequestId, check_token_ids
 from kvtier.engine.sampler import SamplingParams, sample, sample_logprobs
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
-from kvtier.engine.warmup import WarmupReport, use_user_triton_cache, warm_up
+from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import TierManager
@@ -123,19 +123,10 @@ class LLM:
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
-        if (cfg.cuda_graphs and self.device.type == "cuda"
-                and getattr(self.model, "attn_backend", None) == "triton"):
-            # Recorded at start (a few seconds at most), not inside the first decode steps.
-            self.runner.enable_cuda_graphs(
-                cfg.max_num_seqs, min(self.max_model_len, self.num_gpu_blocks * block_size))
-        self.warmup_report: WarmupReport | None = None
-        if cfg.warmup and self.device.type == "cuda":
-            graphs = self.runner.graphs
-            self.warmup_report = warm_up(
-                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens,
-                cfg.max_num_seqs, self.max_model_len,
-                graph_seconds=graphs.capture_seconds if graphs else 0.0,
-                num_graphs=len(graphs.buckets) if graphs else 0)
+        self.warmup_report: WarmupReport | None = prepare_gpu(
+            self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
+            self.max_model_len)
+        if self.warmup_report is not None:
             # The first restore after start is sized with the model's rate, as later ones.
             self.scheduler.prefill_rate.tokens_per_s = self.warmup_report.prefill_tokens_per_s
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
@@ -265,7 +256,7 @@ class LLM:
         generators = [self._generators.get(r.request_id) for r in requests]
         token_ids = sample(logits, params, generators,
                            [r.prompt_token_ids for r in requests],
-                           _LazyOutputs(requests))
+                           OutputTokenIds(requests))
         if any(p.logprobs is not None for p in params):
             decode = None if self.tokenizer is None else \
                 (lambda t: self.tokenizer.decode([t]))
@@ -474,16 +465,3 @@ class _ParentRequest:
     n: int
     completions: dict[int, CompletionOutput] = field(default_factory=dict)
     metrics: list = field(default_factory=list)
-
-
-class _LazyOutputs(Sequence):
-    """Each request's generated tokens, built only for the rows a penalty reads."""
-
-    def __init__(self, requests: Sequence[Request]) -> None:
-        self._requests = requests
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def __getitem__(self, index):  # type: ignore[override]
-        return self._requests[index].output_token_ids

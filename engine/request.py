@@ -183,3 +183,16 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> tuple[int, ...
     if bad:
         raise ValueError(f"prompt token ids must lie in [0, {vocab_size}); got {bad[:5]}")
     return out
+
+
+class OutputTokenIds(Sequence):
+    """Each request's generated token ids, read only for the rows that ask (penalties)."""
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        self._requests = requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._requests[index].output_token_ids

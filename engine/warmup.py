@@ -15,10 +15,10 @@ on what the model fixes (dtype, head counts, head dim, block size) and on the ti
     sampling       the logits head and both sampler paths (greedy, seeded random)
     block copies   one block GPU -> pinned host -> GPU, and one GPU -> GPU block copy
 
-Every warm-up step stores nothing (slot_mapping -1) and reads block 0 through all-zero block
-tables; it runs before the first request, while the GPU pool holds no block, and never
-touches the host or disk tiers. CUDA graphs of every decode batch
-bucket are recorded by the model runner at the same time (`DecodeGraphs.capture_all`).
+`prepare_gpu` runs it at engine start, right after the model runner records the CUDA graphs
+of every decode batch bucket (`DecodeGraphs.capture_all`). Every warm-up step stores nothing
+(slot_mapping -1) and reads block 0 through all-zero block tables; it runs before the first
+request, while the GPU pool holds no block, and never touches the host or disk tiers.
 
 Compiled kernels go to Triton's cache directory, which `use_user_triton_cache` points at
 `<user cache dir>/triton` (unless TRITON_CACHE_DIR is set) so a second start loads them.
@@ -31,11 +31,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from kvtier.engine import paths
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.sampler import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from kvtier.engine.engine_config import EngineConfig
+    from kvtier.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +191,26 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                 num_graphs, report.seconds, report.step_seconds, graph_seconds, rate,
                 report.triton_cache_dir)
     return report
+
+
+def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
+                max_model_len: int) -> WarmupReport | None:
+    """Before the first request, on CUDA: record `runner`'s decode graphs (up to
+    `graph_max_len` tokens, when `config` asks for them and the attention backend can be
+    captured), then warm up (when `config.warmup`). Returns the warm-up report, or None when
+    nothing was warmed up (not CUDA, or warm-up off)."""
+    if runner.device.type != "cuda":
+        return None
+    if config.cuda_graphs and getattr(runner.model, "attn_backend", None) == "triton":
+        # Recorded at start (a few seconds at most), not inside the first decode steps.
+        runner.enable_cuda_graphs(config.max_num_seqs, graph_max_len)
+    if not config.warmup:
+        return None
+    graphs = runner.graphs
+    return warm_up(runner.model, runner.kv_cache, runner.block_size,
+                   config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
+                   graph_seconds=graphs.capture_seconds if graphs else 0.0,
+                   num_graphs=len(graphs.buckets) if graphs else 0)
 
 
 @torch.inference_mode()
