@@ -116,3 +116,9 @@ class PagedBatch:
 @pytest.fixture
 def paged_batch() -> Callable[..., PagedBatch]:
     return PagedBatch
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    """A disk tier's directory, not created yet."""
+    return tmp_path / "kv"

@@ -11,7 +11,6 @@ with a run with the tiers off.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
@@ -22,139 +21,24 @@ import torch
 from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.restore import busy_seconds
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Scheduler
+from restore_cases import (
+    BS,
+    LAYOUT,
+    PROMPT,
+    Driver,
+    ReadHook,
+    config,
+    finish_idle,
+    prompt_of,
+    restored_blocks,
+    warm,
+)
 
 from kvtier.config import TierConfig
-from kvtier.hashing import BlockHash, BlockHasher, namespace_hash
-from kvtier.layout import KVLayout
+from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import TierManager
 from kvtier.stats import Tier
-from kvtier.tiers.record import BlockMeta
-
-BS = 4
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, block_size=BS,
-                  dtype=torch.float32)
-SAMPLED = 7
-NAMESPACE = namespace_hash("bidirectional-restore-test", LAYOUT)
-
-
-class ReadHook:
-    """The disk tier's read hook: records the blocks read (in order), sleeps `delay_s` per
-    block, holds the `gate_at`-th read and every later one until `release()`, and fails
-    the blocks in `fail`."""
-
-    def __init__(self, delay_s: float = 0.0, gate_at: int | None = None,
-                 fail: frozenset[BlockHash] = frozenset()) -> None:
-        self.delay_s, self.gate_at, self.fail = delay_s, gate_at, fail
-        self.read: list[BlockHash] = []
-        self.gated = threading.Event()  # a read is held at the gate
-        self._open = threading.Event()
-        self._lock = threading.Lock()
-
-    def __call__(self, meta: BlockMeta) -> None:
-        with self._lock:
-            self.read.append(meta.block_hash)
-            held = self.gate_at is not None and len(self.read) >= self.gate_at
-        if held:
-            self.gated.set()
-            assert self._open.wait(timeout=120), "the test never released the gate"
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        if meta.block_hash in self.fail:
-            raise OSError("injected read failure")
-
-    def release(self) -> None:
-        self._open.set()
-
-
-def kv_value(token_id: int, position: int) -> float:
-    return float(token_id * 1000 + position)
-
-
-def config(disk_dir: Path, num_gpu_blocks: int = 16) -> TierConfig:
-    return TierConfig.from_slots(LAYOUT, num_gpu_blocks=num_gpu_blocks, num_host_slots=32,
-                                 disk_path=disk_dir, num_disk_blocks=256,
-                                 io_threads=1)
-
-
-class Driver:
-    """A scheduler over a real TierManager, stepped like the engine steps it."""
-
-    def __init__(self, manager: TierManager, max_num_batched_tokens: int = 8) -> None:
-        self.manager = manager
-        # One block per load group: the fronts can meet at any block.
-        self.scheduler = Scheduler(manager, 8, max_num_batched_tokens,
-                                   restore_group_bytes=LAYOUT.bytes_per_block)
-        self.count = 0
-
-    def add(self, prompt: list[int], max_tokens: int = 1) -> Request:
-        request = Request(RequestId(f"r{self.count}"), tuple(prompt), params=None,
-                          hasher=BlockHasher(NAMESPACE, BS),
-                          max_num_tokens=len(prompt) + max_tokens, arrival_time=0.0)
-        self.count += 1
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self) -> SchedulerOutput:
-        plan = self.scheduler.schedule()
-        kv = self.manager.kv_cache  # [num_blocks, num_layers, 2, BS, kv_heads, head_dim]
-        for planned in plan.scheduled:
-            request = planned.request
-            for pos in range(planned.start):  # the context this chunk attends to
-                block = request.block_table[pos // BS]
-                expected = kv_value(request.token_ids[pos], pos)
-                assert torch.all(kv[block.block_id, :, :, pos % BS] == expected), \
-                    f"{request.request_id} position {pos}: wrong KV served"
-            for pos in range(planned.start, planned.start + planned.num_new_tokens):
-                block = request.block_table[pos // BS]
-                kv[block.block_id, :, :, pos % BS] = kv_value(request.token_ids[pos], pos)
-        self.scheduler.update(plan, [SAMPLED if p.samples else None for p in plan.scheduled])
-        self.manager.pool.check_invariants()
-        return plan
-
-    def run_until_done(self, max_steps: int = 2000) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_unfinished():
-                return
-            self.step()
-            time.sleep(0.001 if self.scheduler.num_loading else 0)
-        raise AssertionError("requests did not finish")
-
-
-def prompt_of(length: int, start: int = 10) -> list[int]:
-    return list(range(start, start + length))
-
-
-PROMPT = prompt_of(33)  # 8 full blocks and one token
-
-
-def warm(disk_dir: Path, prompts: list[list[int]]) -> list[BlockHash]:
-    """Compute `prompts` once and close: their full blocks end up on disk only."""
-    manager = TierManager(LAYOUT, config(disk_dir))
-    driver = Driver(manager)
-    requests = [driver.add(p) for p in prompts]
-    driver.run_until_done()
-    manager.close()
-    return requests[0].block_hashes
-
-
-@pytest.fixture
-def disk_dir(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
-def restored_blocks(request: Request) -> int:
-    return request.counters.cached_disk // BS
-
-
-def finish_idle(driver: Driver) -> None:
-    driver.run_until_done()
-    driver.manager.flush()
-    driver.step()  # completes the loads given up (cancelled ones hold their blocks till then)
-    driver.manager.pool.check_invariants()
-    assert driver.manager.pool.num_free_blocks == driver.manager.pool.num_blocks
-    assert driver.scheduler.num_loading == 0
 
 
 def test_a_fast_tier_meets_at_block_0(disk_dir: Path) -> None:
@@ -256,124 +140,6 @@ def test_a_request_preempted_while_both_fronts_move_comes_back(disk_dir: Path) -
     assert request.counters.num_preemptions >= 1
     assert request.num_output_tokens == 2 and growing.num_output_tokens == 40
     assert hashes[7] in hook.read
-
-
-def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> None:
-    hashes = warm(disk_dir, [PROMPT])
-    hook = ReadHook(gate_at=3)  # blocks 7 and 6 land, block 5's read is held
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
-        driver = Driver(manager)
-        driver.scheduler.prefill_rate.observe(1000, 1e6)  # a thousandth of a token a second
-        request = driver.add(PROMPT)
-        assert driver.step().scheduled == []  # the admitting step waits
-        assert hook.gated.wait(timeout=60)
-        deadline = time.monotonic() + 60
-        while restored_blocks_now(driver, request) < 2:
-            assert time.monotonic() < deadline, "blocks 7 and 6 never landed"
-            time.sleep(0.001)
-        # The model would compute a block long after the tier delivers the rest at the rate
-        # it landed blocks 7 and 6: the front waits for the loads instead of claiming.
-        assert [p for _ in range(3) for p in driver.step().scheduled] == []
-        hook.release()
-        finish_idle(driver)
-    assert restored_blocks(request) == 8 and request.counters.computed == 1
-    assert hook.read == list(reversed(hashes[:8]))
-
-
-def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: Path) -> None:
-    warm(disk_dir, [PROMPT])
-    hook = ReadHook()
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
-        driver = Driver(manager)
-        driver.scheduler.prefill_rate.observe(1000, 1e-6)  # the whole prompt in nanoseconds
-        request = driver.add(PROMPT)
-        finish_idle(driver)
-        disk = manager.stats().tiers[Tier.DISK]
-    assert hook.read == []
-    assert (disk.hits, disk.misses) == (0, 0)  # the disk was not even asked
-    assert restored_blocks(request) == 0 and request.counters.computed == 33
-
-
-def test_a_disk_too_slow_to_save_time_on_a_prefix_is_not_asked(disk_dir: Path) -> None:
-    warm(disk_dir, [PROMPT])
-    hook = ReadHook()
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
-        driver = Driver(manager)
-        # 32 tokens to come: 0.32 s to compute alone, 0.317 s with a disk delivering one
-        # token a second beside the model, a saving under MIN_SAVING_S.
-        driver.scheduler.prefill_rate.observe(100, 1.0)
-        driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
-        request = driver.add(PROMPT)
-        finish_idle(driver)
-        disk = manager.stats().tiers[Tier.DISK]
-    assert hook.read == [] and (disk.hits, disk.misses) == (0, 0)
-    assert restored_blocks(request) == 0 and request.counters.computed == 33
-
-
-def test_the_head_the_model_computes_while_the_disk_loads_the_tail_is_never_issued(
-        disk_dir: Path) -> None:
-    hashes = warm(disk_dir, [PROMPT])
-    hook = ReadHook(gate_at=1)  # block 7's read is held: nothing lands, the rates stay put
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
-        driver = Driver(manager)
-        # The model computes as many tokens a second as the disk delivered to recent
-        # restores: each front takes half of the 32 tokens still to come.
-        driver.scheduler.prefill_rate.observe(100, 1.0)
-        driver.scheduler.tier_rates.observe(Tier.DISK, 100, 1.0)
-        request = driver.add(PROMPT)
-        first = driver.step()  # no wait for a first landing: the disk's rate is known
-        fronts = driver.scheduler.restore_fronts()[request.request_id]
-        assert (fronts.load_block, fronts.num_blocks) == (4, 8)  # blocks 0-3 never issued
-        chunks = [(p.start, p.num_new_tokens) for p in first.scheduled]
-        chunks += [(p.start, p.num_new_tokens) for _ in range(3)
-                   for p in driver.step().scheduled]
-        # The head first, then the queued loads in the way are cancelled and computed; the
-        # front stops at block 7, whose read has started.
-        assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4)]
-        hook.release()
-        finish_idle(driver)
-    assert hook.read == [hashes[7]]
-    assert restored_blocks(request) == 1 and request.counters.computed == 7 * BS + 1
-
-
-def test_restores_teach_the_scheduler_the_disks_rate(disk_dir: Path) -> None:
-    warm(disk_dir, [PROMPT])
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
-        driver = Driver(manager)
-        assert driver.scheduler.tier_rates.expected([Tier.DISK]) is None
-        request = driver.add(PROMPT)
-        driver.step()
-        manager.flush()
-        finish_idle(driver)
-    assert restored_blocks(request) == 8
-    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 0
-
-
-def test_the_disks_rate_is_timed_while_it_reads_not_until_the_engine_notices(
-        disk_dir: Path) -> None:
-    warm(disk_dir, [PROMPT])
-    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
-        driver = Driver(manager)
-        request = driver.add(PROMPT)
-        driver.step()
-        manager.flush()  # every read has run: the blocks wait in host slots
-        time.sleep(0.5)  # a long model step: nobody collects them meanwhile
-        finish_idle(driver)
-    assert restored_blocks(request) == 8
-    # 32 tokens over 0.5 s would be 64 tokens/s: the reads themselves took milliseconds.
-    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 32 / 0.5 * 4
-
-
-def test_busy_seconds_counts_overlapping_reads_once() -> None:
-    assert busy_seconds([]) == 0
-    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == pytest.approx(2.5)
-    assert busy_seconds([(2.0, 3.0), (0.0, 4.0)]) == pytest.approx(4.0)
-
-
-def restored_blocks_now(driver: Driver, request: Request) -> int:
-    driver.scheduler._finish_loads()  # noqa: SLF001
-    fronts = driver.scheduler.restore_fronts()[request.request_id]
-    return fronts.num_restored
 
 
 # ---- a real model: the same tokens as with the tiers off ----------------------------------

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, worth_reading
+from kvtier.engine.restore_rates import PrefillRate
 from kvtier.engine.step_timer import MIN_TIMED_TOKENS, StepTimer
 
 
@@ -47,19 +47,3 @@ def test_the_prefill_rate_follows_recent_steps() -> None:
     assert rate.tokens_per_s == 1000
     rate.observe(3000, 1.0)
     assert rate.tokens_per_s == 2000  # half the old average, half the new step
-
-
-def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None:
-    # No prefill rate yet: nothing to weigh a read against, so the tiers are asked.
-    assert worth_reading(16, None, None)
-    # Rate of the slow tiers unknown: asked when computing alone takes MIN_SAVING_S or more.
-    assert not worth_reading(1_000, 40_000.0, None)  # 25 ms
-    assert worth_reading(8_000, 40_000.0, None)  # 200 ms
-    # Both known: asked when the two fronts together would save MIN_SAVING_S.
-    saving = 32_768 / 24_000 - 32_768 / (24_000 + 10_000)
-    assert saving > MIN_SAVING_S and worth_reading(32_768, 24_000.0, 10_000.0)
-    saving = 8_192 / 40_000 - 8_192 / (40_000 + 3_000)
-    assert saving < MIN_SAVING_S and not worth_reading(8_192, 40_000.0, 3_000.0)
-    # A threshold of 0 asks the slow tiers for every prefix.
-    assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
-    assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)

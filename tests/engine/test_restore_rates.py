@@ -1,0 +1,157 @@
+"""How measured rates size a restore: the prefill rate and the disk's rate decide whether
+the disk is asked at all, how much of the head the model computes, and how long the compute
+front waits; the disk's rate is timed while it reads. Over a real TierManager and LMDB
+disk tier (`restore_cases`)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from kvtier.engine.restore import busy_seconds
+from kvtier.engine.restore_rates import MIN_SAVING_S, worth_reading
+from restore_cases import (
+    BS,
+    LAYOUT,
+    PROMPT,
+    Driver,
+    ReadHook,
+    config,
+    finish_idle,
+    restored_blocks,
+    restored_blocks_now,
+    warm,
+)
+
+from kvtier.manager import TierManager
+from kvtier.stats import Tier
+
+
+def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=3)  # blocks 7 and 6 land, block 5's read is held
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(1000, 1e6)  # a thousandth of a token a second
+        request = driver.add(PROMPT)
+        assert driver.step().scheduled == []  # the admitting step waits
+        assert hook.gated.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while restored_blocks_now(driver, request) < 2:
+            assert time.monotonic() < deadline, "blocks 7 and 6 never landed"
+            time.sleep(0.001)
+        # The model would compute a block long after the tier delivers the rest at the rate
+        # it landed blocks 7 and 6: the front waits for the loads instead of claiming.
+        assert [p for _ in range(3) for p in driver.step().scheduled] == []
+        hook.release()
+        finish_idle(driver)
+    assert restored_blocks(request) == 8 and request.counters.computed == 1
+    assert hook.read == list(reversed(hashes[:8]))
+
+
+def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(1000, 1e-6)  # the whole prompt in nanoseconds
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+        disk = manager.stats().tiers[Tier.DISK]
+    assert hook.read == []
+    assert (disk.hits, disk.misses) == (0, 0)  # the disk was not even asked
+    assert restored_blocks(request) == 0 and request.counters.computed == 33
+
+
+def test_a_disk_too_slow_to_save_time_on_a_prefix_is_not_asked(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        # 32 tokens to come: 0.32 s to compute alone, 0.317 s with a disk delivering one
+        # token a second beside the model, a saving under MIN_SAVING_S.
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+        disk = manager.stats().tiers[Tier.DISK]
+    assert hook.read == [] and (disk.hits, disk.misses) == (0, 0)
+    assert restored_blocks(request) == 0 and request.counters.computed == 33
+
+
+def test_the_head_the_model_computes_while_the_disk_loads_the_tail_is_never_issued(
+        disk_dir: Path) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # block 7's read is held: nothing lands, the rates stay put
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        # The model computes as many tokens a second as the disk delivered to recent
+        # restores: each front takes half of the 32 tokens still to come.
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 100, 1.0)
+        request = driver.add(PROMPT)
+        first = driver.step()  # no wait for a first landing: the disk's rate is known
+        fronts = driver.scheduler.restore_fronts()[request.request_id]
+        assert (fronts.load_block, fronts.num_blocks) == (4, 8)  # blocks 0-3 never issued
+        chunks = [(p.start, p.num_new_tokens) for p in first.scheduled]
+        chunks += [(p.start, p.num_new_tokens) for _ in range(3)
+                   for p in driver.step().scheduled]
+        # The head first, then the queued loads in the way are cancelled and computed; the
+        # front stops at block 7, whose read has started.
+        assert chunks == [(0, 8), (8, 8), (16, 8), (24, 4)]
+        hook.release()
+        finish_idle(driver)
+    assert hook.read == [hashes[7]]
+    assert restored_blocks(request) == 1 and request.counters.computed == 7 * BS + 1
+
+
+def test_restores_teach_the_scheduler_the_disks_rate(disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
+        driver = Driver(manager)
+        assert driver.scheduler.tier_rates.expected([Tier.DISK]) is None
+        request = driver.add(PROMPT)
+        driver.step()
+        manager.flush()
+        finish_idle(driver)
+    assert restored_blocks(request) == 8
+    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 0
+
+
+def test_the_disks_rate_is_timed_while_it_reads_not_until_the_engine_notices(
+        disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT])
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=ReadHook())) as manager:
+        driver = Driver(manager)
+        request = driver.add(PROMPT)
+        driver.step()
+        manager.flush()  # every read has run: the blocks wait in host slots
+        time.sleep(0.5)  # a long model step: nobody collects them meanwhile
+        finish_idle(driver)
+    assert restored_blocks(request) == 8
+    # 32 tokens over 0.5 s would be 64 tokens/s: the reads themselves took milliseconds.
+    assert driver.scheduler.tier_rates.expected([Tier.DISK]) > 32 / 0.5 * 4
+
+
+def test_busy_seconds_counts_overlapping_reads_once() -> None:
+    assert busy_seconds([]) == 0
+    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0)]) == pytest.approx(2.5)
+    assert busy_seconds([(2.0, 3.0), (0.0, 4.0)]) == pytest.approx(4.0)
+
+
+def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None:
+    # No prefill rate yet: nothing to weigh a read against, so the tiers are asked.
+    assert worth_reading(16, None, None)
+    # Rate of the slow tiers unknown: asked when computing alone takes MIN_SAVING_S or more.
+    assert not worth_reading(1_000, 40_000.0, None)  # 25 ms
+    assert worth_reading(8_000, 40_000.0, None)  # 200 ms
+    # Both known: asked when the two fronts together would save MIN_SAVING_S.
+    saving = 32_768 / 24_000 - 32_768 / (24_000 + 10_000)
+    assert saving > MIN_SAVING_S and worth_reading(32_768, 24_000.0, 10_000.0)
+    saving = 8_192 / 40_000 - 8_192 / (40_000 + 3_000)
+    assert saving < MIN_SAVING_S and not worth_reading(8_192, 40_000.0, 3_000.0)
+    # A threshold of 0 asks the slow tiers for every prefix.
+    assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
+    assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
