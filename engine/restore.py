@@ -147,8 +147,10 @@ class Restore:
         self._hold_began: float | None = None  # the first `holds_first_claim` call
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
-        #: Per slow tier, (start, end) of the reads of the groups that landed.
+        #: Per slow tier, (start, end) of the reads of the groups that landed, and the
+        #: seconds at least one of them (of any slow tier) was under way.
         self._read_spans: dict[Tier, list[tuple[float, float]]] = {}
+        self._busy_s = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -218,17 +220,16 @@ class Restore:
         what they delivered to recent ones before the first landing here; None when
         neither is known."""
         landed = self.block_size * sum(self.restored[t] for t in SLOW_TIERS)
-        busy = busy_seconds([span for spans in self._read_spans.values() for span in spans])
-        if landed and busy > 0:
-            return landed / busy
+        if landed and self._busy_s > 0:
+            return landed / self._busy_s
         return self._expected_load_rate
 
     def measured_rates(self) -> list[tuple[Tier, int, float]]:
         """(tier, tokens landed, seconds that tier's reads were under way) of each slow
         tier that delivered to this restore, for `TierRates`."""
-        return [(tier, self.restored[tier] * self.block_size, busy_seconds(spans))
-                for tier, spans in self._read_spans.items()
-                if self.restored[tier] and busy_seconds(spans) > 0]
+        busy = {tier: busy_seconds(spans) for tier, spans in self._read_spans.items()}
+        return [(tier, self.restored[tier] * self.block_size, seconds)
+                for tier, seconds in busy.items() if self.restored[tier] and seconds > 0]
 
     def collect(self) -> bool:
         """Complete groups that landed (call after `TierManager.poll`). True if any did."""
@@ -252,6 +253,8 @@ class Restore:
             self.restored[group.tier] += ok
         if group.tier in SLOW_TIERS and any(arrived):
             self._read_spans.setdefault(group.tier, []).extend(spans)
+            self._busy_s = busy_seconds([span for tier_spans in self._read_spans.values()
+                                         for span in tier_spans])
 
     # ---- the compute front ---------------------------------------------------------------
 

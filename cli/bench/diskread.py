@@ -29,7 +29,7 @@ import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, find_value
+from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, ValueSpot, find_value
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
 _CHUNK = 8 << 20
@@ -106,29 +106,33 @@ def raw_sequential_read(directory: str | os.PathLike[str], num_bytes: int,
     return result
 
 
+def _value_spots(disk: DiskTier) -> list[tuple[bytes, ValueSpot]]:
+    """(key, where its value is) of every block stored in `disk`, found from the index
+    alone (`find_value`): no value is read."""
+    with disk._map.txn() as txn, txn.cursor(db=disk._index.blocks) as cursor:  # noqa: SLF001
+        keys = [bytes(key) for key in cursor.iternext(values=False)]
+        spots = [(key, find_value(cursor, key)) for key in keys]
+    return [(key, spot) for key, spot in spots if spot is not None]
+
+
 def tier_metas(disk: DiskTier) -> list[BlockMeta]:
     """The `BlockMeta` of every block stored in `disk`, from the records' headers.
 
-    Each header is read with one small pread at the value's offset (`find_value`): walking
-    the values through the map would read every stored block, page fault by page fault."""
-    index = disk._index  # noqa: SLF001 (a benchmark reads the tier's own records)
-    page_size = index.env.stat()["psize"]
+    Each header is read with one small pread at the value's offset: walking the values
+    through the map would read every stored block, page fault by page fault."""
+    page_size = disk._index.env.stat()["psize"]  # noqa: SLF001 (a benchmark reads the tier)
     fd = os.open(disk.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
     metas = []
     try:
-        with disk._map.txn() as txn, txn.cursor(db=index.blocks) as cursor:  # noqa: SLF001
-            keys = [bytes(key) for key in cursor.iternext(values=False)]
-            for key in keys:
-                spot = find_value(cursor, key)
-                if spot is None:
-                    continue
-                if spot.page is None:
-                    head = txn.get(key, db=index.blocks)
-                else:
-                    head = os.pread(fd, min(spot.size, _HEADER_READ),
-                                    spot.file_offset(page_size) + OVERFLOW_HEADER_BYTES)
-                header, _ = decode_header(head)
-                metas.append(BlockMeta(key, header.parent_hash, header.token_ids))
+        for key, spot in _value_spots(disk):
+            if spot.page is None:
+                with disk._map.txn() as txn:  # noqa: SLF001
+                    head = bytes(txn.get(key, db=disk._index.blocks))  # noqa: SLF001
+            else:
+                head = os.pread(fd, min(spot.size, _HEADER_READ),
+                                spot.file_offset(page_size) + OVERFLOW_HEADER_BYTES)
+            header, _ = decode_header(head)
+            metas.append(BlockMeta(key, header.parent_hash, header.token_ids))
     finally:
         os.close(fd)
     return metas
@@ -205,13 +209,9 @@ def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int 
 
 def _value_spans(disk: DiskTier) -> list[tuple[int, int]]:
     """(file offset, length) of every value in the tier's data.mdb."""
-    index = disk._index  # noqa: SLF001
-    page_size = index.env.stat()["psize"]
-    with disk._map.txn() as txn, txn.cursor(db=index.blocks) as cursor:  # noqa: SLF001
-        keys = [bytes(key) for key in cursor.iternext(values=False)]
-        spots = [find_value(cursor, key) for key in keys]
+    page_size = disk._index.env.stat()["psize"]  # noqa: SLF001
     return sorted((spot.file_offset(page_size) + OVERFLOW_HEADER_BYTES, spot.size)
-                  for spot in spots if spot is not None and spot.page is not None)
+                  for _, spot in _value_spots(disk) if spot.page is not None)
 
 
 def read_methods(path: str | os.PathLike[str], layout: KVLayout,
