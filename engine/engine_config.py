@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 from kvtier.engine import paths
+from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
 from kvtier.remote_config import RemoteConfig
@@ -67,6 +68,10 @@ class EngineConfig(CheckedModel):
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
     cuda_graphs: replay recorded CUDA graphs for pure-decode steps (used only on CUDA with
         the triton attention backend; ignored elsewhere).
+    warmup: compile every kernel and time one prefill at start (CUDA).
+    restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
+        expected to save over computing it (at the measured rates) before those tiers are
+        asked at all; 0 asks them for every prefix.
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
 
@@ -104,6 +109,9 @@ class EngineConfig(CheckedModel):
         0, description="default sampling seed, >= 0; None: nondeterministic")
     cuda_graphs: bool = Field(True, description="replay CUDA graphs for decode steps")
     warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
+    restore_min_saving_s: float = Field(
+        MIN_SAVING_S, ge=0, description="seconds reading a prefix from the disk or remote "
+        "tier must be expected to save over computing it before they are asked; 0: always")
     remote_cache: str | RemoteConfig | None = Field(
         None, description="Redis / Redis Cluster URL of the shared remote tier; None: off")
 

@@ -84,7 +84,7 @@ class LLM:
                  disk_cache_gb: float | None = None, hash_algorithm: str | None = None,
                  cache_salt: str | None = None, attn_backend: str | None = None,
                  seed: int | None = None, cuda_graphs: bool | None = None,
-                 warmup: bool | None = None,
+                 warmup: bool | None = None, restore_min_saving_s: float | None = None,
                  remote_cache: str | RemoteConfig | None = None) -> None:
         explicit = dict(
             model=model if isinstance(model, str) else None,
@@ -96,7 +96,8 @@ class LLM:
             host_cache=host_cache, host_cache_gb=host_cache_gb, disk_cache=disk_cache,
             disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
             hash_algorithm=hash_algorithm, cache_salt=cache_salt, attn_backend=attn_backend,
-            seed=seed, cuda_graphs=cuda_graphs, warmup=warmup, remote_cache=remote_cache)
+            seed=seed, cuda_graphs=cuda_graphs, warmup=warmup,
+            restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache)
         self.config = cfg = load_engine_config(explicit, config)
         block_size = cfg.block_size
         if cfg.warmup and torch.cuda.is_available():
@@ -121,7 +122,8 @@ class LLM:
                                                     self.layout)
         self.manager = TierManager(
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
-        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   min_restore_saving_s=cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),

@@ -87,7 +87,8 @@ class Scheduler:
 
     def __init__(self, manager: TierManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.perf_counter,
-                 restore_group_bytes: int = DISK_GROUP_BYTES) -> None:
+                 restore_group_bytes: int = DISK_GROUP_BYTES,
+                 min_restore_saving_s: float = MIN_SAVING_S) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0, "caps must be positive"
         self.manager = manager
         self.max_num_seqs = max_num_seqs
@@ -106,7 +107,7 @@ class Scheduler:
         self.tier_rates = TierRates()
         #: Seconds reading from the disk or remote tier must be expected to save before they
         #: are asked (`restore_rates.worth_reading`); 0 asks them for every prefix.
-        self.min_restore_saving_s = MIN_SAVING_S
+        self.min_restore_saving_s = min_restore_saving_s
 
     # ---- queue ---------------------------------------------------------------------------
 

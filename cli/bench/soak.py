@@ -132,15 +132,13 @@ def _num_fds() -> int | None:
 
 def _engine(loaded: LoadedModel, config: SoakConfig, disk_dir: Path) -> LLM:
     bytes_per_block = loaded.config.kv_layout(config.block_size, torch.float32).bytes_per_block
-    llm = LLM(loaded, block_size=config.block_size, gpu_blocks=config.gpu_blocks,
-              host_cache_gb=config.host_slots * bytes_per_block / 2**30,
-              disk_cache_dir=disk_dir, disk_cache_gb=config.disk_blocks * 1.05
-              * bytes_per_block / 2**30, max_num_seqs=config.max_num_seqs,
-              max_num_batched_tokens=config.max_batched_tokens)
     # The soak exercises the disk's read path: its tiny model computes any prefix sooner
-    # than reading could save, which would otherwise keep the disk from being asked.
-    llm.scheduler.min_restore_saving_s = 0.0
-    return llm
+    # than reading could save, so the disk is always asked (restore_min_saving_s 0).
+    return LLM(loaded, block_size=config.block_size, gpu_blocks=config.gpu_blocks,
+               host_cache_gb=config.host_slots * bytes_per_block / 2**30,
+               disk_cache_dir=disk_dir, disk_cache_gb=config.disk_blocks * 1.05
+               * bytes_per_block / 2**30, max_num_seqs=config.max_num_seqs,
+               max_num_batched_tokens=config.max_batched_tokens, restore_min_saving_s=0.0)
 
 
 def _run_phase(llm: LLM, work: list[_Work], first_index: int, max_in_flight: int,

@@ -155,3 +155,13 @@ def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None
     # A threshold of 0 asks the slow tiers for every prefix.
     assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
     assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
+
+
+def test_the_threshold_is_an_engine_option() -> None:
+    from kvtier.engine import LLM
+
+    with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
+             disk_cache=False, restore_min_saving_s=0.0) as llm:
+        assert llm.scheduler.min_restore_saving_s == 0.0
+    with pytest.raises(ValueError, match="restore_min_saving_s"):
+        LLM("random:tiny-llama", device="cpu", restore_min_saving_s=-1.0)
