@@ -40,6 +40,7 @@ from kvtier.tiers.disk_index import (
 )
 from kvtier.tiers.disk_read import RecordSource, read_records_into
 from kvtier.tiers.record import (
+    BlockBuffer,
     BlockMeta,
     CorruptRecord,
     assemble_record,
@@ -221,7 +222,7 @@ class DiskTier:
         return self.get_many_into([meta], [dest])[0]
 
     def get_many_into(self, metas: Sequence[BlockMeta],
-                      dests: Sequence[torch.Tensor]) -> list[bool]:
+                      dests: Sequence[BlockBuffer]) -> list[bool]:
         """`get_into` for a batch, in one read transaction."""
         if len(metas) != len(dests):
             raise ValueError(f"{len(metas)} metas but {len(dests)} destinations")
@@ -328,10 +329,11 @@ class DiskTier:
         self._map.grow(need)
         pressure = 0
         while pressure < 3 * need:
+            map_size = self._map.map_size
             try:
                 return self._write_batch(new, touched, keep, pressure)
             except lmdb.MapFullError:
-                if self._map.grow(need, full=True):
+                if self._map.grow(need, full=True, failed_at=map_size):
                     continue
             except lmdb.Error as exc:
                 if not is_disk_full(exc):

@@ -328,16 +328,27 @@ class GuardedEnv:
         raise OSError(f"disk cache {self._path}: the LMDB map keeps being resized by "
                       "another process; retry later")
 
-    def grow(self, num_bytes: int, full: bool = False) -> bool:
+    @property
+    def map_size(self) -> int:
+        """The map's size in bytes now."""
+        return self.env.info()["map_size"]
+
+    def grow(self, num_bytes: int, full: bool = False, failed_at: int | None = None) -> bool:
         """Grow the map (doubling, up to its limit) when it is `full` or has less than twice
         `num_bytes` left past the last used page: growing before a write transaction is
-        cheaper than aborting it. False when the map cannot grow."""
+        cheaper than aborting it. `failed_at`: the map size a transaction that ran out of
+        map saw; when another thread has grown the map since, it is not grown again (retry
+        the write). False when the map cannot grow."""
         info = self.env.info()
         room = info["map_size"] - (info["last_pgno"] + 1) * self._page_size
         if not full and room >= 2 * num_bytes:
             return True
         with self._gate.exclusive():
             current = self.env.info()["map_size"]
+            if failed_at is not None and current > failed_at:
+                # Writers that failed together must not each double the map, or the last
+                # of them finds it at its limit and prunes blocks that had room.
+                return True
             if current >= self.map_limit:
                 return False
             target = max(current * 2, current - room + 2 * num_bytes)

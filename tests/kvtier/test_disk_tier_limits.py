@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import resource
 import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from disk_cases import (
@@ -103,6 +105,28 @@ def _fill_a_small_disk(path: Path) -> dict:
     stats = tier.stats()
     tier.close()
     return {"stored": stored, "ok": ok, "pruned": stats.pruned, "num_blocks": stats.num_blocks}
+
+
+def test_writers_growing_the_map_together_prune_nothing_under_budget(tmp_path):
+    # Sixteen threads write batches at once into a map that starts at 1 MiB: several of them
+    # run out of map together. Each must retry on the map another one grew, not grow it
+    # again: the last to grow would find it at its limit and prune blocks that had room.
+    metas, payloads = make_blocks(LARGE, seed=23, num_blocks=512)
+    total = sum(record_size(LARGE, meta) for meta in metas)
+    with DiskTier(tmp_path, LARGE, 2 * total, initial_map_bytes=1 << 20,
+                  max_map_bytes=3 * total) as tier:
+        start = threading.Barrier(16)
+
+        def write(thread: int) -> None:
+            start.wait()
+            for i in range(thread * 32, thread * 32 + 32, 8):
+                assert tier.put(metas[i:i + 8], payloads[i:i + 8]) == 8
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(write, range(16)))
+        stats = tier.stats()
+        assert stats.pruned == 0 and stats.refused == 0 and stats.num_blocks == 512
+        assert tier.contains([m.block_hash for m in metas]) == [True] * 512
 
 
 def test_full_disk_prunes_instead_of_crashing(tmp_path):
