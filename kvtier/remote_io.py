@@ -17,12 +17,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from kvtier.hashing import BlockHash
 from kvtier.stats import Direction, TierCounters
 from kvtier.tiers.host import HostTier, SlotId
-from kvtier.tiers.record import BlockMeta
+from kvtier.tiers.record import BlockBuffer, BlockMeta
 from kvtier.transfer import IOJob, JobId
 
 if TYPE_CHECKING:
@@ -35,7 +33,7 @@ MAX_REMEMBERED = 1 << 18
 
 
 def remote_read_job(remote: RemoteTier, metas: Sequence[BlockMeta],
-                    dests: Sequence[torch.Tensor], bytes_per_block: int,
+                    dests: Sequence[BlockBuffer], bytes_per_block: int,
                     disk: DiskTier | None = None) -> tuple[IOJob, list[bool]]:
     """A REMOTE_TO_HOST job reading `metas` into `dests` (uint8 `[bytes_per_block]` views of
     host slots) with one pipeline per node. The returned list receives each block's outcome
@@ -54,7 +52,7 @@ def remote_read_job(remote: RemoteTier, metas: Sequence[BlockMeta],
 
 
 def remote_write_job(remote: RemoteTier, metas: Sequence[BlockMeta],
-                     payloads: Sequence[torch.Tensor],
+                     payloads: Sequence[BlockBuffer],
                      bytes_per_block: int) -> tuple[IOJob, list[bool]]:
     """A HOST_TO_REMOTE job storing blocks (uint8 `[bytes_per_block]` views of host slots)
     the store does not hold yet. The returned list receives, per block, whether the store
@@ -130,7 +128,7 @@ class RemoteWrites:
         metas = [self.host.meta(slot) for slot in slots]
         self.offers.remember([meta.block_hash for meta in metas])
         job, stored = remote_write_job(self.remote, metas,
-                                       [self.host.slot_bytes(slot) for slot in slots],
+                                       [self.host.slot_array(slot) for slot in slots],
                                        self._bytes_per_block)
 
         def finish(ok: bool) -> None:  # `stored` is empty when the job raised

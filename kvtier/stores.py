@@ -185,7 +185,7 @@ class StorePath:
     def _write_to_disk(self, slots: list[SlotId], staged: bool) -> None:
         """Write host slots to disk on the I/O pool. `staged`: RESERVED staging slots, freed
         afterwards; else CACHED dirty slots, pinned meanwhile and clean afterwards."""
-        payloads = [self.host.slot_bytes(slot) for slot in slots]  # uint8 [bytes_per_block]
+        payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
         job, stored = disk_write_job(self.disk, [self.host.meta(slot) for slot in slots],
                                      payloads, self.bytes_per_block)
 

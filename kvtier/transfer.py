@@ -44,7 +44,7 @@ from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfe
 
 if TYPE_CHECKING:
     from kvtier.tiers.disk import DiskTier
-    from kvtier.tiers.record import BlockMeta
+    from kvtier.tiers.record import BlockBuffer, BlockMeta
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
     return IOJob(job.direction, run)
 
 
-def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[torch.Tensor],
+def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[BlockBuffer],
                   bytes_per_block: int,
                   cancelled: threading.Event | None = None) -> tuple[IOJob, list[bool]]:
     """A DISK_TO_HOST job reading the blocks `metas` names into `dests` (uint8 views
@@ -119,7 +119,7 @@ def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[to
 
 
 def disk_write_job(disk: DiskTier, metas: Sequence[BlockMeta],
-                   payloads: Sequence[torch.Tensor],
+                   payloads: Sequence[BlockBuffer],
                    bytes_per_block: int) -> tuple[IOJob, list[bool]]:
     """A HOST_TO_DISK job storing blocks (payloads: uint8 views `[bytes_per_block]` of host
     slots) that the disk does not hold yet, in one write transaction. The returned list

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType
 
+import numpy as np
 import torch
 
 from kvtier.hashing import BlockHash
@@ -96,6 +97,9 @@ class HostTier:
         self.layout = layout
         self.num_slots = num_slots
         self.slab = allocate_slab(layout, num_slots, pin_memory)  # [num_slots, *block_shape]
+        # The same memory as numpy rows: a row costs far less than a tensor view, and a
+        # restore takes one per block on the engine thread.
+        self._slab_rows = self.slab.view(torch.uint8).view(num_slots, -1).numpy()
         self.policy: EvictionPolicy[BlockHash] = policy if policy is not None else LRUPolicy()
         self._slots = [_Slot() for _ in range(num_slots)]
         self._free: deque[SlotId] = deque(SlotId(i) for i in range(num_slots))
@@ -157,8 +161,13 @@ class HostTier:
         return self.slab[slot]
 
     def slot_bytes(self, slot: SlotId) -> torch.Tensor:
-        """The slot's bytes as a contiguous uint8 view `[bytes_per_block]` (for disk I/O)."""
+        """The slot's bytes as a contiguous uint8 tensor view `[bytes_per_block]`."""
         return self.slab[slot].view(torch.uint8).view(-1)
+
+    def slot_array(self, slot: SlotId) -> np.ndarray:
+        """The slot's bytes as a uint8 numpy view `[bytes_per_block]` of the slab (for disk
+        and remote I/O: cheaper to make than `slot_bytes`)."""
+        return self._slab_rows[slot]
 
     # ---- slots ---------------------------------------------------------------------------
 

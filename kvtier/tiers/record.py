@@ -287,6 +287,11 @@ def metas_for(parent: BlockHash, block_hashes: Sequence[BlockHash],
     return metas
 
 
+#: One block's bytes in host memory: a flat uint8 numpy array (`HostTier.slot_array`) or a
+#: contiguous CPU tensor of any dtype.
+BlockBuffer = torch.Tensor | np.ndarray
+
+
 def payload_view(payload: object, nbytes: int) -> memoryview:
     """A flat byte view of one block's bytes, without copying.
 
@@ -312,12 +317,19 @@ def payload_view(payload: object, nbytes: int) -> memoryview:
     return view
 
 
-def dest_array(dest: torch.Tensor, nbytes: int) -> np.ndarray:
-    """A flat uint8 numpy view of `dest`, a contiguous CPU tensor (any dtype) of exactly
-    `nbytes` bytes; raises ValueError otherwise."""
+def dest_array(dest: BlockBuffer, nbytes: int) -> np.ndarray:
+    """A flat uint8 numpy view of `dest`, a flat C-contiguous uint8 numpy array or a
+    contiguous CPU tensor (any dtype) of exactly `nbytes` bytes; raises ValueError
+    otherwise."""
+    if isinstance(dest, np.ndarray) and dest.dtype == np.uint8 and dest.ndim == 1 \
+            and dest.flags.c_contiguous and dest.flags.writeable:
+        if dest.nbytes != nbytes:
+            raise ValueError(f"dest must hold {nbytes} bytes (one block), got {dest.nbytes}")
+        return dest
     if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu" \
             or not dest.is_contiguous():
-        raise ValueError("dest must be a contiguous CPU tensor")
+        raise ValueError("dest must be a contiguous CPU tensor or a flat writable uint8 "
+                         "numpy array")
     if dest.nbytes != nbytes:
         raise ValueError(f"dest must hold {nbytes} bytes (one block), got {dest.nbytes}")
     # [nbytes] uint8, sharing memory with dest

@@ -24,12 +24,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
 import redis
-import torch
 
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.remote_config import RemoteConfig
 from kvtier.tiers.record import (
+    BlockBuffer,
     BlockMeta,
     CorruptRecord,
     RecordHeader,
@@ -172,7 +172,7 @@ class RemoteTier:
         return [isinstance(r, int) and r > 0 for r in replies]
 
     def get_many_into(self, metas: Sequence[BlockMeta],
-                      dests: Sequence[torch.Tensor]) -> list[bool]:
+                      dests: Sequence[BlockBuffer]) -> list[bool]:
         """Read blocks into `dests` (contiguous CPU tensors of `bytes_per_block` bytes);
         True per verified hit. A value that fails validation (header, layout, length,
         parent hash, token ids, checksum) is a miss, counted as rejected and deleted.
