@@ -89,7 +89,9 @@ class TierManager:
                                         config.max_pending_io)
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
             + [Tier.DISK] * (self.disk is not None) + [Tier.REMOTE] * (self.remote is not None)
-        self._on_done: dict[JobId, tuple[Load | None, Callable[[bool], None]]] = {}
+        self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
+        # Disk and remote reads landed in host slots, waiting for their host -> GPU copy.
+        self._landed_reads: list[tuple[Load, list[LoadBlock]]] = []
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._tiers = new_tier_counters()
@@ -187,7 +189,7 @@ class TierManager:
                 self._host.pin(lb.slot)
                 from_host.append(lb)
                 if len(from_host) == _LOAD_COPY_CHUNK:
-                    self._copy_to_gpu(load, from_host)
+                    self._copy_to_gpu([load], from_host)
                     from_host = []
                 continue
             if self.disk is not None:
@@ -206,7 +208,7 @@ class TierManager:
                 missing.done = True
             break
         if from_host:
-            self._copy_to_gpu(load, from_host)
+            self._copy_to_gpu([load], from_host)
         self._feed_load(load)
         return load_id
 
@@ -224,7 +226,7 @@ class TierManager:
         for from_remote in (False, True):
             sources = [lb for lb in ready if lb.from_remote is from_remote]
             for chunk in chunks(sources, max(1, -(-len(sources) // num_jobs))):
-                dests = [self._host.slot_bytes(lb.slot) for lb in chunk]  # uint8 [block bytes]
+                dests = [self._host.slot_array(lb.slot) for lb in chunk]  # uint8 [block bytes]
                 metas = [lb.meta for lb in chunk]
                 if from_remote:
                     # Without host caching, a copy for the local disk is made in the job.
@@ -269,10 +271,21 @@ class TierManager:
                 self._host.release(lb.slot)
                 lb.slot, lb.done = None, True
             return
-        if landed:
-            self._copy_to_gpu(load, landed)
+        if landed:  # copied with the other reads that landed by the end of this poll
+            self._landed_reads.append((load, landed))
 
-    def _copy_to_gpu(self, load: Load, items: list[LoadBlock]) -> None:
+    def _copy_landed_reads(self) -> None:
+        """One host -> GPU copy for every disk or remote read that landed since the last
+        call: a restore lands a read every few milliseconds, and one copy job each would
+        cost the engine thread a launch, its events and a plan per read."""
+        if not self._landed_reads:
+            return
+        reads, self._landed_reads = self._landed_reads, []
+        self._copy_to_gpu([load for load, _ in reads],
+                          [lb for _, items in reads for lb in items])
+
+    def _copy_to_gpu(self, loads: list[Load], items: list[LoadBlock]) -> None:
+        """Copy `items` (of `loads`) from their host slots to their GPU blocks, one job."""
         mapping = torch.tensor([[lb.slot, lb.gpu_block.block_id] for lb in items],
                                dtype=torch.int64)  # [n, 2] (slot, gpu block)
 
@@ -284,7 +297,7 @@ class TierManager:
             self._tiers[Tier.HOST].failures += 0 if ok else len(items)
 
         job_id = self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache,
-                                      mapping), finish, load)
+                                      mapping), finish, *loads)
         for lb in items:
             lb.copy_job = job_id
 
@@ -386,10 +399,12 @@ class TierManager:
     # ---- progress ------------------------------------------------------------------------
 
     def _submit(self, job: SwapJob | IOJob, on_done: Callable[[bool], None],
-                load: Load | None = None) -> JobId:
+                *loads: Load) -> JobId:
+        """Start `job`; `on_done(ok)` runs in the `poll` that sees it finish. `loads` wait
+        for it (`Load.job_ids`)."""
         job_id = self.transfers.submit(job)
-        self._on_done[job_id] = (load, on_done)
-        if load is not None:
+        self._on_done[job_id] = (loads, on_done)
+        for load in loads:
             load.job_ids.add(job_id)
         return job_id
 
@@ -400,10 +415,11 @@ class TierManager:
         waiting loads. Call it once per engine step."""
         while finished := self.transfers.get_finished():
             for job_id, ok in finished:
-                load, on_done = self._on_done.pop(job_id)
-                if load is not None:
+                loads, on_done = self._on_done.pop(job_id)
+                for load in loads:
                     load.job_ids.discard(job_id)
                 on_done(ok)
+            self._copy_landed_reads()
         if self._remote_writes is not None:
             self._remote_writes.send()  # this step's newly cached blocks, in batches
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
