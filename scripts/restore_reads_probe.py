@@ -8,11 +8,17 @@ summary says what rate the reads reached inside the restore, how much of each re
 the preadv, and what the engine thread was doing meanwhile.
 
     python3 scripts/restore_reads_probe.py [--doc-tokens 8192,32768] [--model random:llama3-8b]
+        [--warm]
+
+With `--warm` the tier's data file is read into the page cache before each restore instead
+of dropping it. Every step of the restoring request is listed with the tokens it computed,
+the fronts after it, and the bytes whose reads ended during it.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +32,102 @@ from kvtier.engine.loader import load_model
 
 from kvtier.tiers import disk_read
 from kvtier.tiers.disk import DiskTier
+
+
+class GpuTimeline:
+    """CUDA events around every forward pass and host -> GPU copy submission of an engine,
+    against a base event recorded when the request arrives: when the GPU ran each step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.base: torch.cuda.Event | None = None
+        self.base_host = 0.0
+        self.forwards: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
+        self.copies: list[tuple[float, int]] = []  # (host time, blocks) of each H2D submit
+        model, manager = llm.runner.model, llm.manager
+        forward, copy = model.forward, manager._copy_to_gpu
+
+        def timed_forward(*args, **kwargs):
+            if self.base is None:
+                return forward(*args, **kwargs)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            host = time.perf_counter()
+            start.record()
+            result = forward(*args, **kwargs)
+            end.record()
+            self.forwards.append((start, end, host))
+            return result
+
+        def timed_copy(load, items):
+            self.copies.append((time.perf_counter(), len(items)))
+            return copy(load, items)
+
+        model.forward = timed_forward
+        manager._copy_to_gpu = timed_copy
+
+    def start(self) -> None:
+        if not torch.cuda.is_available():
+            return
+        self.forwards.clear()
+        self.copies.clear()
+        self.base = torch.cuda.Event(enable_timing=True)
+        self.base.record()
+        self.base_host = time.perf_counter()
+
+    def report(self) -> None:
+        if self.base is None:
+            return
+        torch.cuda.synchronize()
+        for start, end, host in self.forwards:
+            print(f"    forward launched at {(host - self.base_host) * 1e3:7.1f} ms, ran on the "
+                  f"GPU {self.base.elapsed_time(start):7.1f} .. {self.base.elapsed_time(end):7.1f}"
+                  " ms")
+        if self.copies:
+            times = [(t - self.base_host) * 1e3 for t, _ in self.copies]
+            print(f"    host->GPU submits: {len(self.copies)} of "
+                  f"{sum(n for _, n in self.copies)} blocks, from {min(times):.1f} to "
+                  f"{max(times):.1f} ms; by 50 ms: "
+                  + " ".join(f"{int(t // 50) * 50}:{sum(1 for x in times if t // 50 == x // 50)}"
+                             for t in sorted({int(x // 50) * 50 for x in times})))
+
+
+class Sampler:
+    """Samples the engine thread's stack every millisecond (from another thread, so a
+    sample waits for the GIL like everyone): where the engine thread's wall time goes."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._target = threading.get_ident()
+
+    def start(self) -> threading.Thread:
+        self.counts.clear()
+        self._stop.clear()
+        thread = threading.Thread(target=self._run, daemon=True)
+        thread.start()
+        return thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            frame = sys._current_frames().get(self._target)
+            names = []
+            while frame is not None and len(names) < 3:
+                code = frame.f_code
+                if "kvtier" in code.co_filename or "/main/" in code.co_filename:
+                    names.append(f"{Path(code.co_filename).stem}.{code.co_name}")
+                frame = frame.f_back
+            key = " < ".join(names) or "?"
+            self.counts[key] = self.counts.get(key, 0) + 1
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def report(self, top: int = 14) -> None:
+        total = sum(self.counts.values()) or 1
+        print(f"    engine thread, {total} samples:")
+        for key, count in sorted(self.counts.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"      {count / total:5.1%} {key}")
 
 
 class Recorder:
@@ -77,15 +179,27 @@ class Recorder:
         self.lateness.clear()
 
 
-def timed(execute, spent: list[float]):
-    """`execute`, adding the seconds of each call to `spent[0]`."""
-    def run(*args, **kwargs):
+def timed(execute, spent: list[float], tokens: list[int]):
+    """`execute`, adding the seconds of each call to `spent[0]` and the tokens it computed
+    to `tokens[0]`."""
+    def run(scheduled, *args, **kwargs):
+        tokens[0] += sum(s.num_new_tokens for s in scheduled)
         start = time.perf_counter()
         try:
-            return execute(*args, **kwargs)
+            return execute(scheduled, *args, **kwargs)
         finally:
             spent[0] += time.perf_counter() - start
     return run
+
+
+def read_through(directory: str) -> int:
+    """Read every data.mdb under `directory` once (into the page cache); MiB read."""
+    total = 0
+    for path in Path(directory).rglob("data.mdb"):
+        with open(path, "rb", buffering=0) as data:
+            while chunk := data.read(64 << 20):
+                total += len(chunk)
+    return total >> 20
 
 
 def pct(values: list[float], q: float) -> float:
@@ -95,7 +209,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(rec: Recorder, steps: list[tuple[float, float, float]], began: float,
+def summarize(rec: Recorder, steps: list, began: float,
               ttft: float) -> None:
     if not rec.calls:
         print("  no disk reads")
@@ -120,11 +234,23 @@ def summarize(rec: Recorder, steps: list[tuple[float, float, float]], began: flo
     during = [lat for t, lat in rec.lateness if first <= t <= last]
     print(f"  1 ms sleeper late by p50 {pct(during, .5) * 1e3:.2f} p90 {pct(during, .9) * 1e3:.2f}"
           f" p99 {pct(during, .99) * 1e3:.2f} ms during the reads ({len(during)} samples)")
-    long_steps = [(s - began, d, x) for s, d, x in steps if d > 0.005]
+    long_steps = [(s - began, d, x) for s, d, x, _, _ in steps if d > 0.005]
     print(f"  engine: {len(steps)} steps, {len(long_steps)} over 5 ms: "
           + ", ".join(f"{s * 1e3:.0f}+{d * 1e3:.0f} ms (execute {x * 1e3:.0f})"
                       for s, d, x in long_steps[:12]))
     print(f"  ttft {ttft * 1e3:.1f} ms")
+    print_steps(rec, steps, began)
+
+
+def print_steps(rec: Recorder, steps: list, began: float) -> None:
+    """One line per step with something in it: when, how long, the tokens it computed, the
+    fronts after it, and the MiB whose read calls ended inside it."""
+    for start, duration, execute, tokens, fronts in steps:
+        read = sum(b for _, e, b in rec.calls if start <= e < start + duration)
+        if tokens or read or duration > 0.002:
+            print(f"    step {(start - began) * 1e3:7.1f} +{duration * 1e3:6.1f} ms "
+                  f"(execute {execute * 1e3:6.1f}) computed {tokens:5d} fronts {fronts} "
+                  f"reads ended {read / 2**20:6.0f} MiB")
 
 
 def main() -> None:
@@ -133,6 +259,8 @@ def main() -> None:
     parser.add_argument("--doc-tokens", default="8192,32768")
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--warm", action="store_true",
+                        help="read the tier into the page cache before each restore")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -151,24 +279,39 @@ def main() -> None:
             with LLM(loaded, **options) as llm:
                 llm.generate([d + q for d, q in zip(docs, first)], params)
             with LLM(loaded, **options) as llm:
+                gpu = GpuTimeline(llm)
                 for doc, question in zip(docs, second):
-                    print(f"{doc_tokens} tokens, cold: page cache dropped "
-                          f"{drop_page_cache()}")
+                    if args.warm:
+                        print(f"{doc_tokens} tokens, warm: {read_through(disk_dir)} MiB "
+                              "read into the page cache")
+                    else:
+                        print(f"{doc_tokens} tokens, cold: page cache dropped "
+                              f"{drop_page_cache()}")
                     rec.clear()
                     probe = rec.probe_gil()
-                    steps: list[tuple[float, float, float]] = []
+                    steps: list = []
                     execute = llm.runner.execute
                     spent = [0.0]
-                    llm.runner.execute = timed(execute, spent)
+                    tokens = [0]
+                    llm.runner.execute = timed(execute, spent, tokens)
+                    gpu.start()
+                    sampler = Sampler()
+                    sampling = sampler.start()
                     began = time.perf_counter()
                     llm.add_request(doc + question, params)
                     outputs = []
                     while not outputs:
                         spent[0] = 0.0
+                        tokens[0] = 0
                         start = time.perf_counter()
                         outputs = llm.step()
-                        steps.append((start, time.perf_counter() - start, spent[0]))
+                        fronts = [(f.compute_block, f.load_block, f.num_restored)
+                                  for f in llm.scheduler.restore_fronts().values()]
+                        steps.append((start, time.perf_counter() - start, spent[0],
+                                      tokens[0], fronts))
                     llm.runner.execute = execute
+                    sampler.stop()
+                    sampling.join()
                     rec.stop()
                     probe.join()
                     while llm.has_unfinished():
@@ -177,6 +320,8 @@ def main() -> None:
                     print(f"  restored from disk {metrics.cached_tokens_disk} tokens, "
                           f"computed {metrics.computed_tokens}")
                     summarize(rec, steps, began, metrics.ttft_s)
+                    gpu.report()
+                    sampler.report()
                     llm.manager.drain()
 
 
