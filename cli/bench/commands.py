@@ -95,8 +95,9 @@ def longctx(
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also time transformers' "
                                     "own forward pass over the round-two prompts (same "
                                     "weights)."),
-    cold: bool = typer.Option(False, "--cold", help="Drop the page cache before each disk "
-                              "restore (needs root; the result says when it was not "
+    cold: bool = typer.Option(False, "--cold", help="Drop the page cache before each "
+                              "round-two request of every strategy, so disk restores start "
+                              "cold (needs root; the result says when it was not "
                               "permitted)."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
                                      "TTFT comparison to this PNG file (needs matplotlib)."),

@@ -15,10 +15,13 @@ a time. Strategies, side by side on one loaded model:
 Round two restores bidirectionally (`engine.restore`): each request computes its document's
 head while the tail loads, and the two fronts meet where the tier's speed puts them; the
 result gives, per strategy, the tokens restored per tier and computed (the meeting point).
-With `cold` the page cache is dropped before each disk restore (root only; the result says
-whether it was). After the disk strategy, the disk tier's own cold read bandwidth and the raw
-sequential read bandwidth of a file of one document's KV size on the same disk are measured
-(`cli.bench.diskread`).
+With `cold` the page cache is dropped before each round-two request of every strategy (root
+only; the result says whether it was): the disk restores start cold, and every strategy's
+requests follow the same pause (a `sync` and the drop take a while, and a request after an
+idle spell can itself take longer: on a lent H100 a 1K prompt took 24-43 ms after a 1 s
+sleep against 25-26 ms back to back). After the disk strategy, the disk tier's own cold read
+bandwidth and the raw sequential read bandwidth of a file of one document's KV size on the
+same disk are measured (`cli.bench.diskread`).
 
 The engine's stats are sampled after every step (tier occupancy, bytes moved per direction,
 the restore fronts), which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy
@@ -216,7 +219,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     options = _engine_options(strategy, config, layout, disk_dir)
     recorder = StepRecorder()
     outputs: dict[str, list[RequestOutput]] = {}
-    cold: bool | None = None  # whether every disk restore started with a dropped page cache
+    cold: bool | None = None  # whether every round-two request followed a dropped page cache
     with LLM(loaded, **options) as llm:
         device = llm.device
         recorder.start(llm, "round 1")
@@ -225,8 +228,10 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         if strategy != "disk":
             recorder.start(llm, "round 2")
             progress(f"{strategy}: round 2, asking about each document again")
-            outputs["round2"] = [run_one(llm, d + q, params, recorder)
-                                 for d, q in zip(docs, second)]
+            outputs["round2"] = []
+            for d, q in zip(docs, second):
+                cold = _pause(config, cold)
+                outputs["round2"].append(run_one(llm, d + q, params, recorder))
     del llm
     free_engine_memory(device)
     if strategy == "disk":
@@ -237,9 +242,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
             progress(f"{strategy}: round 2 on a fresh engine, restoring from disk")
             outputs["round2"] = []
             for i, (d, q) in enumerate(zip(docs, second)):
-                if config.cold:
-                    cold_ok = drop_page_cache()
-                    cold = cold_ok if cold is None else cold and cold_ok
+                cold = _pause(config, cold)
                 outputs["round2"].append(run_one(llm, d + q, params, recorder))
                 progress(f"{strategy}: round 2, document {i + 1}/{len(docs)}: TTFT "
                          f"{outputs['round2'][-1].metrics.ttft_s * 1e3:.1f} ms")
@@ -273,6 +276,15 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         "token_ids": {name: [list(o.outputs[0].token_ids) for o in outs]
                       for name, outs in outputs.items()},
     }
+
+
+def _pause(config: LongctxConfig, cold: bool | None) -> bool | None:
+    """Before a round-two request: with `config.cold`, drop the page cache; returns whether
+    every drop so far worked (`cold`, None while none was tried)."""
+    if not config.cold:
+        return cold
+    dropped = drop_page_cache()
+    return dropped if cold is None else cold and dropped
 
 
 def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,

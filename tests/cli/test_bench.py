@@ -113,6 +113,19 @@ def test_longctx_table_reports_the_ratio(runner):
     assert "generated tokens across strategies: identical" in result.stdout
 
 
+def test_longctx_cold_pauses_every_strategy_alike(runner, tmp_path):
+    # --cold drops the page cache before every round-two request of every strategy, not
+    # only the disk's, so the baseline's requests follow the same pause. Where dropping is
+    # not permitted (not root) every strategy says so alike.
+    result = runner.invoke(app, [*LONGCTX, "--num-docs", "2", "--cold", "--disk-dir",
+                                 str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    colds = {name: figures["cold"] for name, figures in json.loads(result.stdout)
+             ["strategies"].items()}
+    assert set(colds) == {"recompute", "host", "disk"}
+    assert len(set(colds.values())) == 1 and None not in colds.values()
+
+
 def test_longctx_bad_strategies_is_one_line_error(runner):
     result = runner.invoke(app, [*LONGCTX, "--strategies", "host,disk"])
     assert result.exit_code == 1
