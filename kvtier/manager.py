@@ -178,6 +178,9 @@ class TierManager:
                                  "and not cached")
         load = Load([LoadBlock(meta, block) for meta, block in zip(metas, gpu_blocks)],
                     split_reads=split_reads)
+        if self.kv_cache.is_cuda:
+            load.blocks_free = torch.cuda.Event()
+            load.blocks_free.record(torch.cuda.current_stream(self.kv_cache.device))
         load_id = LoadId(next(self._load_ids))
         self._loads[load_id] = load
         self.pool.touch(gpu_blocks)
@@ -296,8 +299,10 @@ class TierManager:
                 lb.slot, lb.done, lb.ok = None, True, ok
             self._tiers[Tier.HOST].failures += 0 if ok else len(items)
 
+        # The blocks were the loads' since their events: no later step of the model uses them.
+        after = tuple(load.blocks_free for load in loads) if self.kv_cache.is_cuda else None
         job_id = self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache,
-                                      mapping), finish, *loads)
+                                      mapping, after), finish, *loads)
         for lb in items:
             lb.copy_job = job_id
 

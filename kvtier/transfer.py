@@ -63,13 +63,17 @@ class SwapJob:
     """Copy whole blocks between the GPU cache and the host slab.
 
     src: [n_src, *block_shape]; dst: [n_dst, *block_shape]; block_mapping: [n, 2] int64
-    rows (src_index, dst_index), on the CPU.
+    rows (src_index, dst_index), on the CPU. `after`: on CUDA, the events (of the current
+    stream) the copy must follow; None, the default, follows everything queued on the
+    current stream when it is submitted. A load into GPU blocks nothing has used since an
+    event recorded when they were handed out need not wait for the model's later steps.
     """
 
     direction: Direction
     src: torch.Tensor
     dst: torch.Tensor
     block_mapping: torch.Tensor
+    after: tuple[torch.cuda.Event, ...] | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -222,12 +226,17 @@ class TransferEngine:
     def _launch_cuda(self, job_id: JobId, job: SwapJob) -> None:
         assert self._stream is not None
         try:
-            compute_done = torch.cuda.Event()
-            compute_done.record(torch.cuda.current_stream(self.device))
+            if job.after is None:
+                compute_done = torch.cuda.Event()
+                compute_done.record(torch.cuda.current_stream(self.device))
+                after: tuple[torch.cuda.Event, ...] = (compute_done,)
+            else:
+                after = job.after
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self._stream):
-                self._stream.wait_event(compute_done)
+                for event in after:
+                    self._stream.wait_event(event)
                 start.record(self._stream)
                 self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method,
                            stream=self._stream)

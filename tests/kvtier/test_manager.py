@@ -138,6 +138,39 @@ def test_loads_completed_early_on_cuda_free_their_slots_for_the_next_store(manag
     check_idle(m)
 
 
+@pytest.mark.gpu
+def test_a_load_on_cuda_follows_the_work_queued_before_it_took_its_blocks(managers):
+    # A load's copy waits for the compute stream's work queued before the load took its
+    # GPU blocks (that work may still write them) and not for work queued afterwards (the
+    # model's next steps, which leave the load's blocks alone).
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                      dtype=torch.bfloat16)
+    m = TierManager(layout, config(layout, None, gpu=8, host=4), "cuda")
+    managers.append(m)
+    metas, data = chain(layout, "ordered", 2), random_blocks(layout, 2, seed=3)
+    write(m, metas, data.cuda())
+    evict_gpu(m)
+    blocks = m.allocate(2)
+    assert blocks is not None
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # long work queued first, then writes into the load's blocks
+        x = x @ x / 64
+    for block in blocks:
+        m.kv_cache[block.block_id].fill_(7)
+    load_id = m.prepare_load(metas, blocks)
+    for _ in range(20):  # the model's later steps: the copy need not wait for them
+        x = x @ x / 64
+    assert m.complete_load(load_id) == 2  # the current stream now waits for the copy
+    for block, expected in zip(blocks, data):
+        assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+    torch.cuda.synchronize()
+    m.poll()
+    copy = m.transfers.stats()[Direction.HOST_TO_GPU]
+    assert copy.num_jobs >= 1 and copy.failures == 0
+    m.free(blocks)
+    check_idle(m)
+
+
 CHILD = textwrap.dedent("""
     import sys
     import torch
