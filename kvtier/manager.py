@@ -308,7 +308,7 @@ class TierManager:
 
     def is_load_ready(self, load_id: LoadId, advance: bool = True) -> bool:
         """Whether `complete_load` would not wait: every block arrived or failed, or is
-        being copied on the GPU's transfer stream. `advance` polls transfers first. Raises
+        being copied on a GPU copy stream. `advance` polls transfers first. Raises
         ValueError for an unknown or completed load."""
         load = self._get_load(load_id)
         if advance:

@@ -2,10 +2,11 @@
 
 Two kinds of jobs, keyed by the hop they make:
 
-  * `SwapJob` (GPU <-> host): whole blocks copied by `kernels.swap_blocks` on a dedicated
-    CUDA stream. The stream first waits on an event recorded on the submitter's compute
-    stream (so a block is copied only after the kernels that wrote it), and a completion event
-    is recorded after the copy; `get_finished` polls it with `event.query()` and never
+  * `SwapJob` (GPU <-> host): whole blocks copied by `kernels.swap_blocks` on a CUDA stream
+    of its direction. The stream first waits on an event recorded on the submitter's compute
+    stream (so a block is copied only after the kernels that wrote it; a load names the
+    earlier event after which nothing used its blocks), and a completion event is recorded
+    after the copy; `get_finished` polls it with `event.query()` and never
     blocks. Without CUDA (the "GPU" cache is a CPU tensor) the copy runs synchronously inside
     `submit`, and still reports through `get_finished`, so the whole path is exercised on CPU.
   * `IOJob` (host <-> disk): a callable run on a small pool of threads fed by a bounded
@@ -159,9 +160,12 @@ class _CudaJob:
 class TransferEngine:
     """Runs `SwapJob`s and `IOJob`s and reports `(JobId, ok)` when they finish.
 
-    device: where the GPU cache lives; CUDA gets a dedicated copy stream, anything else runs
-        swaps synchronously. swap_method: passed to `kernels.swap_blocks`. io_threads /
-        max_pending_io: size of the host <-> disk pool and of its queue.
+    device: where the GPU cache lives; CUDA gets a copy stream per direction, anything else
+        runs swaps synchronously. (Copies of one block both ways never overlap: a host slot
+        is found by loads only once its write-through landed, and a slot or GPU block stays
+        pinned or held until its copy finished.) swap_method: passed to
+        `kernels.swap_blocks`. io_threads / max_pending_io: size of the host <-> disk pool
+        and of its queue.
     Raises ValueError for non-positive pool sizes, or "triton" copies without CUDA.
     """
 
@@ -180,7 +184,11 @@ class TransferEngine:
         self._use_cuda = self.device.type == "cuda"
         if self._use_cuda and sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
             sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
-        self._stream = torch.cuda.Stream(self.device) if self._use_cuda else None
+        # One copy stream per direction: loads must not queue behind write-throughs, which
+        # wait for the step that computed their blocks (on an H100 a restore's loads sat
+        # ~35 ms behind each step's write-through, and the next step waited for them).
+        self._streams = {direction: torch.cuda.Stream(self.device)
+                         for direction in _SWAP_DIRECTIONS} if self._use_cuda else {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._next_job_id = 0
@@ -224,7 +232,7 @@ class TransferEngine:
         return job_id
 
     def _launch_cuda(self, job_id: JobId, job: SwapJob) -> None:
-        assert self._stream is not None
+        stream = self._streams[job.direction]
         try:
             if job.after is None:
                 compute_done = torch.cuda.Event()
@@ -234,13 +242,13 @@ class TransferEngine:
                 after = job.after
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 for event in after:
-                    self._stream.wait_event(event)
-                start.record(self._stream)
+                    stream.wait_event(event)
+                start.record(stream)
                 self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method,
-                           stream=self._stream)
-                done.record(self._stream)
+                           stream=stream)
+                done.record(stream)
         except Exception:
             logger.exception("%s copy of job %d failed to launch", job.direction.value, job_id)
             self._finish(job_id, job.direction, job.num_bytes, 0.0, ok=False)
@@ -334,7 +342,7 @@ class TransferEngine:
             self._finish(job_id, cuda_job.direction, cuda_job.num_bytes, seconds, ok)
 
     def is_on_stream(self, job_id: JobId) -> bool:
-        """Whether `job_id` is a GPU copy launched on the transfer stream and not reaped yet
+        """Whether `job_id` is a GPU copy launched on a copy stream and not reaped yet
         (a launched copy completes: a CUDA fault would poison the whole context anyway)."""
         with self._lock:
             return job_id in self._cuda_jobs
