@@ -130,7 +130,8 @@ class LLM:
             self.max_model_len)
         if self.warmup_report is not None:
             # The first restore after start is sized with the model's rate, as later ones.
-            self.scheduler.prefill_rate.tokens_per_s = self.warmup_report.prefill_tokens_per_s
+            for num_tokens, num_keys, seconds in self.warmup_report.prefill_steps:
+                self.scheduler.prefill_rate.observe(num_tokens, seconds, num_keys)
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
@@ -316,8 +317,8 @@ class LLM:
         self._check_open()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
-        for num_tokens, seconds in self.runner.step_timer.finished():
-            self.scheduler.prefill_rate.observe(num_tokens, seconds)
+        for num_tokens, num_keys, seconds in self.runner.step_timer.finished():
+            self.scheduler.prefill_rate.observe(num_tokens, seconds, num_keys)
         finished = self._stopped + self.scheduler.update(plan, sampled)
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.cuda_graphs import DecodeGraphs
+from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.scheduler import ScheduledRequest
 from kvtier.engine.step_timer import StepTimer
 
@@ -129,7 +130,9 @@ class ModelRunner:
             token_ids = self.sample_fn(logits, [s.request for s in scheduled])
             return [int(token_id) for token_id in token_ids.tolist()]
         inputs = self.prepare_inputs(scheduled)
-        self.step_timer.begin(sum(s.num_new_tokens for s in scheduled if s.num_new_tokens > 1))
+        prefill = [s for s in scheduled if s.num_new_tokens > 1]
+        self.step_timer.begin(sum(s.num_new_tokens for s in prefill),
+                              sum(prefill_keys(s.num_new_tokens, s.start) for s in prefill))
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.attn_metadata)  # [num_tokens, hidden_size]
         self.step_timer.end()

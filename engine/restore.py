@@ -24,8 +24,9 @@ claimed, so a block is never both computed and loaded. A load that fails leaves 
 be computed: never a block served wrong.
 
 Speeds measured in the running process size the two fronts (`engine.restore_rates`): with
-the model's prefill rate P and the slow tiers' rate L known, a claim takes the head's share
-R*P/(P+L) of the R tokens still to come, so both fronts finish together, and disk or remote
+the model's prefill cost (per token and per key attended to) and the slow tiers' rate L
+known, a claim takes the head that the model computes while the tiers deliver the rest of
+the tokens still to come, so both fronts finish together, and disk or remote
 groups are only issued above that head (`reserved_head`), so the compute front does not run
 into reads under way. Until the rates are known the fronts meet where they meet. Before any
 of this, the scheduler does not even look in the slow tiers for a prefix that reading could
@@ -40,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.engine.restore_rates import SLOW_TIERS
+from kvtier.engine.restore_rates import SLOW_TIERS, PrefillRate
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -169,13 +170,13 @@ class Restore:
 
     # ---- the load front ------------------------------------------------------------------
 
-    def issue(self, floor: int, prefill_tokens_per_s: float | None = None) -> None:
+    def issue(self, floor: int, prefill: PrefillRate | None = None) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
         while the window has room; groups whose bytes are queued on the GPU at once (host
         hits on CUDA) land right away. With the prefill rate and the slow tiers' rate known,
         disk and remote groups stay above the head the compute front will compute anyway
         (`reserved_head`): a read there would only make the front wait for it."""
-        reserve = self.reserved_head(floor, prefill_tokens_per_s)
+        reserve = self.reserved_head(floor, prefill)
         while len(self._in_flight) < self._max_groups:
             while self._top >= floor and self.states[self._top] is not BlockState.PENDING:
                 self._top -= 1
@@ -204,16 +205,17 @@ class Restore:
             if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
 
-    def reserved_head(self, floor: int, prefill_tokens_per_s: float | None) -> int:
+    def reserved_head(self, floor: int, prefill: PrefillRate | None) -> int:
         """The first block from `floor` on that the slow tiers should load: above the head
-        of R*P/(P+L) tokens that the model (P tokens/s) computes while they deliver the
-        other R tokens still to come at L tokens/s (`floor` while either rate is unknown)."""
+        that the model computes (`PrefillRate.head_tokens`, its cost growing with the
+        context) while they deliver the other tokens still to come at L tokens/s (`floor`
+        while either rate is unknown)."""
         load_rate = self._load_rate()
-        if prefill_tokens_per_s is None or load_rate is None:
+        if prefill is None or prefill.tokens_per_s is None or load_rate is None:
             return floor
-        share = self._pending_tokens(floor) * prefill_tokens_per_s \
-            / (prefill_tokens_per_s + load_rate)
-        return floor + int(share) // self.block_size
+        share = prefill.head_tokens(self._pending_tokens(floor), floor * self.block_size,
+                                    load_rate)
+        return floor + share // self.block_size
 
     def _load_rate(self) -> float | None:
         """Tokens/s the slow tiers delivered to this restore while they were reading, or
@@ -258,8 +260,7 @@ class Restore:
 
     # ---- the compute front ---------------------------------------------------------------
 
-    def holds_first_claim(self, compute_block: int,
-                          prefill_tokens_per_s: float | None) -> bool:
+    def holds_first_claim(self, compute_block: int, prefill: PrefillRate | None) -> bool:
         """Whether the compute front should still wait before its first claim: while groups
         are in flight, none has landed (or failed) yet, and less than
         `FIRST_LANDING_WAIT_S` has passed since it was first asked (the admitting step
@@ -268,18 +269,19 @@ class Restore:
         tier would have delivered. The bound keeps a tier that never answers from holding
         the request: it then computes everything, as it would without a tier, that much
         later. A prefix the model computes from `compute_block` on in less than that bound
-        (at `prefill_tokens_per_s`, when measured) is not held at all: waiting could only
+        (at the measured `prefill` speed) is not held at all: waiting could only
         make it later; nor is one whose slow tiers' rate is known from recent restores (the
-        claims are sized from it)."""
+        claims are sized from it). `prefill`: the model's measured speed."""
         if not self.fresh:
             return False
         now = time.monotonic()
         if self._hold_began is None:
             self._hold_began = now
-            cheap = prefill_tokens_per_s is not None and self._pending_tokens(compute_block) \
-                <= prefill_tokens_per_s * FIRST_LANDING_WAIT_S
-            if cheap or (prefill_tokens_per_s is not None
-                         and self._expected_load_rate is not None):
+            known = prefill is not None and prefill.tokens_per_s is not None
+            cheap = known and prefill.seconds(self._pending_tokens(compute_block),
+                                              compute_block * self.block_size) \
+                <= FIRST_LANDING_WAIT_S
+            if cheap or (known and self._expected_load_rate is not None):
                 self.fresh = False
                 return False
         if self._in_flight and self._num_completed == 0 \
@@ -294,25 +296,26 @@ class Restore:
         return self.block_size * (rest.count(BlockState.PENDING) + rest.count(BlockState.LOADING))
 
     def balanced_tokens(self, compute_block: int, num_tokens: int,
-                        prefill_tokens_per_s: float | None) -> int:
+                        prefill: PrefillRate | None) -> int:
         """How many of `num_tokens` tokens from `compute_block` the compute front should
         claim now, so that it and the loads finish together. With R tokens the tiers may
         still deliver (PENDING or LOADING from the front on), the load front landing L
         tokens/s (the slow tiers' landings so far, else their rate in recent restores) and the
-        model computing P tokens/s, that is the head's R*P/(P+L) tokens, whole blocks: 0
+        model's measured speed (`PrefillRate.head_tokens`), that is the head it computes
+        while the tiers deliver the rest, whole blocks: 0
         (wait this step) when the tiers would deliver everything before one block is
         computed. While the prefill rate is unknown the front claims `PROBE_TOKENS` to
         measure it; while the load rate is unknown, or nothing is in flight, it claims all
         of `num_tokens` (the plain meeting point)."""
         bs = self.block_size
-        if prefill_tokens_per_s is None:
+        if prefill is None or prefill.tokens_per_s is None:
             return min(num_tokens, PROBE_TOKENS)
         load_rate = self._load_rate()
         if not self._in_flight or load_rate is None:
             return num_tokens
-        remaining = self._pending_tokens(compute_block)
-        share = remaining * prefill_tokens_per_s / (prefill_tokens_per_s + load_rate)
-        return min(num_tokens, int(share) // bs * bs)
+        share = prefill.head_tokens(self._pending_tokens(compute_block), compute_block * bs,
+                                    load_rate)
+        return min(num_tokens, share // bs * bs)
 
     def skip(self, compute_block: int) -> int:
         """The compute front after skipping the VALID blocks at `compute_block` onwards."""

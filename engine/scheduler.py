@@ -234,7 +234,7 @@ class Scheduler:
                               self.restore_group_bytes, self.tier_rates.expected(tiers))
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
-            restore.issue(num_leading, self.prefill_rate.tokens_per_s)
+            restore.issue(num_leading, self.prefill_rate)
 
     def _worth_reading(self, request: Request, first_block: int) -> bool:
         """Whether `request`'s tokens from block `first_block` on (the first block neither
@@ -243,9 +243,11 @@ class Scheduler:
         slow = [tier for tier, present in ((Tier.DISK, self.manager.disk is not None),
                                            (Tier.REMOTE, self.manager.remote is not None))
                 if present]
-        return worth_reading(request.num_tokens - first_block * request.block_size,
-                             self.prefill_rate.tokens_per_s, self.tier_rates.expected(slow),
-                             self.min_restore_saving_s)
+        num_tokens = request.num_tokens - first_block * request.block_size
+        # The rate over these tokens, after the context before them.
+        seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
+        return worth_reading(num_tokens, None if not seconds else num_tokens / seconds,
+                             self.tier_rates.expected(slow), self.min_restore_saving_s)
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
@@ -273,7 +275,7 @@ class Scheduler:
             assert num_new > 0, f"{request.request_id} has nothing to compute"
             return num_new
         front = request.num_computed_tokens // request.block_size
-        rate = self.prefill_rate.tokens_per_s
+        rate = self.prefill_rate
         if restore.holds_first_claim(front, rate):  # a tier that answers delivers first
             return 0
         num_new = restore.balanced_tokens(front, num_new, rate)

@@ -22,6 +22,7 @@ MIN_TIMED_TOKENS = 64
 @dataclass(slots=True)
 class _Pending:
     num_tokens: int
+    num_keys: int
     start: torch.cuda.Event
     end: torch.cuda.Event
 
@@ -32,19 +33,22 @@ class StepTimer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pending: deque[_Pending] = deque()
-        self._done: list[tuple[int, float]] = []
+        self._done: list[tuple[int, int, float]] = []
         self._wall_start: float | None = None
         self._tokens = 0
+        self._keys = 0
 
-    def begin(self, num_tokens: int) -> None:
-        """A step of `num_tokens` prefill tokens starts (call `end` after queueing it)."""
-        self._tokens = num_tokens
+    def begin(self, num_tokens: int, num_keys: int = 0) -> None:
+        """A step of `num_tokens` prefill tokens attending to `num_keys` keys in all
+        (`restore_rates.prefill_keys`) starts (call `end` after queueing it)."""
+        self._tokens, self._keys = num_tokens, num_keys
         if num_tokens < MIN_TIMED_TOKENS:
             return
         if self.device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             start.record()
-            self._pending.append(_Pending(num_tokens, start, torch.cuda.Event(enable_timing=True)))
+            self._pending.append(_Pending(num_tokens, num_keys, start,
+                                          torch.cuda.Event(enable_timing=True)))
         else:
             self._wall_start = time.perf_counter()
 
@@ -54,14 +58,15 @@ class StepTimer:
         if self.device.type == "cuda":
             self._pending[-1].end.record()
         elif self._wall_start is not None:
-            self._done.append((self._tokens, time.perf_counter() - self._wall_start))
+            self._done.append((self._tokens, self._keys, time.perf_counter() - self._wall_start))
             self._wall_start = None
 
-    def finished(self) -> list[tuple[int, float]]:
-        """(prefill tokens, seconds) of each timed step the device has finished since the
-        last call, oldest first."""
+    def finished(self) -> list[tuple[int, int, float]]:
+        """(prefill tokens, keys, seconds) of each timed step the device has finished since
+        the last call, oldest first."""
         while self._pending and self._pending[0].end.query():
             step = self._pending.popleft()
-            self._done.append((step.num_tokens, step.start.elapsed_time(step.end) / 1e3))
+            self._done.append((step.num_tokens, step.num_keys,
+                               step.start.elapsed_time(step.end) / 1e3))
         done, self._done = self._done, []
         return done

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from kvtier.engine import paths
 from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.sampler import SamplingParams, sample
 
 if TYPE_CHECKING:
@@ -68,9 +69,18 @@ class WarmupReport:
     graph_seconds: float
     num_graphs: int
     triton_cache_dir: str
-    #: Tokens per second of the full-budget prefill step, timed once it was compiled (seeds
-    #: the scheduler's prefill rate, so the first restore is sized like the later ones).
-    prefill_tokens_per_s: float | None = None
+    #: (tokens, keys attended to, seconds) of the full-budget prefill timed once compiled,
+    #: with no context and, where the model's length allows, after a context as long: they
+    #: seed the scheduler's prefill rate, so the first restore is sized like the later ones.
+    prefill_steps: tuple[tuple[int, int, float], ...] = ()
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Tokens per second of the full-budget prefill with no context."""
+        if not self.prefill_steps:
+            return None
+        num_tokens, _, seconds = self.prefill_steps[0]
+        return num_tokens / seconds
 
     @property
     def seconds(self) -> float:
@@ -179,17 +189,21 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
     steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len)
     run_steps(model, kv_cache, block_size, steps)
     _warm_block_copies(kv_cache)
-    rate = time_prefill(model, kv_cache, block_size, steps[0])
+    timed = [steps[0]]
+    budget = steps[0].q_lens[0]
+    if 2 * budget < max_model_len:
+        timed.append(WarmupStep("prefill after as long a context", (budget,), (2 * budget,)))
+    prefill_steps = tuple(time_prefill(model, kv_cache, block_size, step) for step in timed)
     torch.cuda.synchronize(kv_cache.device)
     report = WarmupReport(steps=tuple(s.name for s in steps) + ("block copies",),
                           step_seconds=time.perf_counter() - start,
                           graph_seconds=graph_seconds, num_graphs=num_graphs,
                           triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
-                          prefill_tokens_per_s=rate)
+                          prefill_steps=prefill_steps)
     logger.info("warm-up: %d step shapes and %d CUDA graphs ready in %.1f s (steps %.1f s, "
                 "graphs %.1f s, prefill %.0f tokens/s); Triton cache %s", len(report.steps),
-                num_graphs, report.seconds, report.step_seconds, graph_seconds, rate,
-                report.triton_cache_dir)
+                num_graphs, report.seconds, report.step_seconds, graph_seconds,
+                report.prefill_tokens_per_s, report.triton_cache_dir)
     return report
 
 
@@ -215,9 +229,9 @@ def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
 
 @torch.inference_mode()
 def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 step: WarmupStep) -> float:
-    """Tokens per second of `step` (a fresh prompt chunk, already compiled) run once more
-    on `kv_cache`'s device, timed by CUDA events; stores nothing."""
+                 step: WarmupStep) -> tuple[int, int, float]:
+    """(tokens, keys attended to, seconds) of `step` (prompt chunks, already compiled) run
+    once more on `kv_cache`'s device, timed by CUDA events; stores nothing."""
     input_ids, positions, metadata = _step_inputs(step, block_size, kv_cache.device)
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
@@ -225,4 +239,5 @@ def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int
     model.forward(input_ids, positions, kv_cache, metadata)
     end.record()
     end.synchronize()
-    return sum(step.q_lens) / (begin.elapsed_time(end) / 1e3)
+    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
+    return sum(step.q_lens), num_keys, begin.elapsed_time(end) / 1e3

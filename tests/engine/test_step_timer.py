@@ -1,5 +1,5 @@
 """The prefill steps' timing that sizes restores' claims: `StepTimer` on the CPU (wall time)
-and on CUDA (events read once the GPU passed them), and `PrefillRate`'s average."""
+and on CUDA (events read once the GPU passed them), and `PrefillRate`'s cost model."""
 
 from __future__ import annotations
 
@@ -7,19 +7,19 @@ import time
 
 import pytest
 import torch
-from kvtier.engine.restore_rates import PrefillRate
+from kvtier.engine.restore_rates import PrefillRate, prefill_keys
 from kvtier.engine.step_timer import MIN_TIMED_TOKENS, StepTimer
 
 
 def test_cpu_steps_are_timed_by_the_wall_clock_and_short_ones_not_at_all() -> None:
     timer = StepTimer(torch.device("cpu"))
-    timer.begin(MIN_TIMED_TOKENS)
+    timer.begin(MIN_TIMED_TOKENS, 5000)
     time.sleep(0.02)
     timer.end()
     timer.begin(MIN_TIMED_TOKENS - 1)  # a decode-sized step says nothing about prefill
     timer.end()
-    [(num_tokens, seconds)] = timer.finished()
-    assert num_tokens == MIN_TIMED_TOKENS and 0.02 <= seconds < 5
+    [(num_tokens, num_keys, seconds)] = timer.finished()
+    assert num_tokens == MIN_TIMED_TOKENS and num_keys == 5000 and 0.02 <= seconds < 5
     assert timer.finished() == []  # each step is reported once
 
 
@@ -28,22 +28,53 @@ def test_cpu_steps_are_timed_by_the_wall_clock_and_short_ones_not_at_all() -> No
 def test_cuda_steps_are_reported_once_the_gpu_has_run_them() -> None:
     timer = StepTimer(torch.device("cuda"))
     a = torch.randn(4096, 4096, device="cuda")
-    timer.begin(1000)
+    timer.begin(1000, 7)
     for _ in range(20):
         a = a @ a / 64
     timer.end()
     torch.cuda.synchronize()
-    [(num_tokens, seconds)] = timer.finished()
-    assert num_tokens == 1000 and seconds > 0
+    [(num_tokens, num_keys, seconds)] = timer.finished()
+    assert num_tokens == 1000 and num_keys == 7 and seconds > 0
 
 
-def test_the_prefill_rate_follows_recent_steps() -> None:
+def test_steps_at_one_context_give_a_rate_per_token() -> None:
     rate = PrefillRate()
-    assert rate.tokens_per_s is None
+    assert rate.tokens_per_s is None and rate.seconds(100, 0) is None
+    assert rate.head_tokens(1000, 0, 50.0) == 0  # nothing known: nothing claimed
     rate.observe(1000, 0.0)  # no time measured: ignored
     rate.observe(0, 1.0)
     assert rate.tokens_per_s is None
-    rate.observe(1000, 1.0)
-    assert rate.tokens_per_s == 1000
-    rate.observe(3000, 1.0)
-    assert rate.tokens_per_s == 2000  # half the old average, half the new step
+    rate.observe(1000, 1.0, prefill_keys(1000, 0))
+    assert rate.tokens_per_s == pytest.approx(1000) and rate.per_key_s == 0
+    assert rate.seconds(500, 4000) == pytest.approx(0.5)  # no way to tell context apart yet
+
+
+def test_steps_at_several_contexts_separate_the_cost_per_key() -> None:
+    # Steps of a model that spends 1 ms per token and 1 us per key attended to.
+    def seconds(n: int, context: int) -> float:
+        return 1e-3 * n + 1e-6 * prefill_keys(n, context)
+
+    rate = PrefillRate()
+    for n, context in [(1000, 0), (1000, 8000), (500, 20000)]:
+        rate.observe(n, seconds(n, context), prefill_keys(n, context))
+    assert rate.per_token_s == pytest.approx(1e-3) and rate.per_key_s == pytest.approx(1e-6)
+    assert rate.seconds(300, 30000) == pytest.approx(seconds(300, 30000))
+    # Recent steps weigh most: a model twice as fast is followed within a few steps.
+    for _ in range(12):
+        for n, context in [(1000, 0), (1000, 8000)]:
+            rate.observe(n, seconds(n, context) / 2, prefill_keys(n, context))
+    assert rate.per_token_s == pytest.approx(5e-4, rel=0.01)
+
+
+def test_the_head_ends_when_the_tier_delivers_the_rest() -> None:
+    rate = PrefillRate()
+    rate.observe(1000, 1.0, prefill_keys(1000, 0))  # 1,000 tokens/s, nothing per key
+    # With no cost per key: the head's share is R*P/(P+L).
+    assert rate.head_tokens(3000, 0, 2000.0) == 1000
+    for n, context in [(1000, 0), (1000, 8000)]:
+        rate.observe(n, 1e-3 * n + 1e-6 * prefill_keys(n, context), prefill_keys(n, context))
+    head = rate.head_tokens(30000, 2000, 3000.0)
+    # Computing the head after 2,000 tokens takes as long as loading the other tokens.
+    assert rate.seconds(head, 2000) == pytest.approx((30000 - head) / 3000.0, rel=1e-3)
+    assert head < 30000 * 1000 / (1000 + 3000)  # the dearer tail leaves the head shorter
+    assert rate.head_tokens(100, 0, 1e-9) >= 99  # a tier that hardly delivers: compute all
