@@ -317,8 +317,10 @@ class LLM:
         self._check_open()
         plan = self.scheduler.schedule()
         sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        rate = self.scheduler.prefill_rate
         for num_tokens, num_keys, seconds in self.runner.step_timer.finished():
-            self.scheduler.prefill_rate.observe(num_tokens, seconds, num_keys)
+            rate.observe(num_tokens, seconds, num_keys)
+        rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]

@@ -56,12 +56,15 @@ class PrefillRate:
     8,192-token chunk took 0.21 s with no context and 0.29 s after 8K tokens, so one rate for
     both would give the compute front too much of a long prefix. a and b are fitted by least
     squares over recent steps, each step weighing twice the one before it; while the steps
-    seen cannot tell them apart (all at one context) b is 0. None until a step was timed."""
+    seen cannot tell them apart (all at one context) b is 0. None until a step was timed.
+    `backlog_s`: seconds of prefill steps queued on the device and not finished yet (the
+    engine sets it every step): a chunk claimed now starts computing only after them."""
 
     #: Decayed sums of the least squares: N*N, N*K, K*K, N*seconds, K*seconds.
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)
     per_token_s: float | None = None
     per_key_s: float = 0.0
+    backlog_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -87,18 +90,30 @@ class PrefillRate:
 
     def seconds(self, num_tokens: int, context: int) -> float | None:
         """Expected seconds to compute `num_tokens` tokens after `context` (None: unknown)."""
+        return self.step_seconds(num_tokens, prefill_keys(num_tokens, context))
+
+    def step_seconds(self, num_tokens: int, num_keys: int) -> float | None:
+        """Expected seconds of a step of `num_tokens` tokens attending to `num_keys` keys."""
         if self.per_token_s is None:
             return None
-        return self.per_token_s * num_tokens + self.per_key_s * prefill_keys(num_tokens, context)
+        return self.per_token_s * num_tokens + self.per_key_s * num_keys
+
+    def set_backlog(self, queued: list[tuple[int, int]]) -> None:
+        """`backlog_s` from the (tokens, keys) of the prefill steps queued and not finished."""
+        self.backlog_s = sum(self.step_seconds(n, k) or 0.0 for n, k in queued)
 
     def head_tokens(self, num_tokens: int, context: int, load_tokens_per_s: float) -> int:
         """Of `num_tokens` tokens after `context`, how many the model should compute (the
         head) while a tier delivering `load_tokens_per_s` loads the rest, so that both end
-        together: h with a*h + b*(c*h + h*h/2) = (R - h) / L. 0 while the rate is unknown."""
+        together: h with backlog + a*h + b*(c*h + h*h/2) = (R - h) / L (the head starts once
+        the queued steps ran; the loads are under way). 0 while the rate is unknown, or when
+        the tier delivers everything before the queued steps end."""
         if self.per_token_s is None or load_tokens_per_s <= 0:
             return 0
         linear = self.per_token_s + self.per_key_s * context + 1.0 / load_tokens_per_s
-        rest = num_tokens / load_tokens_per_s
+        rest = num_tokens / load_tokens_per_s - self.backlog_s
+        if rest <= 0:
+            return 0
         if self.per_key_s == 0:
             head = rest / linear
         else:  # the positive root of b/2 h^2 + linear h - R/L = 0

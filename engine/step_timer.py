@@ -70,3 +70,8 @@ class StepTimer:
                                step.start.elapsed_time(step.end) / 1e3))
         done, self._done = self._done, []
         return done
+
+    def unfinished(self) -> list[tuple[int, int]]:
+        """(prefill tokens, keys) of the timed steps queued on the device and not finished
+        at the last `finished` call (none on the CPU, where a step ends when it returns)."""
+        return [(step.num_tokens, step.num_keys) for step in self._pending]

@@ -20,6 +20,7 @@ def test_cpu_steps_are_timed_by_the_wall_clock_and_short_ones_not_at_all() -> No
     timer.end()
     [(num_tokens, num_keys, seconds)] = timer.finished()
     assert num_tokens == MIN_TIMED_TOKENS and num_keys == 5000 and 0.02 <= seconds < 5
+    assert timer.unfinished() == []  # a CPU step has ended when it returns
     assert timer.finished() == []  # each step is reported once
 
 
@@ -32,6 +33,8 @@ def test_cuda_steps_are_reported_once_the_gpu_has_run_them() -> None:
     for _ in range(20):
         a = a @ a / 64
     timer.end()
+    timer.finished()  # the GPU is still busy with the step here, or has just finished it
+    assert timer.unfinished() in ([(1000, 7)], [])
     torch.cuda.synchronize()
     [(num_tokens, num_keys, seconds)] = timer.finished()
     assert num_tokens == 1000 and num_keys == 7 and seconds > 0
@@ -78,3 +81,19 @@ def test_the_head_ends_when_the_tier_delivers_the_rest() -> None:
     assert rate.seconds(head, 2000) == pytest.approx((30000 - head) / 3000.0, rel=1e-3)
     assert head < 30000 * 1000 / (1000 + 3000)  # the dearer tail leaves the head shorter
     assert rate.head_tokens(100, 0, 1e-9) >= 99  # a tier that hardly delivers: compute all
+
+
+def test_a_backlog_on_the_device_leaves_the_head_to_the_loads() -> None:
+    rate = PrefillRate()
+    for n, context in [(1000, 0), (1000, 8000)]:
+        rate.observe(n, 1e-3 * n + 1e-6 * prefill_keys(n, context), prefill_keys(n, context))
+    free = rate.head_tokens(30000, 2000, 3000.0)
+    rate.set_backlog([(1000, prefill_keys(1000, 0))])  # one step queued: about 1.5 s
+    assert rate.backlog_s == pytest.approx(rate.seconds(1000, 0))
+    head = rate.head_tokens(30000, 2000, 3000.0)
+    assert 0 < head < free
+    # The head starts after the backlog and ends when the loads deliver the rest.
+    assert rate.backlog_s + rate.seconds(head, 2000) == pytest.approx((30000 - head) / 3000.0,
+                                                                      rel=1e-3)
+    rate.set_backlog([(100000, 0)])  # longer than the loads take: they deliver everything
+    assert rate.head_tokens(30000, 2000, 3000.0) == 0
