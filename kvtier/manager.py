@@ -5,10 +5,11 @@ It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
   * Stores (`kvtier.stores`): newly cached full blocks are written through to host slots
     asynchronously (deferred, never waited for, when no slot can be had now), and dirty
     host blocks written back to disk ahead of demand.
-  * Loads: host hits are pinned and copied to the GPU; disk hits are read into host slots (in
-    waves when slots are short), then copied. `poll` advances the chains. A load whose
-    copies are all queued on the GPU can complete at once: the compute stream then waits
-    for them, so the request runs while its bytes are still crossing the bus.
+  * Loads (`kvtier.load_path`): host hits are pinned and copied to the GPU; disk hits are
+    read into host slots (in waves when slots are short), then copied. `poll` advances the
+    chains. A load whose copies are all queued on the GPU can complete at once: the compute
+    stream then waits for them, so the request runs while its bytes are still crossing the
+    bus.
 
   * Remote tier (optional, below the disk): a lookup asks it, in one pipelined round trip,
     for the blocks no local tier holds; its hits load remote -> host -> GPU like disk hits.
@@ -33,16 +34,17 @@ from kvtier.device_cache import allocate_kv_cache
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
+from kvtier.load_path import LoadPath
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
 from kvtier.prefix_lookup import find_prefix
-from kvtier.remote_io import RemoteWrites, remote_read_job
-from kvtier.stats import Direction, ManagerStats, Tier, new_tier_counters
-from kvtier.stores import StorePath, chunks
+from kvtier.remote_io import RemoteWrites
+from kvtier.stats import ManagerStats, Tier, new_tier_counters
+from kvtier.stores import StorePath
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine, disk_read_job, timed_job
+from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
@@ -90,8 +92,6 @@ class TierManager:
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
             + [Tier.DISK] * (self.disk is not None) + [Tier.REMOTE] * (self.remote is not None)
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
-        # Disk and remote reads landed in host slots, waiting for their host -> GPU copy.
-        self._landed_reads: list[tuple[Load, list[LoadBlock]]] = []
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._tiers = new_tier_counters()
@@ -101,6 +101,10 @@ class TierManager:
             self._remote_writes = RemoteWrites(self.remote, self.host, layout.bytes_per_block,
                                                config.remote.write_batch, self._submit,
                                                self._tiers[Tier.REMOTE])
+        #: The way up: disk and remote reads into host slots, host -> GPU copies.
+        self.load_path = LoadPath(self.kv_cache, self.host, self._host_caches, self.disk,
+                                  self.remote, self._remote_writes, config, layout,
+                                  self._submit, self._tiers)
         self.stores: StorePath | None = None  # the way down (None: no tier below the GPU)
         if self.host is not None:
             self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
@@ -192,7 +196,7 @@ class TierManager:
                 self._host.pin(lb.slot)
                 from_host.append(lb)
                 if len(from_host) == _LOAD_COPY_CHUNK:
-                    self._copy_to_gpu([load], from_host)
+                    self.load_path.copy_to_gpu([load], from_host)
                     from_host = []
                 continue
             if self.disk is not None:
@@ -211,100 +215,9 @@ class TierManager:
                 missing.done = True
             break
         if from_host:
-            self._copy_to_gpu([load], from_host)
-        self._feed_load(load)
+            self.load_path.copy_to_gpu([load], from_host)
+        self.load_path.feed(load)
         return load_id
-
-    def _feed_load(self, load: Load) -> None:
-        """Give host slots to the load's waiting disk hits, in order, and start reading them
-        (split over the I/O threads)."""
-        ready: list[LoadBlock] = []
-        while load.waiting:
-            slot = self._host.allocate_slot(load.waiting[0].meta)
-            if slot is None:  # SlotId 0 is falsy: compare with None
-                break
-            load.waiting[0].slot = slot
-            ready.append(load.waiting.popleft())
-        num_jobs = self.config.io_threads if load.split_reads else 1
-        for from_remote in (False, True):
-            sources = [lb for lb in ready if lb.from_remote is from_remote]
-            for chunk in chunks(sources, max(1, -(-len(sources) // num_jobs))):
-                dests = [self._host.slot_array(lb.slot) for lb in chunk]  # uint8 [block bytes]
-                metas = [lb.meta for lb in chunk]
-                if from_remote:
-                    # Without host caching, a copy for the local disk is made in the job.
-                    keep = self.disk if self._remote_keeps_on_disk() and not self._host_caches \
-                        else None
-                    job, results = remote_read_job(self.remote, metas, dests,
-                                                   self.layout.bytes_per_block, keep)
-                    self._remote_writes.offers.remember([meta.block_hash for meta in metas])
-                else:
-                    job, results = disk_read_job(self.disk, metas, dests,
-                                                 self.layout.bytes_per_block, load.cancelled)
-                self._submit(timed_job(job, load.read_spans), lambda ok, c=chunk, r=results:
-                             self._finish_disk_read(load, c, r), load)
-
-    def _remote_keeps_on_disk(self) -> bool:
-        return (self.disk is not None and self.config.remote is not None
-                and self.config.remote.write_to_disk)
-
-    def _finish_disk_read(self, load: Load, items: list[LoadBlock],
-                          results: list[bool]) -> None:
-        """Disk or remote reads landed in host slots: copy the good ones to the GPU."""
-        landed = []
-        cancelled = load.cancelled.is_set()
-        # A job cancelled before it started read nothing (no result): no failure. One that
-        # ran and missed a block (pruned meanwhile) failed that block, cancelled or not.
-        ran = bool(results) or not cancelled
-        for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
-            assert lb.slot is not None
-            if ok:
-                if self._host_caches:  # a duplicate stays reserved and is freed after the copy
-                    # A remote block kept on disk goes there by the host tier's write-back.
-                    self._host.commit(lb.slot, dirty=lb.from_remote
-                                      and self._remote_keeps_on_disk())
-                landed.append(lb)
-            else:
-                self._host.free_slot(lb.slot)
-                lb.slot, lb.done = None, True
-                self._tiers[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += ran
-        if cancelled:  # the bytes stay in the host tier; the GPU blocks are the caller's now
-            for lb in landed:
-                assert lb.slot is not None
-                self._host.release(lb.slot)
-                lb.slot, lb.done = None, True
-            return
-        if landed:  # copied with the other reads that landed by the end of this poll
-            self._landed_reads.append((load, landed))
-
-    def _copy_landed_reads(self) -> None:
-        """One host -> GPU copy for every disk or remote read that landed since the last
-        call: a restore lands a read every few milliseconds, and one copy job each would
-        cost the engine thread a launch, its events and a plan per read."""
-        if not self._landed_reads:
-            return
-        reads, self._landed_reads = self._landed_reads, []
-        self._copy_to_gpu([load for load, _ in reads],
-                          [lb for _, items in reads for lb in items])
-
-    def _copy_to_gpu(self, loads: list[Load], items: list[LoadBlock]) -> None:
-        """Copy `items` (of `loads`) from their host slots to their GPU blocks, one job."""
-        mapping = torch.tensor([[lb.slot, lb.gpu_block.block_id] for lb in items],
-                               dtype=torch.int64)  # [n, 2] (slot, gpu block)
-
-        def finish(ok: bool) -> None:
-            for lb in items:
-                assert lb.slot is not None
-                self._host.release(lb.slot)  # freed if it only staged the bytes
-                lb.slot, lb.done, lb.ok = None, True, ok
-            self._tiers[Tier.HOST].failures += 0 if ok else len(items)
-
-        # The blocks were the loads' since their events: no later step of the model uses them.
-        after = tuple(load.blocks_free for load in loads) if self.kv_cache.is_cuda else None
-        job_id = self._submit(SwapJob(Direction.HOST_TO_GPU, self._host.slab, self.kv_cache,
-                                      mapping, after), finish, *loads)
-        for lb in items:
-            lb.copy_job = job_id
 
     def is_load_ready(self, load_id: LoadId, advance: bool = True) -> bool:
         """Whether `complete_load` would not wait: every block arrived or failed, or is
@@ -424,7 +337,7 @@ class TierManager:
                 for load in loads:
                     load.job_ids.discard(job_id)
                 on_done(ok)
-            self._copy_landed_reads()
+            self.load_path.copy_landed_reads()
         if self._remote_writes is not None:
             self._remote_writes.send()  # this step's newly cached blocks, in batches
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
@@ -433,7 +346,7 @@ class TierManager:
         if self.stores is not None:
             self.stores.progress(sum(len(load.waiting) for load in starved))
         for load in starved:
-            self._feed_load(load)
+            self.load_path.feed(load)
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
             for load in starved:
                 self._tiers[Tier.HOST].rejected += len(load.waiting)
