@@ -92,6 +92,8 @@ class TierManager:
         self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
             + [Tier.DISK] * (self.disk is not None) + [Tier.REMOTE] * (self.remote is not None)
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
+        # Finished jobs whose completion has not run yet (one before them raised).
+        self._unhandled: list[tuple[JobId, bool]] = []
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._tiers = new_tier_counters()
@@ -331,12 +333,19 @@ class TierManager:
         (disk -> host -> GPU chains, stores landing, write-backs committing), start
         write-backs where the host runs short of evictable slots, and give freed slots to
         waiting loads. Call it once per engine step."""
-        while finished := self.transfers.get_finished():
-            for job_id, ok in finished:
+        while finished := self._unhandled + self.transfers.get_finished():
+            self._unhandled = []
+            for index, (job_id, ok) in enumerate(finished):
                 loads, on_done = self._on_done.pop(job_id)
                 for load in loads:
                     load.job_ids.discard(job_id)
-                on_done(ok)
+                try:
+                    on_done(ok)
+                except BaseException:
+                    # A completion that raises is a bug; the jobs after it still complete
+                    # in the next poll, or `drain` and `close` would wait for them forever.
+                    self._unhandled = finished[index + 1:]
+                    raise
             self.load_path.copy_landed_reads()
         if self._remote_writes is not None:
             self._remote_writes.send()  # this step's newly cached blocks, in batches

@@ -199,6 +199,41 @@ def test_blocks_persist_across_a_process_restart(tmp_path, managers):
         assert same_bytes(m.kv_cache[block.block_id], expected)
 
 
+@pytest.mark.timeout(60)
+def test_a_completion_that_raises_leaves_the_jobs_after_it_to_the_next_poll(tmp_path, managers,
+                                                                           monkeypatch):
+    # A completion callback that raises is a bug, and the poll that ran it raises. The jobs
+    # that finished with it must still complete in the next poll, or flush and close would
+    # wait for them forever.
+    layout = small_layout()
+    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=8))
+    managers.append(m)
+    metas, data = chain(layout, "raising", 4), random_blocks(layout, 4, seed=9)
+    blocks = m.allocate(4)
+    assert blocks is not None
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id] = block_data
+    finish = m.stores._finish_copy
+    calls = []
+
+    def first_raises(items, ok):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a completion")
+        return finish(items, ok)
+
+    monkeypatch.setattr(m.stores, "_finish_copy", first_raises)
+    m.cache_full_blocks(blocks[:2], metas[:2])  # two write-through jobs, finished at once
+    m.cache_full_blocks(blocks[2:], metas[2:])  # on the CPU
+    with pytest.raises(RuntimeError, match="a bug"):
+        m.poll()
+    m.poll()
+    assert calls == [2, 2]
+    assert [m.host.contains(meta.block_hash) for meta in metas[2:]] == [True, True]
+    m.free(blocks)
+    m.flush()  # returns: nothing is left waiting for a completion that never comes
+
+
 # ---- pins, write-back and backpressure ---------------------------------------------------
 
 @pytest.mark.timeout(120)
