@@ -155,6 +155,9 @@ def hash_seed(block_hash: bytes) -> int:
 def compute(m: TierManager, truth: Truth, metas: list[BlockMeta]) -> None:
     """What an engine does for blocks it had to compute: write them, cache them, free them."""
     blocks = m.allocate(len(metas))
+    if blocks is None:  # blocks still held by transfers in flight: wait for them
+        m.drain()
+        blocks = m.allocate(len(metas))
     assert blocks is not None, "test setup: not enough free GPU blocks"
     for block, meta in zip(blocks, metas):
         m.kv_cache[block.block_id] = truth.data[meta.block_hash]
