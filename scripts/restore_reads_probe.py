@@ -18,6 +18,7 @@ the fronts after it, and the bytes whose reads ended during it.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import tempfile
 import threading
@@ -45,7 +46,7 @@ class GpuTimeline:
         self.forwards: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self.copies: list[tuple[float, int]] = []  # (host time, blocks) of each H2D submit
         model, manager = llm.runner.model, llm.manager
-        forward, copy = model.forward, manager._copy_to_gpu
+        forward, copy = model.forward, manager.load_path.copy_to_gpu
 
         def timed_forward(*args, **kwargs):
             if self.base is None:
@@ -63,7 +64,7 @@ class GpuTimeline:
             return copy(load, items)
 
         model.forward = timed_forward
-        manager._copy_to_gpu = timed_copy
+        manager.load_path.copy_to_gpu = timed_copy
 
     def start(self) -> None:
         if not torch.cuda.is_available():
@@ -259,6 +260,9 @@ def main() -> None:
     parser.add_argument("--doc-tokens", default="8192,32768")
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--dump-after-ms", type=float, default=0.0,
+                        help="dump every thread's stack when the first step of a restore "
+                             "runs longer than this")
     parser.add_argument("--warm", action="store_true",
                         help="read the tier into the page cache before each restore")
     args = parser.parse_args()
@@ -304,7 +308,12 @@ def main() -> None:
                         spent[0] = 0.0
                         tokens[0] = 0
                         start = time.perf_counter()
+                        if args.dump_after_ms and len(steps) == 0:
+                            # Where the engine thread is once the first step runs long (a
+                            # C-level watchdog: it sees a thread that holds the GIL too).
+                            faulthandler.dump_traceback_later(args.dump_after_ms / 1e3)
                         outputs = llm.step()
+                        faulthandler.cancel_dump_traceback_later()
                         fronts = [(f.compute_block, f.load_block, f.num_restored)
                                   for f in llm.scheduler.restore_fronts().values()]
                         steps.append((start, time.perf_counter() - start, spent[0],
