@@ -1,0 +1,113 @@
+"""TierManager on CUDA: the round trip with each copy method, loads completed while their
+copies still run, and the order between a load's copy and the model's steps. Skipped
+without a CUDA device; the CPU scenarios are in test_manager.py."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from manager_cases import (
+    chain,
+    check_idle,
+    config,
+    evict_gpu,
+    load,
+    random_blocks,
+    same_bytes,
+    write,
+)
+
+from kvtier.layout import KVLayout
+from kvtier.manager import TierManager
+from kvtier.stats import Direction, Tier
+
+#: 32 KiB blocks in bfloat16, as on a GPU.
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                  dtype=torch.bfloat16)
+
+
+def cuda_manager(managers: list, disk_dir: Path | None = None, **kwargs) -> TierManager:
+    """A manager on CUDA with 8 GPU blocks and 4 host slots (and a disk tier in `disk_dir`),
+    closed with the test's other managers."""
+    m = TierManager(LAYOUT, config(LAYOUT, disk_dir, gpu=8, host=4, **kwargs), "cuda")
+    managers.append(m)
+    return m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swap_method", ["dma", "staged", "triton"])
+def test_round_trip_on_cuda(tmp_path, managers, swap_method):
+    if swap_method == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the Triton copy kernel is measured compiled, not interpreted")
+    m = cuda_manager(managers, tmp_path, swap_method=swap_method)
+    layout = m.layout
+    assert m.host.slab.is_pinned()
+    metas, data = chain(layout, "cuda", 6), random_blocks(layout, 6, seed=7)
+    for i in range(0, 6, 2):
+        write(m, metas[i:i + 2], data[i:i + 2].cuda())
+        m.flush()
+    evict_gpu(m)
+    assert m.lookup([meta.block_hash for meta in metas]).locations == \
+        [Tier.DISK] * 2 + [Tier.HOST] * 4
+    num_ok, blocks = load(m, metas)  # six blocks through four host slots
+    assert num_ok == 6
+    for block, expected in zip(blocks, data):
+        assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+    m.free(blocks)
+    check_idle(m)
+    assert m.stats().transfers[Direction.HOST_TO_GPU].seconds > 0
+
+
+@pytest.mark.gpu
+def test_loads_completed_early_on_cuda_free_their_slots_for_the_next_store(managers):
+    # On CUDA complete_load returns while the copies may still run (the compute stream waits
+    # for them); their host slots stay pinned until a poll reaps the copies. A full host
+    # tier then takes the next write-through, and every byte arrived.
+    m = cuda_manager(managers)
+    layout = m.layout
+    for name in ("first", "second"):
+        metas, data = chain(layout, name, 4), random_blocks(layout, 4, seed=len(name))
+        write(m, metas, data.cuda())
+        assert m.stats().tiers[Tier.HOST].rejected == 0, "the write-through found no slot"
+        evict_gpu(m)
+        num_ok, blocks = load(m, metas)
+        assert num_ok == 4
+        for block, expected in zip(blocks, data):  # .cpu() runs after the copies
+            assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+        torch.cuda.synchronize()
+        m.poll()
+        m.free(blocks)
+    m.flush()
+    check_idle(m)
+
+
+@pytest.mark.gpu
+def test_a_load_on_cuda_follows_the_work_queued_before_it_took_its_blocks(managers):
+    # A load's copy waits for the compute stream's work queued before the load took its
+    # GPU blocks (that work may still write them) and not for work queued afterwards (the
+    # model's next steps, which leave the load's blocks alone).
+    m = cuda_manager(managers)
+    layout = m.layout
+    metas, data = chain(layout, "ordered", 2), random_blocks(layout, 2, seed=3)
+    write(m, metas, data.cuda())
+    evict_gpu(m)
+    blocks = m.allocate(2)
+    assert blocks is not None
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # long work queued first, then writes into the load's blocks
+        x = x @ x / 64
+    for block in blocks:
+        m.kv_cache[block.block_id].fill_(7)
+    load_id = m.prepare_load(metas, blocks)
+    for _ in range(20):  # the model's later steps: the copy need not wait for them
+        x = x @ x / 64
+    assert m.complete_load(load_id) == 2  # the current stream now waits for the copy
+    for block, expected in zip(blocks, data):
+        assert same_bytes(m.kv_cache[block.block_id].cpu(), expected)
+    torch.cuda.synchronize()
+    m.poll()
+    copy = m.transfers.stats()[Direction.HOST_TO_GPU]
+    assert copy.num_jobs >= 1 and copy.failures == 0
+    m.free(blocks)
+    check_idle(m)
