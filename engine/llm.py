@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,8 @@ from kvtier.engine.loader import (
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
-from kvtier.engine.request import OutputTokenIds, Request, RequestId, check_token_ids
-from kvtier.engine.sampler import SamplingParams, sample, sample_logprobs
+from kvtier.engine.request import OutputTokenIds, ParentRequest, Request, RequestId, check_token_ids
+from kvtier.engine.sampler import SamplingParams, make_generator, sample, sample_logprobs
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
@@ -136,7 +135,7 @@ class LLM:
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self._logprobs: dict[RequestId, list[dict[int, Logprob]]] = {}
-        self._parents: dict[str, _ParentRequest] = {}
+        self._parents: dict[str, ParentRequest] = {}
         self._child_parent: dict[RequestId, tuple[str, int]] = {}
         self._unclaimed: list[RequestOutput] = []
         self._tracker = OutputTracker(self.tokenizer)
@@ -209,7 +208,7 @@ class LLM:
         salt = cache_salt if cache_salt is not None else self.config.cache_salt
         namespace = namespace_hash(self.model_fingerprint, self.layout,
                                    self.config.hash_algorithm, salt)
-        self._parents[parent_id] = _ParentRequest(text, token_ids, params.n)
+        self._parents[parent_id] = ParentRequest(text, token_ids, params.n)
         for completion, rid in enumerate(child_ids):
             request = Request(
                 request_id=rid, prompt_token_ids=token_ids, params=params,
@@ -221,7 +220,8 @@ class LLM:
                 prompt=text)
             self._requests[rid] = request
             self._child_parent[rid] = (parent_id, completion)
-            self._generators[rid] = self._generator_for(params, index, completion)
+            self._generators[rid] = make_generator(params, self.device, self.config.seed, index,
+                                                   completion)
             if params.logprobs is not None:
                 self._logprobs[rid] = []
             self.scheduler.add_request(request)
@@ -239,20 +239,6 @@ class LLM:
             raise ValueError(f"the prompt needs {num_blocks} blocks of {bs} tokens but the GPU "
                              f"block budget is {self.num_gpu_blocks}; raise gpu_blocks or "
                              "gpu_memory_utilization, or shorten the prompt")
-
-    def _generator_for(self, params: SamplingParams, index: int,
-                       completion: int) -> torch.Generator | None:
-        if params.greedy:
-            return None
-        seed = params.seed
-        if seed is not None:
-            seed += completion  # the n completions of a seeded request differ
-        elif self.config.seed is not None:
-            # Deterministic per run: the engine seed and the request's arrival order.
-            seed = self.config.seed + index + completion * 1_000_003
-        if seed is None:
-            return None
-        return torch.Generator(device=self.device).manual_seed(seed)
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
@@ -459,14 +445,3 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-@dataclass(slots=True)
-class _ParentRequest:
-    """A request as the caller sees it: its prompt and its `n` completions so far."""
-
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    n: int
-    completions: dict[int, CompletionOutput] = field(default_factory=dict)
-    metrics: list = field(default_factory=list)

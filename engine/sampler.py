@@ -92,12 +92,23 @@ class SamplingParams(CheckedModel):
         return self.temperature == 0
 
 
-def make_generator(params: SamplingParams,
-                   device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded from `params.seed` on `device`; None when unseeded or greedy."""
-    if params.seed is None or params.greedy:
+def make_generator(params: SamplingParams, device: torch.device | str,
+                   engine_seed: int | None = None, index: int = 0,
+                   completion: int = 0) -> torch.Generator | None:
+    """A generator on `device` for completion `completion` of a request: seeded from
+    `params.seed` (plus the completion, so the n completions of a seeded request differ),
+    else from `engine_seed` and the request's arrival `index` (deterministic per run); None
+    when greedy or unseeded."""
+    if params.greedy:
         return None
-    return torch.Generator(device=torch.device(device)).manual_seed(params.seed)
+    seed = params.seed
+    if seed is not None:
+        seed += completion
+    elif engine_seed is not None:
+        seed = engine_seed + index + completion * 1_000_003
+    if seed is None:
+        return None
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
 def _restrict(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
