@@ -149,9 +149,10 @@ class Restore:
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
         #: Per slow tier, (start, end) of the reads of the groups that landed, and the
-        #: seconds at least one of them (of any slow tier) was under way.
+        #: seconds at least one of them (of any slow tier) was under way (None: not summed
+        #: since the last landing; summed when a rate is asked for, not at every landing).
         self._read_spans: dict[Tier, list[tuple[float, float]]] = {}
-        self._busy_s = 0.0
+        self._busy_s: float | None = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -222,6 +223,9 @@ class Restore:
         what they delivered to recent ones before the first landing here; None when
         neither is known."""
         landed = self.block_size * sum(self.restored[t] for t in SLOW_TIERS)
+        if self._busy_s is None:
+            self._busy_s = busy_seconds([span for tier_spans in self._read_spans.values()
+                                         for span in tier_spans])
         if landed and self._busy_s > 0:
             return landed / self._busy_s
         return self._expected_load_rate
@@ -255,8 +259,7 @@ class Restore:
             self.restored[group.tier] += ok
         if group.tier in SLOW_TIERS and any(arrived):
             self._read_spans.setdefault(group.tier, []).extend(spans)
-            self._busy_s = busy_seconds([span for tier_spans in self._read_spans.values()
-                                         for span in tier_spans])
+            self._busy_s = None
 
     # ---- the compute front ---------------------------------------------------------------
 
