@@ -31,6 +31,7 @@ import torch
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk_access import PendingTouches, touch_in, write_touches
 from kvtier.tiers.disk_index import (
     DISK_FORMAT_VERSION,
     GuardedEnv,
@@ -121,10 +122,9 @@ class DiskTier:
         self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
         self._scratch = threading.local()
-        self._pending_touches: dict[BlockHash, None] = {}
+        self._touches = PendingTouches(touch_flush_every)
         self._read_hook = read_hook
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
-        self._touch_flush_every = touch_flush_every
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
         self.format_reset = False
@@ -356,7 +356,7 @@ class DiskTier:
                      pressure: int) -> int:
         with self._map.txn(write=True) as txn:
             # Earlier reads first, then this batch: the batch is the most recent use.
-            self._touch_in(txn, self._take_touches() + touched)
+            touch_in(self._index, txn, self._touches.take() + touched)
             absent = [item for item in new if not self._index.has(txn, item[0].block_hash)]
             need = sum(size for _, _, size in absent)
             limit = max(0, self.budget_bytes - pressure)
@@ -409,14 +409,7 @@ class DiskTier:
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         """Mark blocks as just used. Batched: written with the next write transaction, or
         once `touch_flush_every` are pending."""
-        if self.readonly:
-            return
-        with self._lock:
-            for block_hash in block_hashes:
-                self._pending_touches.pop(block_hash, None)
-                self._pending_touches[block_hash] = None
-            flush = len(self._pending_touches) >= self._touch_flush_every
-        if flush:
+        if not self.readonly and self._touches.add(block_hashes):
             self._flush_touches()
 
     def delete(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -424,39 +417,11 @@ class DiskTier:
         if self.readonly:
             raise ValueError(f"disk cache {self.path} is open read-only; cannot delete")
         with self._map.txn(write=True) as txn:
-            self._touch_in(txn, self._take_touches())
+            touch_in(self._index, txn, self._touches.take())
             return sum(self._index.remove(txn, h) for h in block_hashes)
 
-    def _take_touches(self) -> list[BlockHash]:
-        with self._lock:
-            hashes = list(self._pending_touches)
-            self._pending_touches.clear()
-        return hashes
-
     def _flush_touches(self) -> None:
-        """Write pending access-order updates. They are advisory: when the map is full and
-        cannot grow, or the disk refuses the commit, they are dropped (logged) rather than
-        failing the read or close that triggered them."""
-        hashes = self._take_touches()
-        if not hashes:
-            return
-        for _ in range(2):
-            try:
-                with self._map.txn(write=True) as txn:
-                    self._touch_in(txn, hashes)
-                return
-            except lmdb.MapFullError:
-                if not self._map.grow(len(hashes) * 256, full=True):
-                    break
-            except lmdb.Error as exc:
-                if not is_disk_full(exc):
-                    raise
-                break
-        logger.info("disk cache %s: no room to record %d accesses; dropped them",
-                    self.path, len(hashes))
-
-    def _touch_in(self, txn: lmdb.Transaction, block_hashes: list[BlockHash]) -> None:
-        self._index.touch(txn, [h for h in block_hashes if self._index.has(txn, h)])
+        write_touches(self._map, self._index, self._touches.take(), self.path)
 
     # ---- plumbing ------------------------------------------------------------------------
 
