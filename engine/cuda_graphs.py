@@ -1,9 +1,19 @@
-"""CUDA graphs for pure-decode steps (every request adds one token and samples).
+"""CUDA graphs for small steps: decodes, and short prefill chunks run as decode rows.
 
-A decode step of a large model is bound by the host: each layer launches several Triton
-and torch kernels from Python. `DecodeGraphs` records the model's forward once per batch
-bucket (1, 2, 4, ... 256, up to the engine's max_num_seqs) and replays it, so a step costs
-a few small host-to-device copies and one graph launch.
+A step of few tokens on a large model is bound by the host: each layer launches several
+Triton and torch kernels from Python (about 20 ms for a 16-token step of an 8B model whose
+kernels take 9 ms). `DecodeGraphs` records the model's forward once per row bucket (1, 2, 4,
+... 256, up to the engine's max_num_seqs) as a decode batch (one query per row) and replays
+it, so a step costs a few small host-to-device copies and one graph launch.
+
+A prefill chunk fits the same graphs: its token at position p is a row whose sequence ends
+at p + 1 over the request's block table. Each layer stores every row's K/V before it
+attends, so row p sees keys 0..p, the causal mask of the chunk. Each row reads its own
+context, where an eager step reads it once per chunk, so a step with prefill chunks runs as
+rows only while those rows read at most `MAX_ROW_KEY_READS` keys in all; the hidden state a
+request samples from is its last row's (`run`). This is what makes a restore that leaves a
+few tokens to compute (a prompt restored from the host tier, the tail of a block) cost about
+as much as a decode step.
 
 The graphs read static device buffers. A step's batch is padded to its bucket; a padding
 row has token 0 at position 0, slot_mapping -1 (its K/V are not stored), seq_len 1 and a
@@ -13,8 +23,8 @@ The attention metadata of a graph never depends on the step's host values: max_q
 split-KV count depends only on the bucket (each request's splits are cut from its own
 device-side seq_len; splits past it stay empty and weigh nothing in the merge).
 
-Prefill and mixed steps, batches above the largest bucket and sequences longer than the
-buffers were sized for are left to the eager path (`can_run` says which).
+Steps of more rows than the largest bucket, chunks whose rows would read more keys, and
+sequences longer than the buffers were sized for are left to the eager path (`can_run`).
 """
 
 from __future__ import annotations
@@ -27,8 +37,54 @@ import torch
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.scheduler import ScheduledRequest
 
-#: Batch sizes a graph is recorded for; a decode batch is padded to the next one.
+#: Row counts a graph is recorded for; a step's rows are padded to the next one.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+#: The most keys the rows of a step's prefill chunks may read in all for the step to run as
+#: graph rows (16 new tokens after a 4K context; 8 GiB of K/V reads for an 8B model, ~3 ms
+#: at 3 TB/s and much of it from L2, against ~10 ms of host launches saved).
+MAX_ROW_KEY_READS = 65536
+
+
+def chunk_key_reads(start: int, num_new_tokens: int) -> int:
+    """Keys read by a chunk's rows in a graph step: row p attends to p + 1 keys."""
+    return num_new_tokens * (2 * start + num_new_tokens + 1) // 2
+
+
+def stage_rows(scheduled: Sequence[ScheduledRequest], block_size: int, tokens: np.ndarray,
+               seq_lens: np.ndarray, block_tables: np.ndarray, size: int) -> int:
+    """Write one row per new token of `scheduled`, then padding rows up to `size`.
+
+    tokens: [4, rows] int64: input_ids, positions, slot_mapping, and in its first
+        len(scheduled) entries of the last row the row of each request's last new token.
+    seq_lens: [rows] int32 (position + 1 per row); block_tables: [rows, max_blocks] int32
+        (a request's rows all get its block table; each row reads only up to its seq_len).
+    Returns the number of real rows. The caller has checked that they fit (`can_run`).
+    """
+    bs = block_size
+    row = 0
+    for index, planned in enumerate(scheduled):
+        request = planned.request
+        start, end = planned.start, planned.start + planned.num_new_tokens
+        num_blocks = -(-end // bs)
+        assert len(request.block_table) >= num_blocks, \
+            f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
+        block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
+                                dtype=np.int64, count=num_blocks)
+        rows = slice(row, row + planned.num_new_tokens)
+        positions = np.arange(start, end, dtype=np.int64)
+        tokens[0, rows] = request.token_ids[start:end]
+        tokens[1, rows] = positions
+        tokens[2, rows] = block_ids[positions // bs] * bs + positions % bs
+        seq_lens[rows] = positions + 1
+        block_tables[rows, :num_blocks] = block_ids
+        row = rows.stop
+        tokens[3, index] = row - 1
+    tokens[:2, row:size] = 0
+    tokens[2, row:size] = -1
+    seq_lens[row:size] = 1
+    block_tables[row:size, 0] = 0
+    return row
 
 
 def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -45,7 +101,7 @@ def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    """Recorded decode forwards of `model` over `kv_cache`, one per batch bucket.
+    """Recorded decode forwards of `model` over `kv_cache`, one per row bucket.
 
     model: `forward(input_ids, positions, kv_cache, attn_metadata) -> hidden [n, hidden]`,
         with capture-safe kernels (the triton attention backend).
@@ -72,14 +128,14 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         device = kv_cache.device
         rows = self.buckets[-1]
-        # Rows 0/1/2: input_ids, positions, slot_mapping.
-        self._tokens = torch.zeros((3, rows), dtype=torch.int64, device=device)  # [3, rows]
+        # Rows 0/1/2/3: input_ids, positions, slot_mapping, each request's last row.
+        self._tokens = torch.zeros((4, rows), dtype=torch.int64, device=device)  # [4, rows]
         self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
         self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros((rows, self.max_blocks_per_req), dtype=torch.int32,
                                          device=device)  # [rows, max_blocks_per_req]
         # Pinned staging of the same fields; a step writes them, then copies them over.
-        self._host_tokens = torch.zeros((3, rows), dtype=torch.int64).pin_memory()
+        self._host_tokens = torch.zeros((4, rows), dtype=torch.int64).pin_memory()
         self._host_seq_lens = torch.ones(rows, dtype=torch.int32).pin_memory()
         self._host_block_tables = torch.zeros((rows, self.max_blocks_per_req),
                                               dtype=torch.int32).pin_memory()
@@ -88,19 +144,26 @@ class DecodeGraphs:
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> hidden [bucket, hidden]
         self._pool = None
 
-    def bucket_for(self, num_reqs: int) -> int | None:
-        """The smallest bucket holding `num_reqs` requests; None when none does."""
+    def bucket_for(self, num_rows: int) -> int | None:
+        """The smallest bucket holding `num_rows` rows; None when none does."""
         for size in self.buckets:
-            if size >= num_reqs:
+            if size >= num_rows:
                 return size
         return None
 
     def can_run(self, scheduled: Sequence[ScheduledRequest]) -> bool:
-        """Whether this step is a pure decode that fits a bucket and the block tables."""
-        if not scheduled or self.bucket_for(len(scheduled)) is None:
+        """Whether this step's tokens fit a bucket as rows, its sequences fit the block
+        tables, and its prefill chunks' rows read at most `MAX_ROW_KEY_READS` keys."""
+        if not scheduled:
             return False
-        return all(s.num_new_tokens == 1 and s.samples and s.start < self.max_seq_len
-                   for s in scheduled)
+        num_rows = key_reads = 0
+        for planned in scheduled:
+            if planned.start + planned.num_new_tokens > self.max_seq_len:
+                return False
+            num_rows += planned.num_new_tokens
+            if planned.num_new_tokens > 1:
+                key_reads += chunk_key_reads(planned.start, planned.num_new_tokens)
+        return self.bucket_for(num_rows) is not None and key_reads <= MAX_ROW_KEY_READS
 
     def capture_all(self) -> None:
         """Record every bucket not recorded yet, largest first (smaller graphs then reuse
@@ -130,7 +193,7 @@ class DecodeGraphs:
 
     def _reset_inputs(self) -> None:
         """Padding values in every row of the device buffers (capture-time inputs)."""
-        self._tokens[:2].zero_()
+        self._tokens.zero_()
         self._tokens[2].fill_(-1)
         self._seq_lens.fill_(1)
         self._block_tables.zero_()
@@ -148,47 +211,27 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
-        """Replay the bucket's graph for this decode step (recording it first if needed).
+        """Replay the bucket's graph for this step's rows (recording it first if needed).
 
-        Returns hidden [len(scheduled), hidden_size], a view of the graph's output that the
-        next replay overwrites. The caller has checked `can_run`.
+        Returns hidden [len(scheduled), hidden_size]: each request's hidden state at its
+        last new token. For a pure decode it is a view of the graph's output that the next
+        replay overwrites. The caller has checked `can_run`.
         """
         num_reqs = len(scheduled)
-        size = self.bucket_for(num_reqs)
-        assert size is not None and self.can_run(scheduled), "not a graph-sized decode step"
+        num_rows = sum(s.num_new_tokens for s in scheduled)
+        size = self.bucket_for(num_rows)
+        assert size is not None and self.can_run(scheduled), "not a graph-sized step"
         if size not in self._graphs:
             self._capture(size)
         self._copied.synchronize()  # the previous step's copies are done with the staging
-        self._stage(scheduled, size)
+        stage_rows(scheduled, self.block_size, self._host_tokens.numpy(),
+                   self._host_seq_lens.numpy(), self._host_block_tables.numpy(), size)
         self._tokens.copy_(self._host_tokens, non_blocking=True)
         self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
         self._block_tables[:size].copy_(self._host_block_tables[:size], non_blocking=True)
         self._copied.record()
         self._graphs[size].replay()
         self.num_replays += 1
-        return self._outputs[size][:num_reqs]
-
-    def _stage(self, scheduled: Sequence[ScheduledRequest], size: int) -> None:
-        """Write the step's values, then padding rows up to `size`, into the staging."""
-        bs = self.block_size
-        tokens = self._host_tokens.numpy()  # [3, rows]
-        seq_lens = self._host_seq_lens.numpy()
-        block_tables = self._host_block_tables.numpy()  # [rows, max_blocks_per_req]
-        for row, planned in enumerate(scheduled):
-            request = planned.request
-            pos = planned.start
-            num_blocks = pos // bs + 1
-            assert len(request.block_table) >= num_blocks, \
-                f"{request.request_id}: {len(request.block_table)} blocks for {pos + 1} tokens"
-            block_tables[row, :num_blocks] = np.fromiter(
-                (b.block_id for b in request.block_table[:num_blocks]), dtype=np.int32,
-                count=num_blocks)
-            tokens[0, row] = request.token_ids[pos]
-            tokens[1, row] = pos
-            tokens[2, row] = int(block_tables[row, num_blocks - 1]) * bs + pos % bs
-            seq_lens[row] = pos + 1
-        num_reqs = len(scheduled)
-        tokens[:2, num_reqs:size] = 0
-        tokens[2, num_reqs:size] = -1
-        seq_lens[num_reqs:size] = 1
-        block_tables[num_reqs:size, 0] = 0
+        if num_rows == num_reqs:
+            return self._outputs[size][:num_reqs]
+        return self._outputs[size].index_select(0, self._tokens[3, :num_reqs])

@@ -66,8 +66,9 @@ class EngineConfig(CheckedModel):
         None: no salt.
     attn_backend: "auto", "torch", "triton" or "flash".
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
-    cuda_graphs: replay recorded CUDA graphs for pure-decode steps (used only on CUDA with
-        the triton attention backend; ignored elsewhere).
+    cuda_graphs: replay recorded CUDA graphs for small steps: decodes, and short prefill
+        chunks as decode rows (used only on CUDA with the triton attention backend;
+        ignored elsewhere).
     warmup: compile every kernel and time one prefill at start (CUDA).
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
         expected to save over computing it (at the measured rates) before those tiers are
@@ -107,7 +108,7 @@ class EngineConfig(CheckedModel):
     attn_backend: AttnBackend = Field("auto", description="attention implementation")
     seed: Annotated[int, Field(ge=0)] | None = Field(
         0, description="default sampling seed, >= 0; None: nondeterministic")
-    cuda_graphs: bool = Field(True, description="replay CUDA graphs for decode steps")
+    cuda_graphs: bool = Field(True, description="replay CUDA graphs for small steps")
     warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
     restore_min_saving_s: float = Field(
         MIN_SAVING_S, ge=0, description="seconds reading a prefix from the disk or remote "

@@ -7,8 +7,8 @@ passed to the model's forward as an argument. Logits are computed only for the l
 of each request that samples in this step (a prefill chunk that stops short of the end of
 the prompt does not sample).
 
-With `enable_cuda_graphs`, pure-decode steps replay a recorded graph instead
-(`engine.cuda_graphs`); prefill and mixed steps stay eager.
+With `enable_cuda_graphs`, small steps (decodes, and short chunks whose rows read few keys)
+replay a recorded graph instead (`engine.cuda_graphs`); longer prefill steps stay eager.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
-        """Record decode graphs for batches up to `max_num_seqs` requests and sequences up
-        to `max_model_len` tokens; later pure-decode steps replay them. Needs the cache on
+        """Record decode graphs for up to `max_num_seqs` rows and sequences up to
+        `max_model_len` tokens; later small steps replay them. Needs the cache on
         CUDA and a capture-safe attention backend (triton). Raises ValueError otherwise."""
         backend = getattr(self.model, "attn_backend", None)
         if backend != "triton":
@@ -125,10 +125,11 @@ class ModelRunner:
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[int | None]:
         """Run one step; return the sampled token per scheduled request (None: no sample)."""
         if self.graphs is not None and self.graphs.can_run(scheduled):
-            hidden = self.graphs.run(scheduled)  # [num_reqs, hidden_size]
-            logits = self.model.compute_logits(hidden)  # [num_reqs, vocab]
-            token_ids = self.sample_fn(logits, [s.request for s in scheduled])
-            return [int(token_id) for token_id in token_ids.tolist()]
+            last = self.graphs.run(scheduled)  # [num_reqs, hidden_size]
+            sampling_rows = tuple(row for row, s in enumerate(scheduled) if s.samples)
+            if len(sampling_rows) < len(scheduled):
+                last = last[list(sampling_rows)]
+            return self._sample(scheduled, last, sampling_rows)
         inputs = self.prepare_inputs(scheduled)
         prefill = [s for s in scheduled if s.num_new_tokens > 1]
         self.step_timer.begin(sum(s.num_new_tokens for s in prefill),
@@ -136,13 +137,21 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.attn_metadata)  # [num_tokens, hidden_size]
         self.step_timer.end()
-        sampled: list[int | None] = [None] * len(scheduled)
         if not inputs.sampling_rows:
+            return [None] * len(scheduled)
+        return self._sample(scheduled, hidden[inputs.logits_indices], inputs.sampling_rows)
+
+    def _sample(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor,
+                sampling_rows: Sequence[int]) -> list[int | None]:
+        """Sample one token per row of hidden [len(sampling_rows), hidden_size], the state
+        at the last token of each scheduled request in `sampling_rows`."""
+        sampled: list[int | None] = [None] * len(scheduled)
+        if not sampling_rows:
             return sampled
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [n, vocab]
-        requests = [scheduled[row].request for row in inputs.sampling_rows]
+        logits = self.model.compute_logits(hidden)  # [n, vocab]
+        requests = [scheduled[row].request for row in sampling_rows]
         token_ids = self.sample_fn(logits, requests)  # [n]
-        for row, token_id in zip(inputs.sampling_rows, token_ids.tolist()):
+        for row, token_id in zip(sampling_rows, token_ids.tolist()):
             sampled[row] = int(token_id)
         return sampled
 
