@@ -6,6 +6,11 @@ each step's wall time, its GPU time (CUDA events around the forward pass), and a
 summary from torch.profiler for one of them.
 
     python3 scripts/short_chunk_probe.py [--doc-tokens 32768] [--chunks 16,80,512]
+        [--max-row-key-reads N,M]
+
+`--max-row-key-reads` runs the questions once per value of
+`engine.cuda_graphs.MAX_ROW_KEY_READS` (0: every chunk eager; large: every chunk that fits
+a bucket as graph rows), to time the two paths side by side.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 
 import numpy as np
 import torch
-from kvtier.engine import LLM, SamplingParams
+from kvtier.engine import LLM, SamplingParams, cuda_graphs
 from kvtier.engine.loader import load_model
 
 
@@ -26,6 +31,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=32768)
     parser.add_argument("--chunks", default="16,80,512")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-row-key-reads", default=str(cuda_graphs.MAX_ROW_KEY_READS))
     args = parser.parse_args()
     device = torch.device("cuda")
     loaded = load_model(args.model, device, "bfloat16")
@@ -48,7 +54,10 @@ def main() -> None:
             return out
 
         llm.runner.model.forward = timed
-        for chunk in [int(c) for c in args.chunks.split(",")]:
+        for chunk, limit in [(int(c), int(m)) for m in args.max_row_key_reads.split(",")
+                             for c in args.chunks.split(",")]:
+            cuda_graphs.MAX_ROW_KEY_READS = limit
+            replays = llm.runner.graphs.num_replays if llm.runner.graphs else 0
             walls, gpus = [], []
             for _ in range(args.repeats):
                 question = rng.integers(16, vocab, chunk).tolist()
@@ -59,9 +68,12 @@ def main() -> None:
                 torch.cuda.synchronize()
                 gpus.append(sum(s.elapsed_time(e) for s, e in spans))
                 assert out.metrics.cached_tokens_gpu >= args.doc_tokens - 16
-            print(f"{chunk:5d} new tokens after {args.doc_tokens}: wall ms p50 "
-                  f"{statistics.median(walls) * 1e3:6.1f}, forward GPU ms p50 "
-                  f"{statistics.median(gpus):6.1f} ({len(spans)} forwards)", flush=True)
+            replays = (llm.runner.graphs.num_replays if llm.runner.graphs else 0) - replays
+            print(f"{chunk:5d} new tokens after {args.doc_tokens} (row key reads <= {limit}):"
+                  f" wall ms p50 {statistics.median(walls) * 1e3:6.1f} p90 "
+                  f"{np.percentile(walls, 90) * 1e3:6.1f}, eager forward GPU ms p50 "
+                  f"{statistics.median(gpus):6.1f} ({len(spans)} eager forwards, {replays} "
+                  "graph replays)", flush=True)
         llm.runner.model.forward = forward
         question = rng.integers(16, vocab, 16).tolist()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
