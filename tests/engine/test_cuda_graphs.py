@@ -65,8 +65,8 @@ def test_chunk_key_reads_counts_each_rows_context() -> None:
     assert chunk_key_reads(0, 1) == 1
     assert chunk_key_reads(9, 1) == 10  # a decode at position 9
     assert chunk_key_reads(1024, 16) == sum(range(1025, 1041))
-    # The 16 tokens left after a restored 4K prefix still run as rows; after 8K they do not.
-    assert chunk_key_reads(4080, 16) <= MAX_ROW_KEY_READS < chunk_key_reads(8192, 16)
+    # The 16 tokens left after a restored 16K prefix still run as rows; after 32K they do not.
+    assert chunk_key_reads(16368, 16) <= MAX_ROW_KEY_READS < chunk_key_reads(32768, 16)
 
 
 def _planned(request_id: str, block_ids: list[int], token_ids: list[int], start: int,
