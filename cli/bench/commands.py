@@ -150,7 +150,8 @@ def serve(
     max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step."),
     modes: str = typer.Option(",".join(SERVE_MODES), help="Comma-separated tier modes; the "
                               "first is the baseline of the ratios. Also host_third: the "
-                              "host tier of host_disk without the disk."),
+                              "host tier of host_disk without the disk; host_disk_all: "
+                              "host_disk asking the disk for every prefix."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),

@@ -32,8 +32,9 @@ from kvtier.engine.loader import LoadedModel
 
 #: off: tiers off. host: a host tier that holds every conversation. host_third: a host tier
 #: that holds a third of them (host_disk's), no disk. host_disk: that host tier, then disk.
+#: host_disk_all: host_disk with the disk asked for every prefix (restore_min_saving_s 0).
 MODES = ("off", "host", "host_disk")
-EXTRA_MODES = ("host_third",)
+EXTRA_MODES = ("host_third", "host_disk_all")
 GIB = 1 << 30
 
 Progress = Callable[[str], None]
@@ -123,15 +124,18 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
                                "block_size": config.block_size,
                                "max_num_seqs": config.num_conversations,
                                "max_num_batched_tokens": config.max_batched_tokens,
-                               "host_cache": mode != "off", "disk_cache": mode == "host_disk"}
+                               "host_cache": mode != "off",
+                               "disk_cache": mode.startswith("host_disk")}
     if mode == "host":
         options["host_cache_gb"] = 5 * everything / 4 / GIB
-    elif mode in ("host_third", "host_disk"):
+    elif mode in ("host_third", "host_disk", "host_disk_all"):
         # The host tier holds a third of the conversations; the rest must go to disk (or,
         # without one, be computed again).
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
-    if mode == "host_disk":
+    if mode.startswith("host_disk"):
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
+    if mode == "host_disk_all":
+        options["restore_min_saving_s"] = 0.0
     if config.remote_cache is not None and mode != "off":
         from kvtier.remote_config import RemoteConfig
         # A key prefix per engine: a mode never hits blocks that an earlier mode stored.
