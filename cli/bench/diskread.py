@@ -1,6 +1,8 @@
 """Cold reads from disk: what the disk gives, and what the disk tier gets out of it.
 
   * `drop_page_cache()`: `sync` and `echo 3 > /proc/sys/vm/drop_caches` (needs root).
+  * `resident_fraction(path)`: the share of a file's pages in the page cache (mincore),
+    which says whether a drop left it cold.
   * `raw_sequential_read(directory, num_bytes)`: a file of that size written in `directory`
     (same disk as the tier), read back sequentially in 8 MiB requests, cold: buffered, with
     O_DIRECT, and buffered by several threads at once. The best of them is the bar.
@@ -47,6 +49,38 @@ def drop_page_cache() -> bool:
     except OSError:
         return False
     return True
+
+
+def resident_fraction(path: Path) -> float | None:
+    """The share of `path`'s pages in the page cache (mincore over a private map of it);
+    None where it cannot be asked (no file, an empty one, no mincore)."""
+    import ctypes
+
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return None
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        with open(path, "rb") as handle:
+            # A copy-on-write map is writable, so ctypes can take its address; it is never
+            # written, so its pages are the file's cached pages.
+            mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+        num_pages = -(-size // page)
+        flags = (ctypes.c_ubyte * num_pages)()
+        start = ctypes.c_char.from_buffer(mapped)  # an export of the map, released below
+        try:
+            failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)),
+                                  ctypes.c_size_t(size), flags) != 0
+        finally:
+            del start
+            mapped.close()
+        if failed:
+            return None
+        resident = int(np.count_nonzero(np.frombuffer(flags, dtype=np.uint8) & 1))
+    except (OSError, AttributeError, ValueError, BufferError):
+        return None
+    return resident / num_pages
 
 
 def _gb_s(num_bytes: int, seconds: float) -> float:

@@ -41,7 +41,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvtier.cli.bench.diskread import disk_tier_read, drop_page_cache, raw_sequential_read
+from kvtier.cli.bench.diskread import (
+    disk_tier_read,
+    drop_page_cache,
+    raw_sequential_read,
+    resident_fraction,
+)
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device
 from kvtier.engine.restore import DISK_GROUP_BYTES
@@ -49,6 +54,7 @@ from kvtier.engine.restore import DISK_GROUP_BYTES
 from kvtier.config import DEFAULT_IO_THREADS
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction, ManagerStats
+from kvtier.tiers.disk_check import DATA_FILE
 
 STRATEGIES = ("recompute", "host", "disk")
 GIB = 1 << 30
@@ -234,6 +240,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                 outputs["round2"].append(run_one(llm, d + q, params, recorder))
     del llm
     free_engine_memory(device)
+    resident: list[float | None] = []  # share of the disk tier's file cached after a drop
     if strategy == "disk":
         # A fresh engine over the same directory: its host tier is empty, so every block
         # that is not recomputed comes from disk.
@@ -243,9 +250,13 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
             outputs["round2"] = []
             for i, (d, q) in enumerate(zip(docs, second)):
                 cold = _pause(config, cold)
+                if config.cold:
+                    resident.append(resident_fraction(disk_dir / DATA_FILE))
                 outputs["round2"].append(run_one(llm, d + q, params, recorder))
+                share = "" if not resident or resident[-1] is None else \
+                    f" ({resident[-1]:.1%} of the tier's file cached after the drop)"
                 progress(f"{strategy}: round 2, document {i + 1}/{len(docs)}: TTFT "
-                         f"{outputs['round2'][-1].metrics.ttft_s * 1e3:.1f} ms")
+                         f"{outputs['round2'][-1].metrics.ttft_s * 1e3:.1f} ms{share}")
         del llm
         free_engine_memory(device)
     round2 = outputs["round2"]
@@ -268,6 +279,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         "bytes_moved": moved,
         "meeting_blocks": meeting,
         "cold": cold,
+        "resident_after_drop": resident,
         "num_steps": len(recorder.samples),
         "num_swap_steps": len(recorder.swaps()),
         "max_bytes_per_step": max((sum(s["bytes_moved"].values()) for s in recorder.samples),

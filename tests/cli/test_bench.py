@@ -124,6 +124,9 @@ def test_longctx_cold_pauses_every_strategy_alike(runner, tmp_path):
              ["strategies"].items()}
     assert set(colds) == {"recompute", "host", "disk"}
     assert len(set(colds.values())) == 1 and None not in colds.values()
+    # After each drop the disk strategy reports how much of its tier's file stayed cached.
+    resident = json.loads(result.stdout)["strategies"]["disk"]["resident_after_drop"]
+    assert len(resident) == 2 and all(0.0 <= share <= 1.0 for share in resident)
 
 
 def test_longctx_bad_strategies_is_one_line_error(runner):

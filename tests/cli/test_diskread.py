@@ -7,7 +7,12 @@ import os
 
 import pytest
 import torch
-from kvtier.cli.bench.diskread import disk_tier_read, longest_chain, tier_metas
+from kvtier.cli.bench.diskread import (
+    disk_tier_read,
+    longest_chain,
+    resident_fraction,
+    tier_metas,
+)
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
@@ -53,3 +58,18 @@ def test_a_cycle_of_parents_does_not_hang() -> None:
     a, b = os.urandom(16), os.urandom(16)
     looped = [BlockMeta(a, b, (1,)), BlockMeta(b, a, (2,))]
     assert longest_chain(looped) == []  # no block starts a chain
+
+
+def test_resident_fraction_sees_a_file_read_and_one_evicted(tmp_path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    assert path.read_bytes()  # every page read once: cached
+    assert resident_fraction(path) == 1.0
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    after = resident_fraction(path)
+    assert after is not None and 0.0 <= after <= 1.0  # tmpfs keeps its pages; disks drop them
+    assert resident_fraction(tmp_path / "missing") is None
+    (tmp_path / "empty").touch()
+    assert resident_fraction(tmp_path / "empty") is None
