@@ -29,7 +29,7 @@ def meminfo() -> dict[str, int]:
 
 
 def mappings_of(path: Path) -> dict[str, int]:
-    """Rss / Locked (MiB) summed over this process's mappings of `path`."""
+    """Rss / Locked (kB) summed over this process's mappings of `path`."""
     totals = {"maps": 0, "Rss": 0, "Locked": 0}
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -38,7 +38,7 @@ def mappings_of(path: Path) -> dict[str, int]:
             inside = len(fields) >= 6 and fields[-1] == str(path)
             totals["maps"] += inside
         elif inside and fields and fields[0].rstrip(":") in ("Rss", "Locked"):
-            totals[fields[0].rstrip(":")] += int(fields[1]) >> 10
+            totals[fields[0].rstrip(":")] += int(fields[1])  # kB
     return totals
 
 
