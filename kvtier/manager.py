@@ -23,7 +23,6 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -112,15 +111,6 @@ class TierManager:
             self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
                                     self.disk, self._remote_writes, layout.bytes_per_block,
                                     self._submit, self._tiers)
-        # The disk index's pages are read in the background, so the first lookups after a
-        # start do not fault them in one by one (`DiskTier.warm_index`).
-        self._stop_warming = threading.Event()
-        self._index_warmer: threading.Thread | None = None
-        if self.disk is not None:
-            self._index_warmer = threading.Thread(
-                target=self.disk.warm_index, args=(self._stop_warming,),
-                name="kvtier-disk-index", daemon=True)
-            self._index_warmer.start()
         self._closed = False
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
@@ -383,9 +373,6 @@ class TierManager:
             return
         self.flush()
         self.transfers.close()
-        self._stop_warming.set()
-        if self._index_warmer is not None:
-            self._index_warmer.join()
         if self.disk is not None:
             self.disk.close()
         if self.remote is not None:

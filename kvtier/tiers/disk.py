@@ -37,7 +37,6 @@ from kvtier.tiers.disk_index import (
     GuardedEnv,
     LmdbIndex,
     is_disk_full,
-    walk_index,
 )
 from kvtier.tiers.disk_read import RecordSource, read_records_into
 from kvtier.tiers.record import (
@@ -177,15 +176,6 @@ class DiskTier:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def warm_index(self, stop: threading.Event | None = None) -> int:
-        """Read the index's pages (the tree that says where each block's record is), never
-        the records, so that lookups after a start do not fault them in one by one: on a
-        cold disk with ~1 ms per random read, the lookups of a 32K-token prefix took 120-180
-        ms. The pages stay mapped in this process, and a mapped page stays in memory when
-        the page cache is dropped. Stops early once `stop` is set or the tier is closed;
-        returns how many keys it walked (`disk_index.walk_index`)."""
-        return walk_index(self._map, self._index, stop)
 
     # ---- queries -------------------------------------------------------------------------
 

@@ -410,32 +410,3 @@ def _open_dbs(env: lmdb.Environment, readonly: bool) -> list:
         except lmdb.MapResizedError:
             env.set_mapsize(0)
     raise OSError("the LMDB map keeps being resized by another process; retry later")
-
-
-#: Keys per read transaction of `walk_index`.
-WALK_BATCH_KEYS = 4096
-
-
-def walk_index(env: GuardedEnv, index: LmdbIndex, stop: threading.Event | None = None) -> int:
-    """Walk every key of `index`'s blocks database, never a value: touches the tree's pages
-    (and so maps them into this process). Short read transactions, so a resize waits for
-    none of them for long; stops early once `stop` is set or `env` is closed. Returns how
-    many keys it walked."""
-    walked, last = 0, None
-    while stop is None or not stop.is_set():
-        try:
-            with env.txn() as txn, txn.cursor(db=index.blocks) as cursor:
-                if not (cursor.set_range(last) if last is not None else cursor.first()):
-                    return walked
-                batch = 0
-                for key in cursor.iternext(values=False):
-                    batch += 1
-                    if batch == WALK_BATCH_KEYS:
-                        last = bytes(key)
-                        break
-                else:
-                    return walked + batch
-                walked += batch - 1  # `last` is walked again by the next batch
-        except ValueError:  # closed meanwhile
-            return walked
-    return walked

@@ -354,20 +354,3 @@ def test_lookups_read_no_values_and_reads_read_each_value_once(tmp_path):
         assert same_bytes(dest, payload)
     assert looked_up < stored // 8, f"a lookup read {looked_up} of {stored} stored bytes"
     assert read < stored * 5 // 4, f"reading {stored} bytes fetched {read}"
-
-
-def test_warming_the_index_walks_every_key_in_short_transactions(tmp_path, monkeypatch):
-    from kvtier.tiers import disk_index
-
-    monkeypatch.setattr(disk_index, "WALK_BATCH_KEYS", 3)  # several transactions
-    metas, payloads = make_blocks(SMALL, seed=4, num_blocks=10)
-    with DiskTier(tmp_path / "d", SMALL, BIG_BUDGET) as tier:
-        assert tier.warm_index() == 0  # empty
-        assert tier.put(metas, payloads) == 10
-        assert tier.warm_index() == 10
-        stop = threading.Event()
-        stop.set()
-        assert tier.warm_index(stop) == 0
-        # Warming reads no record: every block still reads back exact.
-        assert all(same_bytes(read_back(tier, m), p) for m, p in zip(metas, payloads))
-    assert tier.warm_index() == 0  # closed: nothing to walk, no error
