@@ -63,6 +63,11 @@ WINDOW_BYTES = 4 << 30
 #: starts computing the head. A tier that answers at all lands its first group sooner (a
 #: 16 MiB read from a cold 1 GB/s disk takes ~16 ms); a dead or hanging one costs this much.
 FIRST_LANDING_WAIT_S = 0.05
+#: ... and at most this share of the time the model takes to compute the prefix, so that
+#: waiting never makes a prompt more than 2% slower than computing it. On an H100 a cold
+#: disk (index and records) landed its first group after ~80 ms, while an 8K-token prefix
+#: computes in ~230 ms: a 50 ms wait then made the restore 1.1-1.4x slower than recomputing.
+FIRST_LANDING_WAIT_SHARE = 0.02
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
@@ -146,6 +151,7 @@ class Restore:
         #: step, then waits for their first group to land (see `holds_first_claim`).
         self.fresh = True
         self._hold_began: float | None = None  # the first `holds_first_claim` call
+        self._hold_limit_s = FIRST_LANDING_WAIT_S  # how long it may hold (see there)
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
         #: Per slow tier, (start, end) of the reads of the groups that landed, and the
@@ -271,24 +277,26 @@ class Restore:
         after one empty step, before a fast tier had read anything, and compute what the
         tier would have delivered. The bound keeps a tier that never answers from holding
         the request: it then computes everything, as it would without a tier, that much
-        later. A prefix the model computes from `compute_block` on in less than that bound
-        (at the measured `prefill` speed) is not held at all: waiting could only
-        make it later; nor is one whose slow tiers' rate is known from recent restores (the
-        claims are sized from it). `prefill`: the model's measured speed."""
+        later. With the model's speed known (`prefill`), the bound is also at most
+        `FIRST_LANDING_WAIT_SHARE` of the time to compute the prefix from `compute_block`
+        on; a prefix whose slow tiers' rate is known from recent restores is not held at
+        all (the claims are sized from it)."""
         if not self.fresh:
             return False
         now = time.monotonic()
         if self._hold_began is None:
             self._hold_began = now
             known = prefill is not None and prefill.tokens_per_s is not None
-            cheap = known and prefill.seconds(self._pending_tokens(compute_block),
-                                              compute_block * self.block_size) \
-                <= FIRST_LANDING_WAIT_S
-            if cheap or (known and self._expected_load_rate is not None):
+            if known and self._expected_load_rate is not None:
                 self.fresh = False
                 return False
+            if known:
+                compute_s = prefill.seconds(self._pending_tokens(compute_block),
+                                            compute_block * self.block_size)
+                self._hold_limit_s = min(FIRST_LANDING_WAIT_S,
+                                         FIRST_LANDING_WAIT_SHARE * compute_s)
         if self._in_flight and self._num_completed == 0 \
-                and now - self._hold_began < FIRST_LANDING_WAIT_S:
+                and now - self._hold_began < self._hold_limit_s:
             return True
         self.fresh = False
         return False

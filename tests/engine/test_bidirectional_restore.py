@@ -21,6 +21,7 @@ import torch
 from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.request import Request, RequestId, RequestStatus
+from kvtier.engine.restore import FIRST_LANDING_WAIT_SHARE
 from kvtier.engine.scheduler import Scheduler
 from restore_cases import (
     BS,
@@ -81,6 +82,30 @@ def test_a_slow_tier_meets_the_compute_front_in_the_middle(disk_dir: Path) -> No
         hook.release()
         finish_idle(driver)
     assert manager.stats().tiers[Tier.DISK].failures == 0  # cancelled is not failed
+
+
+def test_the_first_landing_wait_is_a_small_share_of_computing_the_prefix(
+        disk_dir: Path) -> None:
+    """With the model's speed known, the compute front waits for the tier's first group at
+    most FIRST_LANDING_WAIT_SHARE of the time computing the prefix takes (here 2% of
+    0.4 s), not the full FIRST_LANDING_WAIT_S: a cold disk's first read can take longer
+    than that, and the wait would make the prompt slower than computing it."""
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # the first read is held: nothing lands meanwhile
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(8, 0.1)  # 12.5 ms a token: 32 take 0.4 s
+        request = driver.add(PROMPT)
+        try:
+            assert not driver.step().scheduled  # admitted, loads issued, the front holds
+            assert hook.gated.wait(timeout=60)
+            time.sleep(FIRST_LANDING_WAIT_SHARE * 0.4 * 2.5)  # past the share, within 50 ms
+            plan = driver.step()
+            assert [(p.start, p.num_new_tokens) for p in plan.scheduled] == [(0, 8)]
+        finally:
+            hook.release()
+        finish_idle(driver)
+    assert request.status is RequestStatus.FINISHED
 
 
 def test_a_broken_tier_meets_at_the_end(disk_dir: Path) -> None:
