@@ -145,7 +145,7 @@ class Restore:
                                       manager.config.max_pending_io // 2))
         self._top = len(tiers) - 1  # the highest block that may still be PENDING
         self._in_flight: list[_Group] = []  # tail first
-        self._draining: list[LoadId] = []   # cancelled groups, completed once their I/O ends
+        self._draining: list[_Group] = []   # cancelled groups, completed once their I/O ends
         self.restored = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}  # blocks landed, per tier
         #: The compute front has not claimed yet: it first gives the tiers the rest of the
         #: step, then waits for their first group to land (see `holds_first_claim`).
@@ -158,6 +158,10 @@ class Restore:
         #: seconds at least one of them (of any slow tier) was under way (None: not summed
         #: since the last landing; summed when a rate is asked for, not at every landing).
         self._read_spans: dict[Tier, list[tuple[float, float]]] = {}
+        #: Per slow tier, tokens its reads delivered to host memory (used or overtaken by
+        #: the compute front), and when its first group was issued: its rate and latency.
+        self._read_tokens: dict[Tier, int] = {}
+        self._first_issue: dict[Tier, float] = {}
         self._busy_s: float | None = 0.0
 
     @property
@@ -209,6 +213,7 @@ class Restore:
                 self.states[i] = BlockState.LOADING
             self._top = start - 1
             self._in_flight.append(_Group(load_id, start, stop, tier))
+            self._first_issue.setdefault(tier, time.monotonic())
             if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
 
@@ -228,7 +233,7 @@ class Restore:
         """Tokens/s the slow tiers delivered to this restore while they were reading, or
         what they delivered to recent ones before the first landing here; None when
         neither is known."""
-        landed = self.block_size * sum(self.restored[t] for t in SLOW_TIERS)
+        landed = sum(self._read_tokens.values())
         if self._busy_s is None:
             self._busy_s = busy_seconds([span for tier_spans in self._read_spans.values()
                                          for span in tier_spans])
@@ -236,19 +241,36 @@ class Restore:
             return landed / self._busy_s
         return self._expected_load_rate
 
-    def measured_rates(self) -> list[tuple[Tier, int, float]]:
-        """(tier, tokens landed, seconds that tier's reads were under way) of each slow
-        tier that delivered to this restore, for `TierRates`."""
-        busy = {tier: busy_seconds(spans) for tier, spans in self._read_spans.items()}
-        return [(tier, self.restored[tier] * self.block_size, seconds)
-                for tier, seconds in busy.items() if self.restored[tier] and seconds > 0]
+    def measured_rates(self) -> list[tuple[Tier, int, float, float]]:
+        """(tier, tokens read, seconds that tier's reads were under way, seconds from its
+        first group's issue to the end of its first read) of each slow tier that delivered
+        to this restore, for `TierRates`. Reads the compute front overtook count: a tier
+        too slow to land anything in time still shows how slow it is."""
+        rates = []
+        for tier, spans in self._read_spans.items():
+            seconds = busy_seconds(spans)
+            tokens = self._read_tokens.get(tier, 0)
+            if tokens and seconds > 0 and tier in self._first_issue:
+                latency = max(0.0, min(end for _, end in spans) - self._first_issue[tier])
+                rates.append((tier, tokens, seconds, latency))
+        return rates
+
+    def _count_read(self, group: _Group, spans: list[tuple[float, float]]) -> None:
+        """Count what a slow tier's group read into host memory, landed or overtaken."""
+        read = self.manager.load_read_blocks(group.load_id)
+        if group.tier in SLOW_TIERS and read and spans:
+            self._read_spans.setdefault(group.tier, []).extend(spans)
+            self._read_tokens[group.tier] = (self._read_tokens.get(group.tier, 0)
+                                             + read * self.block_size)
+            self._busy_s = None
 
     def collect(self) -> bool:
         """Complete groups that landed (call after `TierManager.poll`). True if any did."""
-        for load_id in list(self._draining):
-            if self.manager.is_load_ready(load_id, advance=False):
-                self.manager.complete_load_blocks(load_id)
-                self._draining.remove(load_id)
+        for group in list(self._draining):
+            if self.manager.is_load_ready(group.load_id, advance=False):
+                self._count_read(group, self.manager.load_read_spans(group.load_id))
+                self.manager.complete_load_blocks(group.load_id)
+                self._draining.remove(group)
         landed = [g for g in self._in_flight
                   if self.manager.is_load_ready(g.load_id, advance=False)]
         for group in landed:
@@ -259,13 +281,11 @@ class Restore:
     def _land(self, group: _Group) -> None:
         self._num_completed += 1
         spans = self.manager.load_read_spans(group.load_id)
+        self._count_read(group, spans)
         arrived = self.manager.complete_load_blocks(group.load_id)
         for i, ok in zip(range(group.start, group.stop), arrived):
             self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE
             self.restored[group.tier] += ok
-        if group.tier in SLOW_TIERS and any(arrived):
-            self._read_spans.setdefault(group.tier, []).extend(spans)
-            self._busy_s = None
 
     # ---- the compute front ---------------------------------------------------------------
 
@@ -362,17 +382,18 @@ class Restore:
         if any(arriving):
             return False
         self._in_flight.remove(group)
-        self._draining.append(group.load_id)
+        self._draining.append(group)
         for i in range(group.start, group.stop):
             self.states[i] = BlockState.PENDING
         self._top = max(self._top, group.stop - 1)
         return True
 
-    def abandon(self) -> list[LoadId]:
-        """The request gave its blocks back: cancel every group; returns the loads still to
-        be completed (their blocks are not cached: the request no longer holds them)."""
+    def abandon(self) -> None:
+        """The request gave its blocks back (or finished): cancel every group in flight.
+        `collect` completes them as their I/O ends (their blocks are not cached: the
+        request no longer holds them) and counts what they read; `num_in_flight` says
+        how many are left."""
         for group in self._in_flight:
             self.manager.cancel_load(group.load_id)
-        loads = [g.load_id for g in self._in_flight] + self._draining
-        self._in_flight, self._draining = [], []
-        return loads
+        self._draining.extend(self._in_flight)
+        self._in_flight = []

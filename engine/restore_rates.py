@@ -22,18 +22,22 @@ MIN_SAVING_S = 0.05
 
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
-                  load_tokens_per_s: float | None, min_saving_s: float = MIN_SAVING_S) -> bool:
+                  load_tokens_per_s: float | None, min_saving_s: float = MIN_SAVING_S,
+                  load_latency_s: float = 0.0) -> bool:
     """Whether `num_tokens` tokens still to come are worth looking for in the slow tiers:
     computing them alone (at the prefill rate P) must take `min_saving_s` longer than the
-    two fronts together (P + L, L the slow tiers' rate), or, while L is not known, at
-    least `min_saving_s` at all. True while P is not known (nothing to weigh it with), and
-    always with `min_saving_s` 0."""
+    two fronts together, or, while L is not known, at least `min_saving_s` at all. The
+    fronts together: the model computes from the start while the tiers deliver L tokens/s
+    once their first read ends, `load_latency_s` after the restore began, so they meet
+    after (R + L * latency) / (P + L). True while P is not known (nothing to weigh it
+    with), and always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
     if load_tokens_per_s is None:
         return alone >= min_saving_s
-    together = num_tokens / (prefill_tokens_per_s + load_tokens_per_s)
+    together = min(alone, (num_tokens + load_tokens_per_s * max(0.0, load_latency_s))
+                   / (prefill_tokens_per_s + load_tokens_per_s))
     return alone - together >= min_saving_s
 
 
@@ -128,12 +132,23 @@ class TierRates:
     `PrefillRate`. A new restore expects its slow tiers to do as well until they land."""
 
     tokens_per_s: dict[Tier, float] = field(default_factory=dict)
+    #: Seconds from a restore's first group of the tier to the end of its first read.
+    latency_s: dict[Tier, float] = field(default_factory=dict)
 
-    def observe(self, tier: Tier, num_tokens: int, seconds: float) -> None:
-        """Count `num_tokens` tokens that `tier` delivered to one restore in `seconds`."""
+    def observe(self, tier: Tier, num_tokens: int, seconds: float,
+                latency_s: float | None = None) -> None:
+        """Count `num_tokens` tokens that `tier` delivered to one restore in `seconds`,
+        its first read ending `latency_s` after the restore issued it."""
         if num_tokens <= 0 or seconds <= 0:
             return
         self.tokens_per_s[tier] = _average(self.tokens_per_s.get(tier), num_tokens / seconds)
+        if latency_s is not None and latency_s >= 0:
+            self.latency_s[tier] = _average(self.latency_s.get(tier), latency_s)
+
+    def expected_latency(self, tiers: Iterable[Tier]) -> float:
+        """The longest first-read latency among the slow tiers in `tiers` (0 if unknown)."""
+        return max((self.latency_s.get(tier, 0.0) for tier in tiers if tier in SLOW_TIERS),
+                   default=0.0)
 
     def expected(self, tiers: Iterable[Tier]) -> float | None:
         """The slowest rate among the slow tiers in `tiers`; None when none of them is slow

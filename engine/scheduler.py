@@ -39,7 +39,7 @@ from kvtier.stats import Tier
 from kvtier.tiers.record import BlockMeta
 
 if TYPE_CHECKING:
-    from kvtier.manager import LoadId, TierManager
+    from kvtier.manager import TierManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._restores: dict[RequestId, Restore] = {}
-        self._draining: list[LoadId] = []  # loads of restores given up, not completed yet
+        #: Restores that ended with loads whose I/O has not ended (they hold host slots);
+        #: their rates are learnt once it has.
+        self._ending: list[Restore] = []
         self._admissions: dict[RequestId, _Admission] = {}
         #: The model's measured prefill speed, which sizes restores' claims (the engine
         #: feeds it: `PrefillRate.observe`).
@@ -117,12 +119,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Requests to run, or loads given up whose I/O has not ended (they hold blocks)."""
-        return bool(self.waiting or self.running or self._draining)
+        return bool(self.waiting or self.running or self._ending)
 
     @property
     def num_loading(self) -> int:
         """Loads not completed yet (of running restores, or of restores given up)."""
-        return len(self._draining) + sum(r.num_in_flight for r in self._restores.values())
+        return sum(r.num_in_flight for r in [*self._ending, *self._restores.values()])
 
     def restore_fronts(self) -> dict[RequestId, RestoreFronts]:
         """Where each restore in progress stands (for timelines)."""
@@ -247,15 +249,17 @@ class Scheduler:
         # The rate over these tokens, after the context before them.
         seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
         return worth_reading(num_tokens, None if not seconds else num_tokens / seconds,
-                             self.tier_rates.expected(slow), self.min_restore_saving_s)
+                             self.tier_rates.expected(slow), self.min_restore_saving_s,
+                             self.tier_rates.expected_latency(slow))
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
         self.manager.poll()
-        for load_id in list(self._draining):
-            if self.manager.is_load_ready(load_id, advance=False):
-                self.manager.complete_load_blocks(load_id)
-                self._draining.remove(load_id)
+        for restore in list(self._ending):
+            restore.collect()
+            if not restore.num_in_flight:
+                self._ending.remove(restore)
+                self._learn_rates(restore)
         for restore in self._restores.values():
             restore.collect()
 
@@ -382,11 +386,17 @@ class Scheduler:
             self._forget(restore)
 
     def _forget(self, restore: Restore) -> None:
-        """Learn the slow tiers' rates from a restore that ends; complete its loads given up
-        later (`_draining`)."""
-        for tier, num_tokens, seconds in restore.measured_rates():
-            self.tier_rates.observe(tier, num_tokens, seconds)
-        self._draining.extend(restore.abandon())
+        """A restore ends: cancel its loads in flight; learn the slow tiers' rates from it
+        once their I/O has ended (`_ending`), reads the compute front overtook included."""
+        restore.abandon()
+        if restore.num_in_flight:
+            self._ending.append(restore)
+        else:
+            self._learn_rates(restore)
+
+    def _learn_rates(self, restore: Restore) -> None:
+        for tier, num_tokens, seconds, latency_s in restore.measured_rates():
+            self.tier_rates.observe(tier, num_tokens, seconds, latency_s)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self.running:

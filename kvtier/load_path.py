@@ -117,6 +117,7 @@ class LoadPath:
                 self.host.free_slot(lb.slot)
                 lb.slot, lb.done = None, True
                 self._counters[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += ran
+        load.read_blocks += len(landed)
         if cancelled:  # the bytes stay in the host tier; the GPU blocks are the caller's now
             for lb in landed:
                 assert lb.slot is not None

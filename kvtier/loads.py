@@ -62,6 +62,9 @@ class Load:
     #: (start, end) on `time.monotonic` of each disk or remote read job of this load that
     #: ran, appended by the I/O threads: how long the tier took, not when it was noticed.
     read_spans: list[tuple[float, float]] = field(default_factory=list)
+    #: Blocks whose disk or remote read succeeded, used or not (a cancelled load's too):
+    #: what the tier delivered in `read_spans`.
+    read_blocks: int = 0
     #: On CUDA, an event recorded on the compute stream when the load took its GPU blocks:
     #: the work that may still use them is queued before it, so its copies wait for that
     #: work alone, not for the model's steps queued since.

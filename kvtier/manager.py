@@ -260,6 +260,12 @@ class TierManager:
         completed load."""
         return list(self._get_load(load_id).read_spans)
 
+    def load_read_blocks(self, load_id: LoadId) -> int:
+        """Blocks of the load whose disk or remote read succeeded so far, whether or not
+        they reach the GPU (a cancelled load's reads count). Raises ValueError for an
+        unknown or completed load."""
+        return self._get_load(load_id).read_blocks
+
     def complete_load_blocks(self, load_id: LoadId) -> list[bool]:
         """`complete_load` for a caller that uses every block that arrived, not only the
         leading ones: returns per block whether it arrived intact; each that did is cached

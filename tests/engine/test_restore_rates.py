@@ -157,6 +157,36 @@ def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None
     assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
 
 
+def test_a_slow_tiers_first_read_latency_counts_against_reading() -> None:
+    # An 8K prefix on an H100 (~35K tokens/s) and a cold 1.3 GB/s disk (~10K tokens/s of an
+    # 8B model's KV): reading saves 52 ms if the disk starts at once, 34 ms if its first
+    # read ends 80 ms in: then it is not asked.
+    assert worth_reading(8_192, 35_000.0, 10_000.0)
+    assert not worth_reading(8_192, 35_000.0, 10_000.0, load_latency_s=0.08)
+    # A 32K prefix (~24K tokens/s over it) still saves ~0.35 s with that latency.
+    assert worth_reading(32_768, 24_000.0, 10_000.0, load_latency_s=0.08)
+    # A latency longer than computing alone never makes reading look slower than that.
+    assert not worth_reading(1_000, 10_000.0, 10_000.0, load_latency_s=5.0)
+
+
+def test_reads_the_compute_front_overtook_still_teach_the_disks_rate(disk_dir: Path) -> None:
+    """A disk too slow to land anything before the compute front reaches it must still
+    be measured, or the scheduler keeps asking it (its rate unknown) and every restore
+    pays the wait and the lookups for nothing."""
+    warm(disk_dir, [PROMPT])
+    hook = ReadHook(delay_s=0.05)  # 50 ms a block
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(8, 1e-6)  # the model: fast, 8 tokens a step
+        driver.scheduler.min_restore_saving_s = 0.0  # ask the disk all the same
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+    assert restored_blocks(request) == 0 and hook.read  # read, but overtaken
+    rates = driver.scheduler.tier_rates
+    assert 0 < rates.expected([Tier.DISK]) < 4 / 0.05 * 4  # ~80 tokens/s a thread, slow
+    assert rates.expected_latency([Tier.DISK]) >= 0.05
+
+
 def test_the_threshold_is_an_engine_option() -> None:
     from kvtier.engine import LLM
 
