@@ -154,9 +154,10 @@ class Restore:
         self._hold_limit_s = FIRST_LANDING_WAIT_S  # how long it may hold (see there)
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
-        #: Per slow tier, (start, end) of the reads of the groups that landed, and the
-        #: seconds at least one of them (of any slow tier) was under way (None: not summed
-        #: since the last landing; summed when a rate is asked for, not at every landing).
+        #: Per slow tier, (start, end) of the reads of its groups that ended (landed or
+        #: overtaken), and the seconds at least one of them (of any slow tier) was under
+        #: way (None: not summed since the last read counted; summed when a rate is asked
+        #: for, not at every landing).
         self._read_spans: dict[Tier, list[tuple[float, float]]] = {}
         #: Per slow tier, tokens its reads delivered to host memory (used or overtaken by
         #: the compute front), and when its first group was issued: its rate and latency.
@@ -255,9 +256,10 @@ class Restore:
                 rates.append((tier, tokens, seconds, latency))
         return rates
 
-    def _count_read(self, group: _Group, spans: list[tuple[float, float]]) -> None:
-        """Count what a slow tier's group read into host memory, landed or overtaken."""
-        read = self.manager.load_read_blocks(group.load_id)
+    def _count_read(self, group: _Group) -> None:
+        """Count what a slow tier's group read into host memory, landed or overtaken (call
+        before completing it)."""
+        read, spans = self.manager.load_reads(group.load_id)
         if group.tier in SLOW_TIERS and read and spans:
             self._read_spans.setdefault(group.tier, []).extend(spans)
             self._read_tokens[group.tier] = (self._read_tokens.get(group.tier, 0)
@@ -268,7 +270,7 @@ class Restore:
         """Complete groups that landed (call after `TierManager.poll`). True if any did."""
         for group in list(self._draining):
             if self.manager.is_load_ready(group.load_id, advance=False):
-                self._count_read(group, self.manager.load_read_spans(group.load_id))
+                self._count_read(group)
                 self.manager.complete_load_blocks(group.load_id)
                 self._draining.remove(group)
         landed = [g for g in self._in_flight
@@ -280,8 +282,7 @@ class Restore:
 
     def _land(self, group: _Group) -> None:
         self._num_completed += 1
-        spans = self.manager.load_read_spans(group.load_id)
-        self._count_read(group, spans)
+        self._count_read(group)
         arrived = self.manager.complete_load_blocks(group.load_id)
         for i, ok in zip(range(group.start, group.stop), arrived):
             self.states[i] = BlockState.VALID if ok else BlockState.COMPUTE

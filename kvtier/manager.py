@@ -254,17 +254,13 @@ class TierManager:
         arrived = self._complete(load_id, leading_only=True)
         return next((i for i, ok in enumerate(arrived) if not ok), len(arrived))
 
-    def load_read_spans(self, load_id: LoadId) -> list[tuple[float, float]]:
-        """(start, end) on `time.monotonic` of each disk or remote read of the load that
-        has run so far (call before completing it). Raises ValueError for an unknown or
-        completed load."""
-        return list(self._get_load(load_id).read_spans)
-
-    def load_read_blocks(self, load_id: LoadId) -> int:
-        """Blocks of the load whose disk or remote read succeeded so far, whether or not
-        they reach the GPU (a cancelled load's reads count). Raises ValueError for an
-        unknown or completed load."""
-        return self._get_load(load_id).read_blocks
+    def load_reads(self, load_id: LoadId) -> tuple[int, list[tuple[float, float]]]:
+        """What the load's disk or remote reads have done so far (call before completing
+        it): the blocks read intact, whether or not they reach the GPU (a cancelled load's
+        reads count), and the (start, end) on `time.monotonic` of each read job that ran.
+        Raises ValueError for an unknown or completed load."""
+        load = self._get_load(load_id)
+        return load.read_blocks, list(load.read_spans)
 
     def complete_load_blocks(self, load_id: LoadId) -> list[bool]:
         """`complete_load` for a caller that uses every block that arrived, not only the

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -54,8 +55,6 @@ def drop_page_cache() -> bool:
 def resident_fraction(path: Path) -> float | None:
     """The share of `path`'s pages in the page cache (mincore over a private map of it);
     None where it cannot be asked (no file, an empty one, no mincore)."""
-    import ctypes
-
     try:
         size = path.stat().st_size
         if size == 0:
