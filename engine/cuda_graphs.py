@@ -63,23 +63,16 @@ def stage_rows(scheduled: Sequence[ScheduledRequest], block_size: int, tokens: n
         (a request's rows all get its block table; each row reads only up to its seq_len).
     Returns the number of real rows. The caller has checked that they fit (`can_run`).
     """
-    bs = block_size
     row = 0
     for index, planned in enumerate(scheduled):
-        request = planned.request
-        start, end = planned.start, planned.start + planned.num_new_tokens
-        num_blocks = -(-end // bs)
-        assert len(request.block_table) >= num_blocks, \
-            f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
-        block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
-                                dtype=np.int64, count=num_blocks)
+        block_ids, positions, slots = planned.placement(block_size)
         rows = slice(row, row + planned.num_new_tokens)
-        positions = np.arange(start, end, dtype=np.int64)
-        tokens[0, rows] = request.token_ids[start:end]
+        tokens[0, rows] = planned.request.token_ids[planned.start:planned.start
+                                                    + planned.num_new_tokens]
         tokens[1, rows] = positions
-        tokens[2, rows] = block_ids[positions // bs] * bs + positions % bs
+        tokens[2, rows] = slots
         seq_lens[rows] = positions + 1
-        block_tables[rows, :num_blocks] = block_ids
+        block_tables[rows, :len(block_ids)] = block_ids
         row = rows.stop
         tokens[3, index] = row - 1
     tokens[:2, row:size] = 0

@@ -88,19 +88,12 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_rows: list[int] = []
         for row, planned in enumerate(scheduled):
-            request = planned.request
             lo, hi = int(query_start_loc[row]), int(query_start_loc[row + 1])
-            end = planned.start + planned.num_new_tokens
-            num_blocks = -(-end // bs)
-            assert len(request.block_table) >= num_blocks, \
-                f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
-            block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
-                                    dtype=np.int64, count=num_blocks)
-            block_tables[row, :num_blocks] = block_ids
-            input_ids[lo:hi] = request.token_ids[planned.start:end]
-            pos = np.arange(planned.start, end, dtype=np.int64)
-            positions[lo:hi] = pos
-            slot_mapping[lo:hi] = block_ids[pos // bs] * bs + pos % bs
+            block_ids, chunk_positions, slots = planned.placement(bs)
+            block_tables[row, :len(block_ids)] = block_ids
+            input_ids[lo:hi] = planned.request.token_ids[planned.start:planned.start + hi - lo]
+            positions[lo:hi] = chunk_positions
+            slot_mapping[lo:hi] = slots
             if planned.samples:
                 logits_indices.append(hi - 1)
                 sampling_rows.append(row)

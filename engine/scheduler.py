@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
 from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
@@ -54,6 +55,20 @@ class ScheduledRequest:
     start: int
     num_new_tokens: int
     samples: bool
+
+    def placement(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the chunk's tokens go in the paged cache: block_ids [blocks up to its end],
+        positions [num_new_tokens] and slot_mapping [num_new_tokens], all int64."""
+        request = self.request
+        end = self.start + self.num_new_tokens
+        num_blocks = -(-end // block_size)
+        assert len(request.block_table) >= num_blocks, \
+            f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
+        block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
+                                dtype=np.int64, count=num_blocks)
+        positions = np.arange(self.start, end, dtype=np.int64)
+        slots = block_ids[positions // block_size] * block_size + positions % block_size
+        return block_ids, positions, slots
 
 
 @dataclass(slots=True)
