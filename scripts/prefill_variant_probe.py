@@ -1,12 +1,12 @@
 """Prefill kernel variants on the lent GPU: the paged attention kernel with its key loops
-rewritten (Triton's warp specialisation, loop-level pipelining), timed next to the kernel as
+or its softmax rewritten (Triton's warp specialisation, loop-level pipelining), timed next to the kernel as
 it is on the chunks of a 32K-token prompt in 8K steps.
 
     python scripts/prefill_variant_probe.py [--tilings 64x128x8x2,32x128x8x3]
 
-A variant is a copy of kernels/paged_attention.py with its two `for start_n in range(...)`
-loops replaced, written to a temporary module (Triton reads a kernel's source from its
-file). Each variant's output is checked against the unmodified kernel's; a variant that
+A variant is a copy of kernels/paged_attention.py with source edits (its two `for start_n
+in range(...)` loops replaced, or the softmax of `_attend_tile` rewritten), written to a
+temporary module (Triton reads a kernel's source from its file). Each variant's output is checked against the unmodified kernel's; a variant that
 fails to compile is reported, not fatal. Medians of triton.testing.do_bench, eager.
 """
 
@@ -26,27 +26,82 @@ SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "paged_attention.py"
 UNMASKED = "for start_n in range(lo, unmasked_end, TILE_N):"
 MASKED = "for start_n in range(unmasked_end, hi, TILE_N):"
 
-#: name -> (replacement of the unmasked loop header, of the masked one)
+SCALED_SCORES = """\
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] float32
+"""
+SOFTMAX = """\
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row may see no key of this tile yet (split-KV ranges); keep its exponents finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+"""
+#: Raw scores, the scale folded into the row maxima and the exponent's multiply-add (one
+#: float operation per score fewer), no -inf guard in unmasked tiles.
+FMA_SOFTMAX = """\
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * qk_scale - m_safe[:, None])
+"""
+RESCALE = """\
+    l_i = l_i * alpha + tl.sum(p, 1)
+"""
+ACC_UPDATE = """\
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+"""
+#: Lazy rescaling: the running maxima (and acc) move only when a row's grows by more than
+#: 2^8; otherwise the exponents run against the old maxima.
+LAZY_SOFTMAX = """\
+    m_cand = tl.maximum(m_i, tl.max(s, 1))
+    grows = tl.max(tl.where(m_cand > m_i + 8.0, 1, 0), 0) > 0
+    m_new = m_i
+    if grows:
+        m_new = m_cand
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+"""
+
+
+def _loops(unmasked: str, masked: str) -> list[tuple[str, str]]:
+    return [(UNMASKED, unmasked), (MASKED, masked)]
+
+
+#: name -> source edits (old text, new text), each old text found exactly once
 VARIANTS = {
-    "base": (UNMASKED, MASKED),
-    "ws unmasked": ("for start_n in tl.range(lo, unmasked_end, TILE_N, warp_specialize=True):",
-                    MASKED),
-    "ws both": ("for start_n in tl.range(lo, unmasked_end, TILE_N, warp_specialize=True):",
-                "for start_n in tl.range(unmasked_end, hi, TILE_N, warp_specialize=True):"),
-    "flatten": ("for start_n in tl.range(lo, unmasked_end, TILE_N, flatten=True):", MASKED),
-    "disallow acc multi buffer": (
+    "base": [],
+    "ws unmasked": _loops(
+        "for start_n in tl.range(lo, unmasked_end, TILE_N, warp_specialize=True):", MASKED),
+    "ws both": _loops(
+        "for start_n in tl.range(lo, unmasked_end, TILE_N, warp_specialize=True):",
+        "for start_n in tl.range(unmasked_end, hi, TILE_N, warp_specialize=True):"),
+    "flatten": _loops("for start_n in tl.range(lo, unmasked_end, TILE_N, flatten=True):",
+                      MASKED),
+    "disallow acc multi buffer": _loops(
         "for start_n in tl.range(lo, unmasked_end, TILE_N, disallow_acc_multi_buffer=True):",
         MASKED),
+    "fma softmax": [(SCALED_SCORES, SCALED_SCORES.replace(" * qk_scale", "")),
+                    (SOFTMAX, FMA_SOFTMAX)],
+    "lazy rescale": [(SOFTMAX, LAZY_SOFTMAX), (RESCALE, "    l_i = l_i + tl.sum(p, 1)\n"),
+                     (ACC_UPDATE, ACC_UPDATE.replace("acc * alpha[:, None]", "acc"))],
 }
 
 #: (chunk, prefix) of a 32,768-token prompt in 8,192-token steps.
 CHUNKS = ((8192, 0), (8192, 8192), (8192, 16384), (8192, 24576))
 
 
-def load_variant(name: str, headers: tuple[str, str], directory: Path):
+def load_variant(name: str, edits: list[tuple[str, str]], directory: Path):
     text = SOURCE.read_text()
-    assert UNMASKED in text and MASKED in text, "the kernel's loops changed; update the probe"
-    text = text.replace(UNMASKED, headers[0]).replace(MASKED, headers[1])
+    for old, new in edits:
+        assert text.count(old) == 1, f"{name}: the kernel changed; update the probe"
+        text = text.replace(old, new)
     module_name = "pa_variant_" + "".join(c if c.isalnum() else "_" for c in name)
     path = directory / f"{module_name}.py"
     path.write_text(text)
