@@ -23,6 +23,7 @@ from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.scheduler import ScheduledRequest
 from kvtier.engine.step_timer import StepTimer
+from kvtier.kernels import store_to_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,9 @@ class ModelRunner:
         #: Times the prefill steps (what `Scheduler.prefill_rate` learns from).
         self.step_timer = StepTimer(self.device)
         self.graphs: DecodeGraphs | None = None
+        #: Pinned buffer the sampled ids are stored into, and the event that says they are.
+        self._host_ids: torch.Tensor | None = None
+        self._ids_stored = torch.cuda.Event() if self.device.type == "cuda" else None
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
         """Record decode graphs for up to `max_num_seqs` rows and sequences up to
@@ -144,9 +148,26 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [n, vocab]
         requests = [scheduled[row].request for row in sampling_rows]
         token_ids = self.sample_fn(logits, requests)  # [n]
-        for row, token_id in zip(sampling_rows, token_ids.tolist()):
+        for row, token_id in zip(sampling_rows, self._read_back(token_ids)):
             sampled[row] = int(token_id)
         return sampled
+
+    def _read_back(self, token_ids: torch.Tensor) -> list[int]:
+        """The sampled ids [n] as Python ints. On CUDA the SMs store them into pinned memory
+        (`kernels.store_to_host`): a copy-engine read-back queues behind the write-through
+        of the blocks the previous step filled (6-7 ms on the second step of an 8,208-token
+        prompt of an 8B model on an H100, docs/BENCHMARKS.md)."""
+        if token_ids.device.type != "cuda":
+            return token_ids.tolist()
+        num = token_ids.shape[0]
+        if self._host_ids is None or self._host_ids.shape[0] < num \
+                or self._host_ids.dtype != token_ids.dtype:
+            self._host_ids = torch.empty(max(num, 256), dtype=token_ids.dtype,
+                                         pin_memory=True)
+        store_to_host(token_ids.contiguous(), self._host_ids)
+        self._ids_stored.record()
+        self._ids_stored.synchronize()
+        return self._host_ids[:num].tolist()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

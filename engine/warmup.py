@@ -12,7 +12,8 @@ on what the model fixes (dtype, head counts, head dim, block size) and on the ti
     long prefix    a short chunk after a long context (split-KV)
     decode         short decodes, and decodes over long contexts (split-KV, merged)
     mixed          a prefill chunk batched with decodes
-    sampling       the logits head and both sampler paths (greedy, seeded random)
+    sampling       the logits head, both sampler paths (greedy, seeded random) and the
+                   read-back of the sampled ids (`kernels.store_to_host`)
     block copies   one block GPU -> pinned host -> GPU, and one GPU -> GPU block copy
 
 `prepare_gpu` runs it at engine start, right after the model runner records the CUDA graphs
@@ -38,6 +39,7 @@ from kvtier.engine import paths
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.sampler import SamplingParams, sample
+from kvtier.kernels import store_to_host
 
 if TYPE_CHECKING:
     from kvtier.engine.engine_config import EngineConfig
@@ -159,9 +161,12 @@ def run_steps(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
         # Block 0 holds whatever memory held (NaN too): sample from clean logits instead.
         clean = torch.randn(logits.shape, generator=generator, device=device)
         num_reqs = len(step.q_lens)
-        sample(clean, [SamplingParams()] * num_reqs, [None] * num_reqs)
+        token_ids = sample(clean, [SamplingParams()] * num_reqs, [None] * num_reqs)  # [n]
         sample(clean, [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)] * num_reqs,
                [generator] * num_reqs)
+        if device.type == "cuda":
+            store_to_host(token_ids, torch.empty(num_reqs, dtype=token_ids.dtype,
+                                                 pin_memory=True))
 
 
 def _warm_block_copies(kv_cache: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ from kvtier.kernels import reference
 from kvtier.kernels.copy_blocks import copy_blocks
 from kvtier.kernels.flash_backend import flash_available
 from kvtier.kernels.flash_backend import paged_attention as flash_paged_attention
+from kvtier.kernels.host_store import store_to_host
 from kvtier.kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
 from kvtier.kernels.paged_attention import paged_attention
 from kvtier.kernels.paged_decode import AttentionConfig
@@ -28,5 +29,6 @@ __all__ = [
     "rotary_embedding_",
     "silu_and_mul",
     "store_kv",
+    "store_to_host",
     "swap_blocks",
 ]

@@ -154,6 +154,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
                         src.index_select(0, mapping[:, 0].to(src.device)).to(dst.device))
 
 
+def store_to_host(src: torch.Tensor, host: torch.Tensor) -> None:
+    """Write src [n] into host[:n] (a copy; the kernel stores with the SMs instead)."""
+    host[:src.shape[0]].copy_(src)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

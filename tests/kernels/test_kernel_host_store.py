@@ -1,0 +1,74 @@
+"""store_to_host (sampled ids stored into pinned memory by the SMs) against the reference."""
+
+from __future__ import annotations
+
+import kernel_cases as cases
+import pytest
+import torch
+from kvtier.kernels import reference, store_to_host
+
+
+@cases.needs_interpreter
+@pytest.mark.parametrize("num_values", [1, 7, 1024, 1500])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
+def test_store_to_host_matches_reference(dtype: torch.dtype, num_values: int) -> None:
+    src = (torch.arange(num_values) * 7919 - 5).to(dtype)
+    host = torch.full((num_values + 3,), -1).to(dtype)
+    expected = host.clone()
+    store_to_host(src, host)
+    reference.store_to_host(src, expected)
+    assert torch.equal(host, expected)
+    assert (host[num_values:] == -1).all(), "values past src were written"
+
+
+@cases.needs_interpreter
+def test_store_to_host_rejects_misuse() -> None:
+    src = torch.arange(4)
+    with pytest.raises(ValueError, match="1-D"):
+        store_to_host(src.view(2, 2), torch.empty(4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dtype|int32"):
+        store_to_host(src, torch.empty(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="larger host buffer"):
+        store_to_host(src, torch.empty(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        store_to_host(torch.arange(8)[::2], torch.empty(4, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@cases.requires_cuda
+def test_gpu_store_to_host_lands_in_pinned_memory() -> None:
+    src = torch.randint(0, 128_000, (300,), device="cuda")
+    host = torch.empty(512, dtype=torch.int64, pin_memory=True)
+    store_to_host(src, host)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(host[:300], src.cpu())
+    with pytest.raises(ValueError, match="pageable"):
+        store_to_host(src, torch.empty(512, dtype=torch.int64))
+    with pytest.raises(ValueError, match="pinned CPU tensor"):
+        store_to_host(src, torch.empty(512, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.gpu
+@cases.requires_cuda
+def test_gpu_store_to_host_does_not_wait_for_a_bulk_device_to_host_copy() -> None:
+    """The ids land while a long copy-engine transfer on another stream is still running:
+    the read-back does not queue behind it (a tiny copy_ would)."""
+    bulk_src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    bulk_dst = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+    ids = torch.arange(16, device="cuda")
+    host = torch.empty(16, dtype=torch.int64, pin_memory=True)
+    bulk_done, ids_done = torch.cuda.Event(), torch.cuda.Event()
+    store_to_host(ids, host)  # compiled and loaded before the timed part
+    torch.cuda.synchronize()
+    host.fill_(-1)
+    with torch.cuda.stream(side):
+        for _ in range(4):  # ~80 ms on a 50 GB/s bus
+            bulk_dst.copy_(bulk_src, non_blocking=True)
+        bulk_done.record(side)
+    store_to_host(ids, host)
+    ids_done.record()
+    ids_done.synchronize()
+    assert not bulk_done.query(), "the bulk copy ended first: the test proves nothing"
+    assert torch.equal(host, torch.arange(16)), "the ids had not landed at their event"
+    torch.cuda.synchronize()
