@@ -1,13 +1,15 @@
-"""Prefill kernel variants on the lent GPU: the paged attention kernel with its key loops
-or its softmax rewritten (Triton's warp specialisation, loop-level pipelining), timed next to the kernel as
-it is on the chunks of a 32K-token prompt in 8K steps.
+"""Prefill kernel variants on the lent GPU: the paged attention kernel with its key loops or
+its softmax rewritten (Triton's warp specialisation, loop-level pipelining, the scale folded
+into the exponent, lazy rescaling), timed next to the kernel as it is on the chunks of a
+32K-token prompt in 8K steps.
 
     python scripts/prefill_variant_probe.py [--tilings 64x128x8x2,32x128x8x3]
+        [--variants base,"fma softmax"]
 
-A variant is a copy of kernels/paged_attention.py with source edits (its two `for start_n
-in range(...)` loops replaced, or the softmax of `_attend_tile` rewritten), written to a
-temporary module (Triton reads a kernel's source from its file). Each variant's output is checked against the unmodified kernel's; a variant that
-fails to compile is reported, not fatal. Medians of triton.testing.do_bench, eager.
+A variant is a copy of kernels/paged_attention.py with source edits, written to a temporary
+module (Triton reads a kernel's source from its file). Each variant's output is checked
+against the first variant's; a variant that fails to compile is reported, not fatal.
+Medians of triton.testing.do_bench, eager.
 """
 
 from __future__ import annotations
