@@ -182,14 +182,9 @@ class TierManager:
         self.pool.touch(gpu_blocks)
         from_host: list[LoadBlock] = []
         on_disk: list[bool] = []
-        host_ends: list[BlockHash] = []  # the last block of each run of host hits
         for i, lb in enumerate(load.blocks):
-            lb.slot = self._host.slot_of(lb.meta.block_hash) if self._host_caches else None
+            lb.slot = self._host.lookup(lb.meta.block_hash) if self._host_caches else None
             if lb.slot is not None:
-                if host_ends and host_ends[-1] == lb.meta.parent_hash:
-                    host_ends[-1] = lb.meta.block_hash
-                else:
-                    host_ends.append(lb.meta.block_hash)
                 self._host.pin(lb.slot)
                 from_host.append(lb)
                 if len(from_host) == _LOAD_COPY_CHUNK:
@@ -211,8 +206,6 @@ class TierManager:
             for missing in load.blocks[i:]:
                 missing.done = True
             break
-        for block_hash in reversed(host_ends):  # used tail first: the head ends most recent
-            self._host.refresh_chain(block_hash)
         if from_host:
             self.load_path.copy_to_gpu([load], from_host)
         self.load_path.feed(load)

@@ -161,13 +161,6 @@ class StorePath:
                     self.remote_writes.offer(slot)
             else:
                 self.host.free_slot(slot)
-        if ok:
-            # The new blocks, and the blocks before them already here, go from the tail to
-            # the head in the policy's order: a chain is given up tail first.
-            parents = {meta.parent_hash for _, meta, _ in items}
-            for _, meta, _ in items:
-                if meta.block_hash not in parents:
-                    self.host.refresh_chain(meta.block_hash)
 
     def _after_staged_remote(self, slots: list[SlotId]) -> None:
         if self.disk is not None:

@@ -142,21 +142,6 @@ class HostTier:
             self.policy.on_hit(block_hash)
         return slot
 
-    def refresh_chain(self, block_hash: BlockHash) -> int:
-        """Mark the cached block `block_hash` and its cached ancestors (followed through
-        their parent hashes while this tier holds them) as used, the block first and the
-        oldest ancestor last. A block is worth nothing without every block before it, so the
-        policy must give up a chain's tail before its head; marking in this order leaves
-        the head the most recent. Returns how many blocks were marked (0 on a miss)."""
-        marked = 0
-        slot = self._index.get(block_hash)
-        while slot is not None and marked < len(self._index):  # (a hash cycle cannot loop)
-            meta = self._slots[slot].meta
-            self.policy.on_hit(meta.block_hash)
-            marked += 1
-            slot = self._index.get(meta.parent_hash)
-        return marked
-
     def meta(self, slot: SlotId) -> BlockMeta:
         meta = self._slots[slot].meta
         assert meta is not None, f"slot {slot} is free and has no block"

@@ -65,42 +65,6 @@ def test_clean_slots_are_evicted_least_recently_used_first(host):
     host.check_invariants(idle=True)
 
 
-def chained(host: HostTier, i: int, parent: int | None) -> int:
-    """Cache block i whose parent is block `parent` (None: a chain's first block)."""
-    parent_hash = BlockHash(b"\0" * 16) if parent is None else meta(parent).block_hash
-    slot = host.allocate_slot(BlockMeta(meta(i).block_hash, parent_hash, (i, i + 1)))
-    assert slot is not None and host.commit(slot, dirty=False)
-    host.unpin(slot)
-    return slot
-
-
-def test_refresh_chain_leaves_a_chains_head_the_most_recent() -> None:
-    host = HostTier(LAYOUT, num_slots=4, pin_memory=False)
-    for i, parent in ((0, None), (1, 0), (2, 1), (3, None)):  # chain 0 <- 1 <- 2, and 3
-        chained(host, i, parent)
-    assert host.policy.keys() == [meta(i).block_hash for i in (0, 1, 2, 3)]
-    assert host.refresh_chain(meta(2).block_hash) == 3
-    # Coldest first: the unrelated block, then the chain from its tail to its head.
-    assert host.policy.keys() == [meta(i).block_hash for i in (3, 2, 1, 0)]
-    assert host.refresh_chain(meta(9).block_hash) == 0  # not cached: nothing marked
-    # Full: new blocks evict the unrelated one, then the chain's tail; its head stays.
-    chained(host, 4, None)
-    assert not host.contains(meta(3).block_hash)
-    chained(host, 5, None)
-    assert not host.contains(meta(2).block_hash)
-    assert host.contains(meta(1).block_hash) and host.contains(meta(0).block_hash)
-    host.check_invariants(idle=True)
-
-
-def test_refresh_chain_stops_at_the_first_ancestor_not_held() -> None:
-    host = HostTier(LAYOUT, num_slots=4, pin_memory=False)
-    for i, parent in ((0, None), (1, 0), (2, 1)):
-        chained(host, i, parent)
-    host.remove(meta(1).block_hash)
-    assert host.refresh_chain(meta(2).block_hash) == 1
-    assert host.policy.keys() == [meta(0).block_hash, meta(2).block_hash]
-
-
 def test_pinned_dirty_and_reserved_slots_are_never_evicted(host):
     a = cached(host, 0)
     cached(host, 1, dirty=True)
