@@ -104,6 +104,26 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
 
 
+def _one_batch(src: torch.Tensor, dst: torch.Tensor, runs: Runs, gpu: torch.Tensor,
+               stream: torch.cuda.Stream | None) -> bool:
+    """Enqueue a dma plan that fits one batched runtime call (few runs, or large ones) on
+    `stream` (None: the current one) straight by its handle, without making the device
+    and stream current: a write-through of a few blocks is mostly such host work. False,
+    enqueuing nothing, when the plan needs side streams or the batched call is missing."""
+    total = int(runs.lengths.sum()) * _block_bytes(src)
+    if runs.num_runs >= 2 * DMA_STREAMS and total < SMALL_COPY_BYTES * runs.num_runs:
+        return False
+    binding = memcpy_batch()
+    if binding is None or gpu.device.index != torch.cuda.current_device():
+        return False
+    target = stream if stream is not None else torch.cuda.current_stream()
+    if target.cuda_stream == 0:  # the legacy default stream: not for batched copies
+        return False
+    if runs.num_runs:
+        binding.copy(*_addresses(src, dst, runs), target.cuda_stream)
+    return True
+
+
 def _fork(stream: torch.cuda.Stream, num: int, priority: int = 0) -> list[torch.cuda.Stream]:
     """`num` side streams (from torch's pool) that start after `stream`'s queued work."""
     ready = torch.cuda.Event()
@@ -305,6 +325,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             else (src_ids, src)
         host_ids = host_side[0] if host_side is not None and _dense(host_side[1]) else None
         method = choose_method(runs, host_ids, _block_bytes(src))
+    if method == "dma" and gpu is not None:
+        if runs is None:
+            runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+        if _one_batch(src, dst, runs, gpu, stream):
+            return
     with contextlib.ExitStack() as scope:
         if gpu is not None:
             scope.enter_context(torch.cuda.device(gpu.device))

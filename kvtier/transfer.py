@@ -242,13 +242,14 @@ class TransferEngine:
                 after = job.after
             start = torch.cuda.Event(enable_timing=True)
             done = torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                for event in after:
-                    stream.wait_event(event)
-                start.record(stream)
-                self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method,
-                           stream=stream)
-                done.record(stream)
+            # Every call names the stream: making it current would cost host time for
+            # nothing (`swap_blocks` enqueues on `stream`).
+            for event in after:
+                stream.wait_event(event)
+            start.record(stream)
+            self._swap(job.src, job.dst, job.block_mapping, method=self.swap_method,
+                       stream=stream)
+            done.record(stream)
         except Exception:
             logger.exception("%s copy of job %d failed to launch", job.direction.value, job_id)
             self._finish(job_id, job.direction, job.num_bytes, 0.0, ok=False)
