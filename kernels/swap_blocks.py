@@ -6,7 +6,9 @@ Three methods move the same bytes:
   sides (numpy, no Python step per block), and all runs go to the runtime in one
   cudaMemcpyBatchAsync call (one `copy_` per run without it). When the copies are small
   (under `SMALL_COPY_BYTES` on average) the runs are split over `DMA_STREAMS` streams, which
-  the driver feeds to several copy engines. The SMs stay free for the model.
+  the driver feeds to several copy engines. The SMs stay free for the model. A plan that
+  fits one call is enqueued on the caller's stream by its handle, without making the
+  device and stream current (a few-block write-through is mostly such host work).
 * "staged": for small blocks scattered on the GPU but in runs in host memory (a host slab
   whose slots were handed out in order). The GPU blocks are gathered by a device index copy
   into a contiguous device staging buffer and each host run then moves as one DMA (and the
