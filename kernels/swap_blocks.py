@@ -90,12 +90,14 @@ def _addresses(src: torch.Tensor, dst: torch.Tensor,
             runs.lengths.astype(np.uint64) * block_bytes)
 
 
-def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
-    """Enqueue `runs` (src block -> dst block spans) on the current stream: one batched
-    runtime call on CUDA when available, else one `copy_` per run."""
+def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs,
+               stream: torch.cuda.Stream | None = None) -> None:
+    """Enqueue `runs` (src block -> dst block spans) on `stream`, by its handle (None: the
+    current stream): one batched runtime call on CUDA when available, else one `copy_` per
+    run on the current stream (the caller then makes `stream` current)."""
     if runs.num_runs == 0:
         return
-    stream = _stream_of(src if src.is_cuda else dst)
+    stream = stream or _stream_of(src if src.is_cuda else dst)
     binding = memcpy_batch() if stream is not None else None
     if binding is not None and stream is not None and stream.cuda_stream != 0:
         binding.copy(*_addresses(src, dst, runs), stream.cuda_stream)
@@ -106,23 +108,25 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
 
 
+def _needs_side_streams(src: torch.Tensor, runs: Runs) -> bool:
+    """Whether a dma plan's copies are many and small enough to spread over side streams."""
+    total = int(runs.lengths.sum()) * _block_bytes(src)
+    return runs.num_runs >= 2 * DMA_STREAMS and total < SMALL_COPY_BYTES * runs.num_runs
+
+
 def _one_batch(src: torch.Tensor, dst: torch.Tensor, runs: Runs, gpu: torch.Tensor,
                stream: torch.cuda.Stream | None) -> bool:
     """Enqueue a dma plan that fits one batched runtime call (few runs, or large ones) on
     `stream` (None: the current one) straight by its handle, without making the device
     and stream current: a write-through of a few blocks is mostly such host work. False,
     enqueuing nothing, when the plan needs side streams or the batched call is missing."""
-    total = int(runs.lengths.sum()) * _block_bytes(src)
-    if runs.num_runs >= 2 * DMA_STREAMS and total < SMALL_COPY_BYTES * runs.num_runs:
-        return False
-    binding = memcpy_batch()
-    if binding is None or gpu.device.index != torch.cuda.current_device():
+    if _needs_side_streams(src, runs) or memcpy_batch() is None \
+            or gpu.device.index != torch.cuda.current_device():
         return False
     target = stream if stream is not None else torch.cuda.current_stream()
     if target.cuda_stream == 0:  # the legacy default stream: not for batched copies
         return False
-    if runs.num_runs:
-        binding.copy(*_addresses(src, dst, runs), target.cuda_stream)
+    _copy_runs(src, dst, runs, target)
     return True
 
 
@@ -147,10 +151,10 @@ def _join(stream: torch.cuda.Stream, sides: list[torch.cuda.Stream]) -> None:
 def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     """Copy engines on the current stream (spread over side streams for small copies)."""
     gpu = src if src.is_cuda else dst if dst.is_cuda else None
-    total = int(runs.lengths.sum()) * _block_bytes(src)
-    if gpu is None or runs.num_runs < 2 * DMA_STREAMS or total >= SMALL_COPY_BYTES * runs.num_runs:
+    if gpu is None or not _needs_side_streams(src, runs):
         _copy_runs(src, dst, runs)
         return
+    total = int(runs.lengths.sum()) * _block_bytes(src)
     stream = torch.cuda.current_stream(gpu.device)
     num_streams = DMA_STREAMS * (2 if total < _TINY_COPY_BYTES * runs.num_runs else 1)
     parts = split_even(runs.lengths, num_streams)
