@@ -71,5 +71,5 @@ fi
 for name in scattered hostruns contiguous; do
     [ -s "$OUT_DIR/swap_$name.json" ] || continue
     echo "== $name"
-    COLUMNS=80 $PY -c "import json, sys; from kvtier.cli.bench.commands import _print_swap; _print_swap(json.load(open(sys.argv[1])))" "$OUT_DIR/swap_$name.json" 2>&1 
+    COLUMNS=80 $PY -c "import json, sys; from kvtier.cli.bench.tables import print_swap; print_swap(json.load(open(sys.argv[1])))" "$OUT_DIR/swap_$name.json" 2>&1 
 done
