@@ -302,7 +302,11 @@ class LLM:
         """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
-        sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+        # The stores the last update queued start while the GPU runs this step; a step that
+        # samples nothing (or no step) does not wait, so they start right after it.
+        sampled = self.runner.execute(plan.scheduled, self.manager.submit_stores) \
+            if plan.scheduled else []
+        self.manager.submit_stores()
         rate = self.scheduler.prefill_rate
         for num_tokens, num_keys, seconds in self.runner.step_timer.finished():
             rate.observe(num_tokens, seconds, num_keys)
@@ -318,6 +322,8 @@ class LLM:
             else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
+        if not self.scheduler.has_unfinished():
+            self.manager.submit_stores()  # no next step to overlap them with
         if not plan.scheduled and not finished and self.scheduler.has_unfinished():
             # Only transfers can free blocks or finish loads now: wait for them a little.
             if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):

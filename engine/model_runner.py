@@ -13,7 +13,7 @@ replay a recorded graph instead (`engine.cuda_graphs`); longer prefill steps sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,14 +119,18 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[int | None]:
-        """Run one step; return the sampled token per scheduled request (None: no sample)."""
+    def execute(self, scheduled: Sequence[ScheduledRequest],
+                while_waiting: Callable[[], None] | None = None) -> list[int | None]:
+        """Run one step; return the sampled token per scheduled request (None: no sample).
+
+        while_waiting: host work to do once the step is queued on the GPU, before waiting
+        for its sampled ids (it runs only when the step samples)."""
         if self.graphs is not None and self.graphs.can_run(scheduled):
             last = self.graphs.run(scheduled)  # [num_reqs, hidden_size]
             sampling_rows = tuple(row for row, s in enumerate(scheduled) if s.samples)
             if len(sampling_rows) < len(scheduled):
                 last = last[list(sampling_rows)]
-            return self._sample(scheduled, last, sampling_rows)
+            return self._sample(scheduled, last, sampling_rows, while_waiting)
         inputs = self.prepare_inputs(scheduled)
         prefill = [s for s in scheduled if s.num_new_tokens > 1]
         self.step_timer.begin(sum(s.num_new_tokens for s in prefill),
@@ -136,10 +140,12 @@ class ModelRunner:
         self.step_timer.end()
         if not inputs.sampling_rows:
             return [None] * len(scheduled)
-        return self._sample(scheduled, hidden[inputs.logits_indices], inputs.sampling_rows)
+        return self._sample(scheduled, hidden[inputs.logits_indices], inputs.sampling_rows,
+                            while_waiting)
 
     def _sample(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor,
-                sampling_rows: Sequence[int]) -> list[int | None]:
+                sampling_rows: Sequence[int],
+                while_waiting: Callable[[], None] | None = None) -> list[int | None]:
         """Sample one token per row of hidden [len(sampling_rows), hidden_size], the state
         at the last token of each scheduled request in `sampling_rows`."""
         sampled: list[int | None] = [None] * len(scheduled)
@@ -148,16 +154,20 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [n, vocab]
         requests = [scheduled[row].request for row in sampling_rows]
         token_ids = self.sample_fn(logits, requests)  # [n]
-        for row, token_id in zip(sampling_rows, self._read_back(token_ids)):
+        for row, token_id in zip(sampling_rows, self._read_back(token_ids, while_waiting)):
             sampled[row] = int(token_id)
         return sampled
 
-    def _read_back(self, token_ids: torch.Tensor) -> list[int]:
-        """The sampled ids [n] as Python ints. On CUDA the SMs store them into pinned memory
+    def _read_back(self, token_ids: torch.Tensor,
+                   while_waiting: Callable[[], None] | None = None) -> list[int]:
+        """The sampled ids [n] as Python ints, `while_waiting` run first (on CUDA, while the
+        GPU computes them). On CUDA the SMs store them into pinned memory
         (`kernels.store_to_host`): a copy-engine read-back queues behind the write-through
         of the blocks the previous step filled (6-7 ms on the second step of an 8,208-token
         prompt of an 8B model on an H100, docs/BENCHMARKS.md)."""
         if token_ids.device.type != "cuda":
+            if while_waiting is not None:
+                while_waiting()
             return token_ids.tolist()
         num = token_ids.shape[0]
         if self._host_ids is None or self._host_ids.shape[0] < num \
@@ -166,6 +176,8 @@ class ModelRunner:
                                          pin_memory=True)
         store_to_host(token_ids.contiguous(), self._host_ids)
         self._ids_stored.record()
+        if while_waiting is not None:
+            while_waiting()
         self._ids_stored.synchronize()
         return self._host_ids[:num].tolist()
 

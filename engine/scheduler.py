@@ -345,6 +345,12 @@ class Scheduler:
             if blocks is not None:
                 request.block_table.extend(blocks)
                 return True
+            if self.manager.num_stores_queued:
+                # Queued stores hold their blocks: start them before preempting anyone (the
+                # blocks come free once their copies land; on a CPU, at once).
+                self.manager.submit_stores()
+                self.manager.poll()
+                continue
             victim = self._pick_victim(request)
             if victim is None:
                 break

@@ -3,8 +3,9 @@ It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
 `TransferEngine`, and is driven from one engine thread.
 
   * Stores (`kvtier.stores`): newly cached full blocks are written through to host slots
-    asynchronously (deferred, never waited for, when no slot can be had now), and dirty
-    host blocks written back to disk ahead of demand.
+    asynchronously (queued by `cache_full_blocks`, started by `submit_stores` while the GPU
+    computes; deferred, never waited for, when no slot can be had then), and dirty host
+    blocks written back to disk ahead of demand.
   * Loads (`kvtier.load_path`): host hits are pinned and copied to the GPU; disk hits are
     read into host slots (in waves when slots are short), then copied. `poll` advances the
     chains. A load whose copies are all queued on the GPU can complete at once: the compute
@@ -295,11 +296,11 @@ class TierManager:
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
                           metas: Sequence[BlockMeta]) -> list[KVCacheBlock]:
-        """Cache full blocks in the pool and write the newly cached ones through to the host
-        (asynchronously, `kvtier.stores`); returns the newly cached blocks. A block already
-        stored below is not copied; one for which no host slot can be had now is copied
-        later if the GPU still caches it then. Raises ValueError as
-        `BlockPool.cache_full_blocks` does, or on a length mismatch."""
+        """Cache full blocks in the pool and queue the newly cached ones for the host
+        (`kvtier.stores`: each held until `submit_stores` starts its copy); returns the newly
+        cached blocks. A block already stored below is not copied; one for which no host
+        slot can be had then is copied later if the GPU still caches it. Raises ValueError
+        as `BlockPool.cache_full_blocks` does, or on a length mismatch."""
         if len(blocks) != len(metas):
             raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas")
         newly = self.pool.cache_full_blocks(blocks, [meta.block_hash for meta in metas])
@@ -307,6 +308,19 @@ class TierManager:
             meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
             self.stores.write_through(newly, [meta_of[block.block_id] for block in newly])
         return newly
+
+    @property
+    def num_stores_queued(self) -> int:
+        """Blocks `cache_full_blocks` queued for the host that `submit_stores` has not
+        started yet (each holds its GPU block)."""
+        return 0 if self.stores is None else self.stores.num_pending
+
+    def submit_stores(self) -> None:
+        """Start the host copies `cache_full_blocks` queued (their slots, evictions and copy
+        plans). The engine calls it while the GPU runs a step, so that this host work
+        overlaps the GPU's instead of delaying the next launch; `drain` calls it too."""
+        if self.stores is not None:
+            self.stores.submit_pending()
 
     # ---- progress ------------------------------------------------------------------------
 
@@ -356,7 +370,9 @@ class TierManager:
                 load.waiting.clear()
 
     def drain(self) -> None:
-        """Block until no transfer is in flight (each one's completion has run)."""
+        """Start the queued stores, then block until no transfer is in flight (each one's
+        completion has run)."""
+        self.submit_stores()
         self.poll()
         while self._on_done:
             self.transfers.wait(list(self._on_done))

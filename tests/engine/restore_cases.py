@@ -97,6 +97,7 @@ class Driver:
             for pos in range(planned.start, planned.start + planned.num_new_tokens):
                 block = request.block_table[pos // BS]
                 kv[block.block_id, :, :, pos % BS] = kv_value(request.token_ids[pos], pos)
+        self.manager.submit_stores()  # the last update's stores start with the step, as in LLM
         self.scheduler.update(plan, [SAMPLED if p.samples else None for p in plan.scheduled])
         self.manager.pool.check_invariants()
         return plan

@@ -203,7 +203,9 @@ class ModelDriver:
             self.scheduler.add_request(request)
         while self.scheduler.has_unfinished():
             plan = self.scheduler.schedule()
-            sampled = self.runner.execute(plan.scheduled) if plan.scheduled else []
+            sampled = self.runner.execute(plan.scheduled, self.manager.submit_stores) \
+                if plan.scheduled else []
+            self.manager.submit_stores()  # as the engine does (`LLM._run_step`)
             self.scheduler.update(plan, sampled)
             if settle:
                 self.manager.flush()

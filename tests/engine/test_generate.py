@@ -261,6 +261,31 @@ def test_step_interface_and_cache_salt(tiny_llama: TinyModel) -> None:
         assert stats.pool.num_blocks == 400
 
 
+def test_a_steps_stores_start_while_the_next_step_runs(tiny_llama: TinyModel) -> None:
+    prompt = tiny_llama.prompts[1]  # 40 tokens: 2 full blocks
+    with tiny_llm(tiny_llama, host_cache=True, host_cache_gb=0.01) as llm:
+        queued_when_started = []
+        submit = llm.manager.submit_stores
+
+        def observed_submit() -> None:  # the real call, with what it found queued
+            queued_when_started.append(llm.manager.num_stores_queued)
+            submit()
+
+        llm.manager.submit_stores = observed_submit
+        llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        llm.step()  # the prompt: its two full blocks are queued for the host, held
+        assert llm.manager.num_stores_queued == 2
+        assert llm.stats().host_cached == 0
+        assert [block.ref_cnt for block in llm.manager.pool.blocks[:2]] == [2, 2]
+        llm.step()  # a decode step: they start while it runs (before its ids are read)
+        assert queued_when_started[-2:] == [2, 0]
+        assert llm.manager.num_stores_queued == 0
+        while llm.has_unfinished():
+            llm.step()
+        llm.manager.drain()
+        assert llm.stats().host_cached == 2
+
+
 def test_seeded_sampling_is_reproducible(tiny_llama: TinyModel) -> None:
     prompts = tiny_llama.prompts[:2]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_k=50, seed=7)

@@ -65,6 +65,7 @@ def write(m: TierManager, metas: list[BlockMeta], data: torch.Tensor) -> list[KV
     for block, block_data in zip(blocks, data):
         m.kv_cache[block.block_id] = block_data
     m.cache_full_blocks(blocks, metas)
+    m.submit_stores()  # as the engine does while the next step runs
     m.free(blocks)
     m.poll()
     return blocks

@@ -138,6 +138,7 @@ def test_a_completion_that_raises_leaves_the_jobs_after_it_to_the_next_poll(tmp_
     monkeypatch.setattr(m.stores, "_finish_copy", first_raises)
     m.cache_full_blocks(blocks[:2], metas[:2])  # two write-through jobs, finished at once
     m.cache_full_blocks(blocks[2:], metas[2:])  # on the CPU
+    m.submit_stores()
     with pytest.raises(RuntimeError, match="a bug"):
         m.poll()
     m.poll()
@@ -264,7 +265,14 @@ def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
     blocks = m.allocate(1)
     m.cache_full_blocks(blocks, chain(layout, "x", 1))
     m.free(blocks)
+    # Queued, the store holds the block: nothing may overwrite it before its copy starts.
+    assert m.num_stores_queued == 1
+    assert blocks[0].ref_cnt == 1 and m.allocate(2) is None
+    m.poll()  # polling does not start queued stores (the engine starts them mid-step)
+    assert blocks[0].ref_cnt == 1 and m.host.num_cached == 0
+    m.submit_stores()
     # The copy's reference keeps the block out of reuse until poll() sees it finished.
+    assert m.num_stores_queued == 0
     assert blocks[0].ref_cnt == 1 and m.allocate(2) is None
     m.poll()
     assert blocks[0].ref_cnt == 0 and m.host.num_cached == 1

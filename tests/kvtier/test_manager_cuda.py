@@ -111,3 +111,36 @@ def test_a_load_on_cuda_follows_the_work_queued_before_it_took_its_blocks(manage
     assert copy.num_jobs >= 1 and copy.failures == 0
     m.free(blocks)
     check_idle(m)
+
+
+@pytest.mark.gpu
+def test_a_queued_store_on_cuda_follows_its_step_and_not_the_steps_after_it(managers):
+    # `cache_full_blocks` records where the compute stream stands (after the work that
+    # wrote the blocks); `submit_stores`, called while a later step runs, starts the copy
+    # after that point: the bytes are the computed ones, and they land while the later
+    # step still runs.
+    m = cuda_manager(managers)
+    layout = m.layout
+    metas, data = chain(layout, "queued", 2), random_blocks(layout, 2, seed=11)
+    blocks = m.allocate(2)
+    assert blocks is not None
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(10):  # the step: long work, then the writes into the blocks
+        x = x @ x / 64
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id].copy_(block_data.cuda())
+    m.cache_full_blocks(blocks, metas)
+    m.free(blocks)
+    assert m.num_stores_queued == 2
+    torch.cuda._sleep(2_000_000_000)  # the next step: about a second of GPU time
+    later = torch.cuda.Event()
+    later.record()
+    m.submit_stores()
+    while not all(m.host.contains(meta.block_hash) for meta in metas):
+        assert not later.query(), "the store waited for the step after its own"
+        m.poll()
+    for meta, expected in zip(metas, data):
+        assert same_bytes(m.host.slab[m.host.lookup(meta.block_hash)], expected)
+    torch.cuda.synchronize()
+    m.poll()
+    check_idle(m)

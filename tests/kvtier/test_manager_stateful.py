@@ -73,6 +73,7 @@ class TierMachine(RuleBasedStateMachine):
             self.m.kv_cache[block.block_id] = data
             rejected = self.m.stats().tiers[Tier.HOST].rejected
             assert self.m.cache_full_blocks([block], [meta]) == [block]
+            self.m.submit_stores()  # as the engine does while the next step runs
             if self.m.stats().tiers[Tier.HOST].rejected > rejected:
                 self.skipped.add(meta.block_hash)
             self.truth[meta.block_hash], self.metas[meta.block_hash] = data, meta

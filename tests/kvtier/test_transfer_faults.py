@@ -162,6 +162,7 @@ def compute(m: TierManager, truth: Truth, metas: list[BlockMeta]) -> None:
     for block, meta in zip(blocks, metas):
         m.kv_cache[block.block_id] = truth.data[meta.block_hash]
     m.cache_full_blocks(blocks, metas)
+    m.submit_stores()  # as the engine does while the next step runs
     m.free(blocks)
     m.poll()
 
