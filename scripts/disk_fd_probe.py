@@ -12,8 +12,8 @@ groups of 8 from the tail backward, 4 threads), with the tier's descriptor:
   * shared_seq: shared, with POSIX_FADV_SEQUENTIAL on it;
   * per_thread: one descriptor per reading thread;
   * per_thread_seq: that, with POSIX_FADV_SEQUENTIAL on each;
-  * shared_g16: shared, in groups of 16 blocks (32 MiB) instead of 8;
-  * shared_t8: shared, on 8 threads instead of 4.
+  * a suffix _g<N> reads in groups of N blocks instead of 8, _t<N> on N threads instead
+    of 4 (e.g. shared_g16, shared_t8, shared_g4_t8).
 
 Each round reads with every variant and then the raw file; medians over the rounds.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import tempfile
 import threading
@@ -38,6 +39,12 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.record import BlockMeta
 
 VARIANTS = ("shared", "shared_seq", "per_thread", "per_thread_seq", "shared_g16", "shared_t8")
+
+
+def variant_option(variant: str, letter: str, default: int) -> int:
+    """The N of a `_<letter><N>` suffix of `variant`, else `default`."""
+    found = re.search(rf"_{letter}(\d+)", variant)
+    return int(found.group(1)) if found else default
 
 
 def write_document(path: Path, layout: KVLayout, num_blocks: int) -> None:
@@ -55,7 +62,7 @@ def data_file_opener(variant: str, opened: list[int]):
     """A replacement for `DiskTier._data_file` giving `variant`'s descriptor."""
     local = threading.local()
     shared: dict[str, int] = {}
-    sequential = variant.endswith("_seq")
+    sequential = "_seq" in variant
 
     def open_one(tier: DiskTier) -> int:
         fd = os.open(tier.path / "data.mdb", os.O_RDONLY | os.O_CLOEXEC)
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--doc-blocks", default="65,513,2049")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=".")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
                       dtype=torch.bfloat16)
@@ -90,16 +98,17 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvtier-fdprobe-", dir=args.dir) as scratch:
             path = Path(scratch) / "kv"
             write_document(path, layout, num_blocks)
-            gb_s: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            variants = args.variants.split(",")
+            gb_s: dict[str, list[float]] = {v: [] for v in variants}
             gb_s["raw_best"] = []
             for round_index in range(args.rounds):
-                for variant in VARIANTS:
+                for variant in variants:
                     opened: list[int] = []
                     DiskTier._data_file = data_file_opener(variant, opened)
                     try:
                         result = disk_tier_read(path, layout,
-                                                threads=8 if variant.endswith("_t8") else 4,
-                                                group_blocks=16 if variant.endswith("_g16") else 8,
+                                                threads=variant_option(variant, "t", 4),
+                                                group_blocks=variant_option(variant, "g", 8),
                                                 max_blocks=num_blocks,
                                                 order="document")
                     finally:
@@ -117,7 +126,7 @@ def main() -> None:
                       + f" (raw: {json.dumps(raw_rates)})", flush=True)
             medians = {k: statistics.median(v) for k, v in gb_s.items()}
             row = {"blocks": num_blocks, "gb_s": medians,
-                   "vs_raw": {v: medians[v] / medians["raw_best"] for v in VARIANTS},
+                   "vs_raw": {v: medians[v] / medians["raw_best"] for v in variants},
                    "runs": gb_s}
             summary.append(row)
             print(json.dumps({k: row[k] for k in ("blocks", "gb_s", "vs_raw")}), flush=True)
