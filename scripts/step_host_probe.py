@@ -4,7 +4,8 @@ The engine loop is synchronous: schedule, launch the step, wait for its sampled 
 (which also starts the write-through of the blocks the step filled). While the engine thread
 schedules and updates, the GPU has nothing queued, so that host time adds to every step.
 This probe wraps `Scheduler.schedule`, `ModelRunner.execute` (and the wait for the sampled
-ids inside it), `Scheduler.update` and the tier manager's write-through, and reports each
+ids inside it), `Scheduler.update` and the tier manager's write-through (queueing it, and
+starting the queued copies where the tree does that apart), and reports each
 one's total wall time over the timed runs of each mode, against the mode's elapsed time.
 
     python3 scripts/step_host_probe.py --model random:llama3-8b --device cuda \
@@ -59,6 +60,8 @@ def main() -> None:
     timed(model_runner.ModelRunner, "_read_back", "execute: wait for sampled ids")
     timed(stores.StorePath, "write_through", "update: write-through")
     timed(stores.StorePath, "progress", "progress (deferred stores, write-backs)")
+    if hasattr(stores.StorePath, "submit_pending"):  # stores started while a step runs
+        timed(stores.StorePath, "submit_pending", "write-through: submit queued")
     summary = {}
     for mode in args.modes.split(","):
         config = ServeConfig(model=args.model, device=args.device, dtype=args.dtype,
