@@ -6,9 +6,10 @@
     later finds the slots and starts the copy, ordered after that point only. The engine
     submits while the GPU runs its next step, so that the host work of the stores (slots,
     evictions, the copy plan: ~0.5-1 ms a step on an H100 host) is not spent between
-    steps, when the GPU waits. The slot is pinned during the copy and indexed once the bytes
-    landed. With the host tier off and a disk tier on, a small staging slab carries the
-    bytes on to disk.
+    steps, when the GPU waits; under memory pressure the scheduler starts them sooner, when
+    an allocation fails, before it preempts anyone. The slot is pinned during the copy and
+    indexed once the bytes landed. With the host tier off and a disk tier on, a small
+    staging slab carries the bytes on to disk.
   * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
     reserved), the block is not waited for. It is remembered, without a reference, and
     copied once write-backs free a slot, if the GPU still caches it then.
