@@ -129,8 +129,7 @@ class LLM:
             self.max_model_len)
         if self.warmup_report is not None:
             # The first restore after start is sized with the model's rate, as later ones.
-            for num_tokens, num_keys, seconds in self.warmup_report.prefill_steps:
-                self.scheduler.prefill_rate.observe(num_tokens, seconds, num_keys)
+            self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
@@ -302,15 +301,13 @@ class LLM:
         """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
-        # The stores the last update queued start while the GPU runs this step; a step that
-        # samples nothing (or no step) does not wait, so they start right after it.
+        # The stores the last update queued start while the GPU runs this step (right after
+        # it when the step samples nothing, so that nothing waits).
         sampled = self.runner.execute(plan.scheduled, self.manager.submit_stores) \
             if plan.scheduled else []
         self.manager.submit_stores()
-        rate = self.scheduler.prefill_rate
-        for num_tokens, num_keys, seconds in self.runner.step_timer.finished():
-            rate.observe(num_tokens, seconds, num_keys)
-        rate.set_backlog(self.runner.step_timer.unfinished())
+        self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
+        self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]
@@ -324,7 +321,7 @@ class LLM:
                 finished.append(request)
         if not self.scheduler.has_unfinished():
             self.manager.submit_stores()  # no next step to overlap them with
-        if not plan.scheduled and not finished and self.scheduler.has_unfinished():
+        elif not plan.scheduled and not finished:
             # Only transfers can free blocks or finish loads now: wait for them a little.
             if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
                 raise RuntimeError("the scheduler could not run any request and no transfer "

@@ -92,6 +92,11 @@ class PrefillRate:
                 return
         self.per_token_s, self.per_key_s = ny / nn, 0.0
 
+    def observe_steps(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """`observe` each (tokens, keys, seconds) of `steps` (`StepTimer.finished()`)."""
+        for num_tokens, num_keys, seconds in steps:
+            self.observe(num_tokens, seconds, num_keys)
+
     def seconds(self, num_tokens: int, context: int) -> float | None:
         """Expected seconds to compute `num_tokens` tokens after `context` (None: unknown)."""
         return self.step_seconds(num_tokens, prefill_keys(num_tokens, context))
