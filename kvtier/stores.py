@@ -83,8 +83,6 @@ class StorePath:
         computed the blocks), not the steps launched meanwhile."""
         if not blocks:
             return
-        if len(blocks) != len(metas):
-            raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas")
         self.pool.touch(blocks)
         computed = None
         if self.kv_cache.is_cuda:
