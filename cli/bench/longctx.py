@@ -322,8 +322,8 @@ def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,
     # As many blocks in key order, scattered over the file (the worst case), once.
     scattered = disk_tier_read(disk_dir, layout, threads=DEFAULT_IO_THREADS,
                                group_blocks=group_blocks, max_blocks=doc_blocks, order="key")
-    tier = _median_by(tiers, "gb_s")
-    raw = _median_by(raws, "best_gb_s")
+    tier = median_by(tiers, "gb_s")
+    raw = median_by(raws, "best_gb_s")
     return {"tier": tier, "tier_scattered": scattered, "raw": raw,
             "tier_gb_s_rounds": [t["gb_s"] for t in tiers],
             "raw_best_gb_s_rounds": [r["best_gb_s"] for r in raws],
@@ -331,7 +331,7 @@ def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,
             "scattered_vs_best_raw": scattered["gb_s"] / raw["best_gb_s"]}
 
 
-def _median_by(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
+def median_by(results: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """The result whose `key` is the median (the lower middle one of an even count)."""
     return sorted(results, key=lambda result: result[key])[(len(results) - 1) // 2]
 

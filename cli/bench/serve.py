@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvtier.cli.bench.longctx import free_engine_memory, load_for_bench, summarize
+from kvtier.cli.bench.longctx import free_engine_memory, load_for_bench, median_by, summarize
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
@@ -201,8 +201,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
 def _median_run(mode_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's run with the median throughput (the lower middle one of an even count), with
     every run's throughput and TTFT p99 beside it under "runs"."""
-    ranked = sorted(mode_runs, key=lambda r: r["throughput_tok_s"])
-    median = dict(ranked[(len(ranked) - 1) // 2])
+    median = dict(median_by(mode_runs, "throughput_tok_s"))
     median["runs"] = [{"throughput_tok_s": r["throughput_tok_s"], "ttft_p99_s": r["ttft_s"]["p99"]}
                       for r in mode_runs]
     return median
