@@ -32,11 +32,10 @@ import threading
 from pathlib import Path
 
 import torch
-from kvtier.cli.bench.diskread import disk_tier_read, raw_sequential_read
+from kvtier.cli.bench.diskread import disk_tier_read, raw_sequential_read, write_chain
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.record import BlockMeta
 
 VARIANTS = ("shared", "shared_seq", "per_thread", "per_thread_seq", "shared_g16", "shared_t8")
 
@@ -45,17 +44,6 @@ def variant_option(variant: str, letter: str, default: int) -> int:
     """The N of a `_<letter><N>` suffix of `variant`, else `default`."""
     found = re.search(rf"_{letter}(\d+)", variant)
     return int(found.group(1)) if found else default
-
-
-def write_document(path: Path, layout: KVLayout, num_blocks: int) -> None:
-    payload = torch.randint(0, 255, (layout.bytes_per_block,), dtype=torch.uint8)
-    with DiskTier(path, layout, num_blocks * (layout.bytes_per_block + 4096) + (64 << 20),
-                  durable=False) as disk:
-        for start in range(0, num_blocks, 32):
-            metas = [BlockMeta(i.to_bytes(16, "big"), (i - 1).to_bytes(16, "big", signed=True),
-                               tuple(range(16)))
-                     for i in range(start, min(start + 32, num_blocks))]
-            disk.put(metas, [payload] * len(metas))
 
 
 def data_file_opener(variant: str, opened: list[int]):
@@ -97,7 +85,7 @@ def main() -> None:
     for num_blocks in [int(n) for n in args.doc_blocks.split(",")]:
         with tempfile.TemporaryDirectory(prefix="kvtier-fdprobe-", dir=args.dir) as scratch:
             path = Path(scratch) / "kv"
-            write_document(path, layout, num_blocks)
+            write_chain(path, layout, num_blocks)
             variants = args.variants.split(",")
             gb_s: dict[str, list[float]] = {v: [] for v in variants}
             gb_s["raw_best"] = []

@@ -317,6 +317,19 @@ def read_methods(path: str | os.PathLike[str], layout: KVLayout,
     return results
 
 
+def write_chain(path: str | os.PathLike[str], layout: KVLayout, num_blocks: int) -> None:
+    """A fresh disk tier at `path` holding one chain of `num_blocks` blocks (one random
+    payload), stored in write transactions of 32 blocks, as write-backs store them."""
+    payload = torch.randint(0, 255, (layout.bytes_per_block,), dtype=torch.uint8)
+    with DiskTier(path, layout, num_blocks * (layout.bytes_per_block + 4096) + (64 << 20),
+                  durable=False) as disk:
+        for start in range(0, num_blocks, 32):
+            metas = [BlockMeta(i.to_bytes(16, "big"), (i - 1).to_bytes(16, "big", signed=True),
+                               tuple(range(16)))
+                     for i in range(start, min(start + 32, num_blocks))]
+            disk.put(metas, [payload] * len(metas))
+
+
 def run_diskread_bench(directory: str | os.PathLike[str], gib: float,
                        thread_counts: Sequence[int],
                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -324,8 +337,6 @@ def run_diskread_bench(directory: str | os.PathLike[str], gib: float,
     tier under `directory`, then time the read methods, the tier's read path and the raw
     sequential read, all cold where permitted. Raises ValueError for a size under 2 MiB."""
     import tempfile
-
-    from kvtier.tiers.record import BlockMeta as Meta
 
     report = progress or (lambda message: None)
     layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
@@ -335,15 +346,8 @@ def run_diskread_bench(directory: str | os.PathLike[str], gib: float,
         raise ValueError(f"--gib {gib} holds no {layout.bytes_per_block}-byte block")
     with tempfile.TemporaryDirectory(prefix="kvtier-diskread-", dir=directory) as scratch:
         path = Path(scratch) / "kv"
-        payload = torch.randint(0, 255, (layout.bytes_per_block,), dtype=torch.uint8)
         report(f"writing {num_blocks} blocks")
-        with DiskTier(path, layout, num_blocks * (layout.bytes_per_block + 4096),
-                      durable=False) as disk:
-            for start in range(0, num_blocks, 32):
-                metas = [Meta(i.to_bytes(16, "big"), (i - 1).to_bytes(16, "big", signed=True),
-                              tuple(range(16)))
-                         for i in range(start, min(start + 32, num_blocks))]
-                disk.put(metas, [payload] * len(metas))
+        write_chain(path, layout, num_blocks)
         report("reading the values by each method")
         methods = read_methods(path, layout, thread_counts)
         report("reading through the disk tier")
