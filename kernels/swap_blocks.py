@@ -97,7 +97,8 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs,
     run on the current stream (the caller then makes `stream` current)."""
     if runs.num_runs == 0:
         return
-    stream = stream or _stream_of(src if src.is_cuda else dst)
+    if stream is None:
+        stream = _stream_of(src if src.is_cuda else dst)
     binding = memcpy_batch() if stream is not None else None
     if binding is not None and stream is not None and stream.cuda_stream != 0:
         binding.copy(*_addresses(src, dst, runs), stream.cuda_stream)
@@ -331,11 +332,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             else (src_ids, src)
         host_ids = host_side[0] if host_side is not None and _dense(host_side[1]) else None
         method = choose_method(runs, host_ids, _block_bytes(src))
-    if method == "dma" and gpu is not None:
-        if runs is None:
-            runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
-        if _one_batch(src, dst, runs, gpu, stream):
-            return
+    if method == "dma" and runs is None:
+        runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+    if method == "dma" and gpu is not None and _one_batch(src, dst, runs, gpu, stream):
+        return
     with contextlib.ExitStack() as scope:
         if gpu is not None:
             scope.enter_context(torch.cuda.device(gpu.device))
@@ -353,6 +353,5 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             scatter = dst.is_cuda and not src.is_cuda
             _swap_staged(src, dst, src_ids, dst_ids, staging_bytes, scatter)
         else:
-            if runs is None:
-                runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+            assert runs is not None  # planned above for every dma swap
             _swap_dma(src, dst, runs)
