@@ -150,7 +150,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Never blocks on a transfer."""
+        """Plan the next step. It blocks on a transfer only where that spares a preemption:
+        when the host copies in flight will free the blocks a request is short of."""
         out = SchedulerOutput()
         self._finish_loads()
         budget = self.max_num_batched_tokens
@@ -352,6 +353,13 @@ class Scheduler:
                 self.manager.poll()
                 continue
             victim = self._pick_victim(request)
+            # Someone would be preempted (a running request without a victim preempts
+            # itself): wait instead if the copies in flight free enough blocks, a few
+            # milliseconds against a prefill done again. A waiting request just waits.
+            if (victim is not None or request.status is RequestStatus.RUNNING) \
+                    and self.manager.wait_for_stores(num_needed
+                                                     - self.manager.pool.num_free_blocks):
+                continue
             if victim is None:
                 break
             self._preempt(victim, out)

@@ -322,6 +322,18 @@ class TierManager:
         if self.stores is not None:
             self.stores.submit_pending()
 
+    def wait_for_stores(self, num_blocks: int) -> bool:
+        """Block until enough of the host copies in flight have landed to free `num_blocks`
+        GPU blocks, and hand those back to the pool; False, without waiting, when all of them
+        together would free fewer. A scheduler short of blocks asks this before it preempts
+        a request: a step's copies take milliseconds, a preempted request its whole prefill."""
+        job_ids = [] if self.stores is None else self.stores.copies_freeing(num_blocks)
+        if not job_ids:
+            return False
+        self.transfers.wait(job_ids)
+        self.poll()
+        return True
+
     # ---- progress ------------------------------------------------------------------------
 
     def _submit(self, job: SwapJob | IOJob, on_done: Callable[[bool], None],

@@ -35,12 +35,12 @@ from kvtier.stats import Direction, Tier, TierCounters
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob, SwapJob, disk_write_job
+from kvtier.transfer import IOJob, JobId, SwapJob, disk_write_job
 
 #: Blocks per LMDB write transaction.
 DISK_WRITE_BATCH = 32
 
-Submit = Callable[[SwapJob | IOJob, Callable[[bool], None]], object]
+Submit = Callable[[SwapJob | IOJob, Callable[[bool], None]], JobId]
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -67,6 +67,8 @@ class StorePath:
         self._submit = submit
         self._counters = counters
         self._storing: set[BlockHash] = set()  # write-through in flight
+        # Write-through copies in flight, oldest first: job id -> the GPU blocks it holds.
+        self._copying: dict[JobId, list[KVCacheBlock]] = {}
         # Write-throughs not submitted yet: (blocks held with a reference, with their metas;
         # the compute stream's event after the step that computed them, None on a CPU).
         self._pending: list[tuple[list[tuple[KVCacheBlock, BlockMeta]],
@@ -178,11 +180,27 @@ class StorePath:
                                    dtype=torch.int64)  # [n, 2] (gpu block, slot)
             job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self.host.slab, mapping,
                           after=after)
-            self._submit(job, lambda ok: self._finish_copy(items, ok))
+            # (`job_id` is bound before the completion runs: that is in a later poll.)
+            job_id = self._submit(job, lambda ok: self._finish_copy(job_id, items, ok))
+            self._copying[job_id] = [block for block, _, _ in items]
         return no_slot
 
-    def _finish_copy(self, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
+    def copies_freeing(self, num_blocks: int) -> list[JobId]:
+        """The oldest write-through copies in flight whose landing frees `num_blocks` GPU
+        blocks (those no request holds besides the copy), or [] when all of them together
+        free fewer."""
+        job_ids: list[JobId] = []
+        num_freed = 0
+        for job_id, blocks in self._copying.items():
+            if num_freed >= num_blocks:
+                break
+            job_ids.append(job_id)
+            num_freed += sum(1 for block in blocks if block.ref_cnt == 1)
+        return job_ids if num_freed >= num_blocks else []
+
+    def _finish_copy(self, job_id: JobId, items: list[tuple[KVCacheBlock, BlockMeta, SlotId]],
                      ok: bool) -> None:
+        del self._copying[job_id]
         self.pool.free([block for block, _, _ in items])
         self._storing.difference_update(meta.block_hash for _, meta, _ in items)
         slots = [slot for _, _, slot in items]

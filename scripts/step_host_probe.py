@@ -22,7 +22,7 @@ from collections import defaultdict
 from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
 from kvtier.engine import model_runner, scheduler
 
-from kvtier import stores
+from kvtier import manager, stores
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -62,6 +62,9 @@ def main() -> None:
     timed(stores.StorePath, "progress", "progress (deferred stores, write-backs)")
     if hasattr(stores.StorePath, "submit_pending"):  # stores started while a step runs
         timed(stores.StorePath, "submit_pending", "write-through: submit queued")
+    if hasattr(manager.TierManager, "wait_for_stores"):  # waits instead of preemptions
+        timed(manager.TierManager, "wait_for_stores", "schedule: wait for stores (asked)")
+        timed(manager.TransferEngine, "wait", "transfers: wait")
     summary = {}
     for mode in args.modes.split(","):
         config = ServeConfig(model=args.model, device=args.device, dtype=args.dtype,

@@ -129,11 +129,11 @@ def test_a_completion_that_raises_leaves_the_jobs_after_it_to_the_next_poll(tmp_
     finish = m.stores._finish_copy
     calls = []
 
-    def first_raises(items, ok):
+    def first_raises(job_id, items, ok):
         calls.append(len(items))
         if len(calls) == 1:
             raise RuntimeError("a bug in a completion")
-        return finish(items, ok)
+        return finish(job_id, items, ok)
 
     monkeypatch.setattr(m.stores, "_finish_copy", first_raises)
     m.cache_full_blocks(blocks[:2], metas[:2])  # two write-through jobs, finished at once
@@ -277,6 +277,32 @@ def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
     m.poll()
     assert blocks[0].ref_cnt == 0 and m.host.num_cached == 1
     assert m.allocate(2) is not None
+
+
+def test_waiting_for_stores_frees_only_blocks_the_copies_alone_hold(managers):
+    layout = small_layout()
+    m = TierManager(layout, config(layout, None, gpu=4, host=4))
+    managers.append(m)
+    metas, data = chain(layout, "w", 3), random_blocks(layout, 3, seed=12)
+    blocks = m.allocate(3)
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id] = block_data
+    m.cache_full_blocks(blocks, metas)
+    m.free(blocks[:2])  # the request still holds the third block
+    m.submit_stores()
+    # Copies in flight (their completion runs in a poll) hold all three blocks; landing,
+    # they free two.
+    assert m.pool.num_free_blocks == 1 and m.allocate(2) is None
+    assert not m.wait_for_stores(3)  # no waiting when it cannot free enough
+    assert [b.ref_cnt for b in blocks] == [1, 1, 2]
+    assert m.wait_for_stores(2)
+    assert [b.ref_cnt for b in blocks] == [0, 0, 1]
+    assert all(m.host.contains(meta.block_hash) for meta in metas)
+    assert not m.wait_for_stores(1)  # nothing in flight any more
+    new = m.allocate(3)
+    assert new is not None
+    m.free(new + blocks[2:])
+    check_idle(m)
 
 
 def test_the_blocks_of_one_store_are_copied_in_one_job(managers):

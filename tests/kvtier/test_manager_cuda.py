@@ -144,3 +144,28 @@ def test_a_queued_store_on_cuda_follows_its_step_and_not_the_steps_after_it(mana
     torch.cuda.synchronize()
     m.poll()
     check_idle(m)
+
+
+@pytest.mark.gpu
+def test_waiting_for_stores_on_cuda_returns_once_the_copies_landed(managers):
+    # A scheduler short of blocks waits for in-flight copies instead of preempting: when
+    # `wait_for_stores` returns, the copies have landed and their blocks are free.
+    m = cuda_manager(managers)
+    layout = m.layout
+    metas, data = chain(layout, "wait", 3), random_blocks(layout, 3, seed=13)
+    blocks = m.allocate(3)
+    assert blocks is not None
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id].copy_(block_data.cuda())
+    torch.cuda._sleep(500_000_000)  # the step still runs when the copies are submitted
+    m.cache_full_blocks(blocks, metas)
+    m.free(blocks)
+    m.submit_stores()
+    m.poll()
+    assert m.stats().num_jobs_in_flight == 1 and m.pool.num_free_blocks == 5
+    assert not m.wait_for_stores(4)
+    assert m.wait_for_stores(3)
+    assert m.pool.num_free_blocks == 8 and m.stats().num_jobs_in_flight == 0
+    for meta, expected in zip(metas, data):
+        assert same_bytes(m.host.slab[m.host.lookup(meta.block_hash)], expected)
+    check_idle(m)
