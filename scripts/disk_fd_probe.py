@@ -13,7 +13,8 @@ groups of 8 from the tail backward, 4 threads), with the tier's descriptor:
   * per_thread: one descriptor per reading thread;
   * per_thread_seq: that, with POSIX_FADV_SEQUENTIAL on each;
   * a suffix _g<N> reads in groups of N blocks instead of 8, _t<N> on N threads instead
-    of 4 (e.g. shared_g16, shared_t8, shared_g4_t8).
+    of 4 (e.g. shared_g16, shared_t8, shared_g4_t8); _fresh reads into destination buffers
+    never written before (`disk_tier_read(resident=False)`, as the bench did until then).
 
 Each round reads with every variant and then the raw file; medians over the rounds.
 
@@ -98,7 +99,8 @@ def main() -> None:
                                                 threads=variant_option(variant, "t", 4),
                                                 group_blocks=variant_option(variant, "g", 8),
                                                 max_blocks=num_blocks,
-                                                order="document")
+                                                order="document",
+                                                resident="_fresh" not in variant)
                     finally:
                         DiskTier._data_file = original
                         for fd in opened:
