@@ -1,11 +1,14 @@
-"""store_to_host: a few values from the GPU into pinned host memory, written by the SMs.
+"""Small values between the GPU and pinned host memory, moved by the SMs.
 
-A `.tolist()` or `copy_` of a GPU tensor goes through the copy engines, in the queue of
-every other device-to-host transfer: behind a write-through of a prompt's blocks (1 GiB for
-8K tokens of an 8B model, ~20 ms on the bus), a step's sampled token ids wait until the bulk
-copy has passed. Here one small program stores the values through unified addressing
-(pinned pages are mapped into the GPU's address space), so the read-back never meets the
-copy engines.
+A `.tolist()`, `copy_` or `.to(device)` of a small tensor goes through the copy engines, in
+the queue of every other transfer that way: behind a write-through of a prompt's blocks
+(1 GiB for 8K tokens of an 8B model, ~20 ms on the bus) a step's sampled token ids wait
+until the bulk copy has passed, and behind a host-tier restore's copies (4 GiB for a 32K
+prefix, ~80 ms) so does the next step's upload of its inputs, and with it the whole step,
+even when it reads none of the restored blocks. Here small programs load and store the
+values through unified addressing (pinned pages are mapped into the GPU's address space),
+so they never meet the copy engines: `store_to_host` for the read-back, `load_from_host`
+for the upload.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from kvtier.kernels import _checks
 _BLOCK = 1024
 
 
-@triton.jit
-def _store_to_host_kernel(src_ptr, dst_ptr, num_values, BLOCK: tl.constexpr):
+# One compiled variant for every length: a step's upload size must not compile a new one.
+@triton.jit(do_not_specialize=["num_values"])
+def _copy_values_kernel(src_ptr, dst_ptr, num_values, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offsets < num_values
     tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=valid), mask=valid)
@@ -55,5 +59,38 @@ def store_to_host(src: torch.Tensor, host: torch.Tensor) -> None:
     num_values = src.shape[0]
     if num_values == 0:
         return
-    _store_to_host_kernel[(triton.cdiv(num_values, _BLOCK),)](src, host, num_values,
-                                                              BLOCK=_BLOCK, num_warps=1)
+    _copy_values_kernel[(triton.cdiv(num_values, _BLOCK),)](src, host, num_values,
+                                                            BLOCK=_BLOCK, num_warps=1)
+
+
+def load_from_host(host: torch.Tensor, dst: torch.Tensor) -> None:
+    """Write `host` into `dst[:len(host)]` with a kernel on the current stream.
+
+    host: [n] contiguous, in pinned host memory (plain CPU memory under the interpreter)
+    dst: [>= n] contiguous, of host's dtype, on CUDA (or the CPU under TRITON_INTERPRET=1)
+
+    Asynchronous like any launch: the kernels queued after it on the stream see the values.
+    The caller must not rewrite `host` before the stream has passed this launch (record an
+    event after it). Raises ValueError on misuse.
+    """
+    _checks.check_kernel_device("dst", dst)
+    if host.dim() != 1 or dst.dim() != 1:
+        raise ValueError(f"host and dst must be 1-D, got shapes {tuple(host.shape)} and "
+                         f"{tuple(dst.shape)}; flatten them first")
+    if host.device.type != "cpu":
+        raise ValueError(f"host is on {host.device}; it must be a pinned CPU tensor")
+    if dst.device.type == "cuda" and not host.is_pinned():
+        raise ValueError("host is pageable; the GPU can only read pinned memory: allocate "
+                         "it with torch.empty(..., pin_memory=True)")
+    if host.dtype != dst.dtype:
+        raise ValueError(f"dst is {dst.dtype} but host is {host.dtype}; use one dtype")
+    if dst.shape[0] < host.shape[0]:
+        raise ValueError(f"dst holds {dst.shape[0]} values, host has {host.shape[0]}; "
+                         "allocate a larger device buffer")
+    if not (host.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("host and dst must be contiguous; pass .contiguous() copies")
+    num_values = host.shape[0]
+    if num_values == 0:
+        return
+    _copy_values_kernel[(triton.cdiv(num_values, _BLOCK),)](host, dst, num_values,
+                                                            BLOCK=_BLOCK, num_warps=1)

@@ -159,6 +159,11 @@ def store_to_host(src: torch.Tensor, host: torch.Tensor) -> None:
     host[:src.shape[0]].copy_(src)
 
 
+def load_from_host(host: torch.Tensor, dst: torch.Tensor) -> None:
+    """Write host [n] into dst[:n] (a copy; the kernel loads with the SMs instead)."""
+    dst[:host.shape[0]].copy_(host)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
