@@ -54,6 +54,15 @@ def chunk_key_reads(start: int, num_new_tokens: int) -> int:
     return num_new_tokens * (2 * start + num_new_tokens + 1) // 2
 
 
+#: Words (int32) a view of the graphs' input buffer starts at a multiple of: 64 bytes, as a
+#: tensor of its own would (kernels are compiled for 16-byte aligned pointers).
+_ALIGN_WORDS = 16
+
+
+def _aligned(num_words: int) -> int:
+    return -(-num_words // _ALIGN_WORDS) * _ALIGN_WORDS
+
+
 def stage_rows(scheduled: Sequence[ScheduledRequest], block_size: int, tokens: np.ndarray,
                seq_lens: np.ndarray, block_tables: np.ndarray, size: int) -> int:
     """Write one row per new token of `scheduled`, then padding rows up to `size`.
@@ -130,7 +139,10 @@ class DecodeGraphs:
         # pinned staging buffer laid out alike: a step writes the staging, then one
         # `load_from_host` moves it (by the SMs: a copy-engine upload would wait behind a
         # restore's copies, `engine.uploads`).
-        num_words = 9 * rows + rows * self.max_blocks_per_req
+        # Word offsets of seq_lens and of the block tables, 64-byte aligned (`_ALIGN_WORDS`).
+        self._seq_lens_at = _aligned(8 * rows)
+        self._block_tables_at = _aligned(self._seq_lens_at + rows)
+        num_words = self._block_tables_at + rows * self.max_blocks_per_req
         self._staged = torch.zeros(num_words, dtype=torch.int32, device=device)
         self._host_staged = torch.zeros(num_words, dtype=torch.int32).pin_memory()
         # Rows 0/1/2/3: input_ids, positions, slot_mapping, each request's last row.
@@ -149,8 +161,8 @@ class DecodeGraphs:
         max_blocks_per_req] int32: views of `words` (int32)."""
         rows = self.buckets[-1]
         tokens = words[:8 * rows].view(torch.int64).view(4, rows)
-        seq_lens = words[8 * rows:9 * rows]
-        block_tables = words[9 * rows:].view(rows, self.max_blocks_per_req)
+        seq_lens = words[self._seq_lens_at:self._seq_lens_at + rows]
+        block_tables = words[self._block_tables_at:].view(rows, self.max_blocks_per_req)
         return tokens, seq_lens, block_tables
 
     def bucket_for(self, num_rows: int) -> int | None:
@@ -235,7 +247,7 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copies are done with the staging
         stage_rows(scheduled, self.block_size, self._host_tokens.numpy(),
                    self._host_seq_lens.numpy(), self._host_block_tables.numpy(), size)
-        num_words = 9 * self.buckets[-1] + size * self.max_blocks_per_req
+        num_words = self._block_tables_at + size * self.max_blocks_per_req
         load_from_host(self._host_staged[:num_words], self._staged[:num_words])
         self._copied.record()
         self._graphs[size].replay()

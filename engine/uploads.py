@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from kvtier.kernels import load_from_host
 
+#: Words between the starts of two arrays' views, at most (64 bytes).
+_ALIGN_WORDS = 16
 #: dtypes an uploaded array may have: whole 4-byte words.
 _DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
            np.dtype(np.float32): torch.float32}
@@ -57,7 +59,9 @@ class StepUploader:
             if array.dtype not in _DTYPES:
                 raise ValueError(f"cannot upload {array.dtype} arrays; use int32, int64 or "
                                  "float32")
-            num_words += num_words % 2  # 8-byte aligned: an int64 view needs it
+            # 64-byte aligned, as a tensor of its own would be: kernels are compiled for
+            # (and vectorize on) 16-byte aligned pointers.
+            num_words = -(-num_words // _ALIGN_WORDS) * _ALIGN_WORDS
             offsets.append(num_words)
             num_words += array.nbytes // 4
         slot, self._next = self._next, 1 - self._next
