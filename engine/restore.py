@@ -118,10 +118,7 @@ class Restore:
     own block, else one allocated for its load, held by the request). `meta(i)` gives the
     `BlockMeta` of block i. `group_bytes` sizes the disk groups. `expected_load_rate`
     (tokens/s) is what the slow tiers delivered to recent restores (`TierRates`), None
-    when unknown. `host_head`: the hit is on the host tier alone and `expected_load_rate`
-    is its copy rate; the head the model computes while the rest is copied is left to the
-    compute front (`TierRates.host_head_rate`), and the copies are not waited for by the
-    step that computes it. Driven from the
+    when unknown. Driven from the
     scheduler's thread: `collect` (landed groups),
     `skip` (the front over VALID blocks), `claim` (a chunk), `issue` (more groups), and
     `abandon` when the request gives its blocks back.
@@ -130,7 +127,7 @@ class Restore:
     def __init__(self, manager: TierManager, tiers: Sequence[Tier],
                  block_table: Sequence[KVCacheBlock], meta: Callable[[int], BlockMeta],
                  block_size: int, group_bytes: int = DISK_GROUP_BYTES,
-                 expected_load_rate: float | None = None, host_head: bool = False) -> None:
+                 expected_load_rate: float | None = None) -> None:
         assert len(tiers) <= len(block_table), "a GPU block for every hit block"
         self.manager = manager
         self.tiers = list(tiers)
@@ -157,7 +154,6 @@ class Restore:
         self._hold_limit_s = FIRST_LANDING_WAIT_S  # how long it may hold (see there)
         self._num_completed = 0  # groups landed or failed
         self._expected_load_rate = expected_load_rate
-        self._host_head = host_head and expected_load_rate is not None
         #: Per slow tier, (start, end) of the reads of its groups that ended (landed or
         #: overtaken), and the seconds at least one of them (of any slow tier) was under
         #: way (None: not summed since the last read counted; summed when a rate is asked
@@ -191,8 +187,7 @@ class Restore:
         while the window has room; groups whose bytes are queued on the GPU at once (host
         hits on CUDA) land right away. With the prefill rate and the slow tiers' rate known,
         disk and remote groups stay above the head the compute front will compute anyway
-        (`reserved_head`): a read there would only make the front wait for it. So do the
-        host groups of a `host_head` restore, which then land in a later `collect`."""
+        (`reserved_head`): a read there would only make the front wait for it."""
         reserve = self.reserved_head(floor, prefill)
         while len(self._in_flight) < self._max_groups:
             while self._top >= floor and self.states[self._top] is not BlockState.PENDING:
@@ -201,7 +196,7 @@ class Restore:
                 return
             stop = self._top + 1
             tier = self.tiers[self._top]
-            low = max(floor, reserve) if tier in SLOW_TIERS or self._host_head else floor
+            low = max(floor, reserve) if tier in SLOW_TIERS else floor
             if self._top < low:
                 return  # the reserved head: the compute front's
             start = stop
@@ -220,11 +215,7 @@ class Restore:
             self._top = start - 1
             self._in_flight.append(_Group(load_id, start, stop, tier))
             self._first_issue.setdefault(tier, time.monotonic())
-            # Host copies are queued on the GPU at once: landed now, the next step waits for
-            # them. A step computing the head left to the compute front must not: they land
-            # in the next `collect`, before the step that reaches them.
-            if self.manager.is_load_ready(load_id, advance=False) \
-                    and not (self._host_head and reserve > floor):
+            if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
 
     def reserved_head(self, floor: int, prefill: PrefillRate | None) -> int:

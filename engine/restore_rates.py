@@ -19,15 +19,6 @@ SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
 #: read cost tens of milliseconds: on a lent H100 a 1K-token prefix (25 ms to compute)
 #: took 140 ms to restore from a cold disk, an 8K one 1.16x its compute time.
 MIN_SAVING_S = 0.05
-#: Seconds a restore from the host tier must be expected to save by leaving the head of the
-#: prefix to the compute front (computed while the copies of the rest run) before it does:
-#: below that a head only adds prompt tokens to a step the other requests share. An 8B
-#: model's 32K-token prefix saves ~8 ms on an H100 (its 4 GiB take ~80 ms to copy), a
-#: conversation's 2K-token history a fraction of a millisecond.
-HOST_MIN_SAVING_S = 0.005
-#: Bytes the host tier must have copied to the GPU before its copy rate is trusted (the
-#: warm-up's single-block copies say little about the bus).
-HOST_RATE_MIN_BYTES = 256 << 20
 
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
@@ -143,8 +134,7 @@ class PrefillRate:
 class TierRates:
     """Tokens per second each slow tier delivered to recent restores (tokens landed over
     the time that tier's reads were under way, timed on the I/O threads), averaged like
-    `PrefillRate`. A new restore expects its slow tiers to do as well until they land.
-    The host tier's entry is its copy rate to the GPU (`observe_host_copies`)."""
+    `PrefillRate`. A new restore expects its slow tiers to do as well until they land."""
 
     tokens_per_s: dict[Tier, float] = field(default_factory=dict)
     #: Seconds from a restore's first group of the tier to the end of its first read.
@@ -159,23 +149,6 @@ class TierRates:
         self.tokens_per_s[tier] = _average(self.tokens_per_s.get(tier), num_tokens / seconds)
         if latency_s is not None and latency_s >= 0:
             self.latency_s[tier] = _average(self.latency_s.get(tier), latency_s)
-
-    def observe_host_copies(self, num_bytes: int, seconds: float, bytes_per_token: int) -> None:
-        """Take the host tier's rate from every host -> GPU copy so far (`num_bytes` in
-        `seconds` of copy-stream time), once they add up to `HOST_RATE_MIN_BYTES`."""
-        if num_bytes >= HOST_RATE_MIN_BYTES and seconds > 0:
-            self.tokens_per_s[Tier.HOST] = num_bytes / seconds / bytes_per_token
-
-    def host_head_rate(self, num_tokens: int, context: int,
-                       prefill: PrefillRate) -> float | None:
-        """The host tier's rate (tokens/s) when a restore of `num_tokens` host-tier tokens
-        after `context` should leave a head to the compute front (it saves at least
-        `HOST_MIN_SAVING_S` of copying), else None: all of it is copied, queued at once."""
-        rate = self.tokens_per_s.get(Tier.HOST)
-        if rate is None or prefill.tokens_per_s is None:
-            return None
-        head = prefill.head_tokens(num_tokens, context, rate)
-        return rate if head / rate >= HOST_MIN_SAVING_S else None
 
     def expected_latency(self, tiers: Iterable[Tier]) -> float:
         """The longest first-read latency among the slow tiers in `tiers` (0 if unknown)."""

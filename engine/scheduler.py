@@ -36,7 +36,7 @@ from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
 from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
 
 from kvtier.free_queue import KVCacheBlock
-from kvtier.stats import Direction, Tier
+from kvtier.stats import Tier
 from kvtier.tiers.record import BlockMeta
 
 if TYPE_CHECKING:
@@ -247,13 +247,9 @@ class Scheduler:
         self._admissions[request.request_id] = _Admission(
             gpu=tiers.count(Tier.GPU) * request.block_size)
         if load_positions:
-            expected = self.tier_rates.expected(tiers)
-            host_head = set(tiers) <= {Tier.GPU, Tier.HOST}
-            if host_head:  # how fast the host tier copies, if a head is worth computing
-                expected = self._host_head_rate(request, tiers, num_leading)
             restore = Restore(self.manager, tiers, table,
                               lambda i: self._meta(request, i), request.block_size,
-                              self.restore_group_bytes, expected, host_head=host_head)
+                              self.restore_group_bytes, self.tier_rates.expected(tiers))
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
             restore.issue(num_leading, self.prefill_rate)
@@ -426,19 +422,6 @@ class Scheduler:
             self._ending.append(restore)
         else:
             self._learn_rates(restore)
-
-    def _host_head_rate(self, request: Request, tiers: list[Tier],
-                        num_leading: int) -> float | None:
-        """The host tier's copy rate when `request`'s restore of host-tier blocks (`tiers`
-        from block `num_leading` on) should leave a head to the compute front, else None
-        (`TierRates.host_head_rate`)."""
-        copies = self.manager.transfers.stats()[Direction.HOST_TO_GPU]
-        layout = self.manager.layout
-        self.tier_rates.observe_host_copies(copies.num_bytes, copies.seconds,
-                                            layout.bytes_per_block // layout.block_size)
-        num_tokens = tiers[num_leading:].count(Tier.HOST) * request.block_size
-        return self.tier_rates.host_head_rate(num_tokens, num_leading * request.block_size,
-                                              self.prefill_rate)
 
     def _learn_rates(self, restore: Restore) -> None:
         for tier, num_tokens, seconds, latency_s in restore.measured_rates():

@@ -22,7 +22,6 @@ from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import FIRST_LANDING_WAIT_SHARE
-from kvtier.engine.restore_rates import HOST_RATE_MIN_BYTES
 from kvtier.engine.scheduler import Scheduler
 from restore_cases import (
     BS,
@@ -168,43 +167,6 @@ def test_a_request_preempted_while_both_fronts_move_comes_back(disk_dir: Path) -
     assert hashes[7] in hook.read
 
 
-@pytest.mark.parametrize("host_rate", [None, 64.0])
-def test_a_host_restore_leaves_its_head_to_the_compute_front_once_the_copy_rate_is_known(
-        disk_dir: Path, host_rate: float | None) -> None:
-    """The host tier copies 64 tokens/s here and the model computes 80: of the 32 host
-    tokens the model computes a head of 16 (two steps) while the copies of the other 16 run,
-    and the step that computes the head does not wait for them. Without a measured copy
-    rate, every block is copied at once and the fronts meet at block 0."""
-    with closing(TierManager(LAYOUT, config(disk_dir))) as manager:
-        driver = Driver(manager)
-        driver.add(PROMPT)
-        driver.run_until_done()
-        manager.flush()
-        manager.free(manager.allocate(manager.pool.num_blocks))  # only the host keeps it
-        driver.scheduler.prefill_rate.observe(8, 0.1)
-        if host_rate is not None:
-            bytes_per_token = LAYOUT.bytes_per_block // BS
-            driver.scheduler.tier_rates.observe_host_copies(
-                HOST_RATE_MIN_BYTES, HOST_RATE_MIN_BYTES / bytes_per_token / host_rate,
-                bytes_per_token)
-        request = driver.add(PROMPT)
-        chunks, fronts = [], []
-        while request.status is not RequestStatus.FINISHED:
-            chunks += [(p.start, p.num_new_tokens) for p in driver.step().scheduled]
-            fronts.append(driver.scheduler.restore_fronts().get(request.request_id))
-        finish_idle(driver)
-    if host_rate is not None:
-        # After the step that computed the head's first chunk, the tail's copies were
-        # issued but not landed: that step was not ordered after them.
-        assert (fronts[0].load_block, fronts[0].num_restored) == (4, 0)
-    if host_rate is None:
-        assert chunks == [(32, 1)]
-        assert request.counters.cached_host == 32 and request.counters.computed == 1
-    else:
-        assert chunks == [(0, 8), (8, 8), (32, 1)]
-        assert request.counters.cached_host == 16 and request.counters.computed == 17
-
-
 # ---- a real model: the same tokens as with the tiers off ----------------------------------
 
 MODEL_PROMPTS = [[(13 * i + 7 * j) % 200 + 3 for j in range(323)] for i in range(2)]  # 20 blocks
@@ -316,31 +278,3 @@ def test_a_block_gone_from_disk_after_the_lookup_is_computed(disk_dir: Path) -> 
         assert chunks == [(12, 4), (32, 1)]  # block 3 computed, the rest restored
         finish_idle(driver)
     assert restored_blocks(request) == 7
-
-
-def test_a_host_restore_with_its_head_computed_gives_the_tokens_of_tiers_off(
-        tiny: LoadedModel) -> None:
-    off = ModelDriver(tiny, model_config(tiny, None))
-    expected = [r.output_token_ids for r in off.generate(MODEL_PROMPTS)]
-    off.close()
-    layout = tiny.config.kv_layout(16, torch.float32)
-    driver = ModelDriver(tiny, TierConfig.from_slots(layout, num_gpu_blocks=64,
-                                                     num_host_slots=64))
-    try:
-        assert [r.output_token_ids for r in driver.generate(MODEL_PROMPTS)] == expected
-        driver.manager.flush()
-        manager = driver.manager
-        manager.free(manager.allocate(manager.pool.num_blocks))  # only the host keeps them
-        # The model computes 80 tokens/s, the host copies 64: a head of each prompt is
-        # computed while the rest is copied (on a CPU the copies land at once, so the load
-        # front moves down between steps and the head ends smaller than the first plan).
-        driver.scheduler.prefill_rate.observe(8, 0.1)
-        bytes_per_token = layout.bytes_per_block // 16
-        driver.scheduler.tier_rates.observe_host_copies(
-            HOST_RATE_MIN_BYTES, HOST_RATE_MIN_BYTES / bytes_per_token / 64, bytes_per_token)
-        restored = driver.generate(MODEL_PROMPTS)
-    finally:
-        driver.close()
-    assert [r.output_token_ids for r in restored] == expected
-    for request in restored:
-        assert 0 < request.counters.cached_host < 320  # head computed, the rest copied

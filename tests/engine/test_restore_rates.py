@@ -11,14 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.engine.restore import busy_seconds
-from kvtier.engine.restore_rates import (
-    HOST_MIN_SAVING_S,
-    HOST_RATE_MIN_BYTES,
-    MIN_SAVING_S,
-    PrefillRate,
-    TierRates,
-    worth_reading,
-)
+from kvtier.engine.restore_rates import MIN_SAVING_S, worth_reading
 from restore_cases import (
     BS,
     LAYOUT,
@@ -162,22 +155,6 @@ def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None
     # A threshold of 0 asks the slow tiers for every prefix.
     assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
     assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
-
-
-def test_the_host_rate_leaves_a_head_only_where_it_saves_enough_copying() -> None:
-    rates, prefill = TierRates(), PrefillRate()
-    prefill.observe(8192, 0.2)  # ~41K tokens/s, as an 8B model on an H100
-    bytes_per_token = 128 << 10  # Llama-3-8B in bfloat16
-    rates.observe_host_copies(HOST_RATE_MIN_BYTES // 2, 0.001, bytes_per_token)
-    assert rates.host_head_rate(32768, 0, prefill) is None  # too few bytes copied to tell
-    copy_s = HOST_RATE_MIN_BYTES / 50e9  # 50 GB/s: ~380K tokens/s
-    rates.observe_host_copies(HOST_RATE_MIN_BYTES, copy_s, bytes_per_token)
-    rate = rates.tokens_per_s[Tier.HOST]
-    assert rates.host_head_rate(32768, 0, prefill) == rate  # a head of ~3K tokens: ~8 ms
-    head = prefill.head_tokens(32768, 0, rate)
-    assert head / rate >= HOST_MIN_SAVING_S
-    assert rates.host_head_rate(2048, 0, prefill) is None  # a history: well under 1 ms
-    assert rates.host_head_rate(32768, 0, PrefillRate()) is None  # the model's speed unknown
 
 
 def test_a_slow_tiers_first_read_latency_counts_against_reading() -> None:
