@@ -36,7 +36,6 @@ import numpy as np
 import torch
 from kvtier.engine.attention import AttentionMetadata
 from kvtier.engine.scheduler import ScheduledRequest
-from kvtier.kernels import load_from_host
 
 #: Row counts a graph is recorded for; a step's rows are padded to the next one.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -52,15 +51,6 @@ MAX_ROW_KEY_READS = 1 << 18
 def chunk_key_reads(start: int, num_new_tokens: int) -> int:
     """Keys read by a chunk's rows in a graph step: row p attends to p + 1 keys."""
     return num_new_tokens * (2 * start + num_new_tokens + 1) // 2
-
-
-#: Words (int32) a view of the graphs' input buffer starts at a multiple of: 64 bytes, as a
-#: tensor of its own would (kernels are compiled for 16-byte aligned pointers).
-_ALIGN_WORDS = 16
-
-
-def _aligned(num_words: int) -> int:
-    return -(-num_words // _ALIGN_WORDS) * _ALIGN_WORDS
 
 
 def stage_rows(scheduled: Sequence[ScheduledRequest], block_size: int, tokens: np.ndarray,
@@ -133,37 +123,21 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         device = kv_cache.device
         rows = self.buckets[-1]
-        self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
-        # The graphs' inputs, as views of one device buffer of int32 words (the token rows
-        # first, int64-aligned; the block tables last, so a step's rows are a prefix), and a
-        # pinned staging buffer laid out alike: a step writes the staging, then one
-        # `load_from_host` moves it (by the SMs: a copy-engine upload would wait behind a
-        # restore's copies, `engine.uploads`).
-        # Word offsets of seq_lens and of the block tables, 64-byte aligned (`_ALIGN_WORDS`).
-        self._seq_lens_at = _aligned(8 * rows)
-        self._block_tables_at = _aligned(self._seq_lens_at + rows)
-        num_words = self._block_tables_at + rows * self.max_blocks_per_req
-        self._staged = torch.zeros(num_words, dtype=torch.int32, device=device)
-        self._host_staged = torch.zeros(num_words, dtype=torch.int32).pin_memory()
         # Rows 0/1/2/3: input_ids, positions, slot_mapping, each request's last row.
-        self._tokens, self._seq_lens, self._block_tables = self._fields(self._staged)
-        self._host_tokens, self._host_seq_lens, self._host_block_tables = \
-            self._fields(self._host_staged)
-        self._seq_lens.fill_(1)
-        self._host_seq_lens.fill_(1)
-        self._copied = torch.cuda.Event()  # the last step's upload has read the staging
+        self._tokens = torch.zeros((4, rows), dtype=torch.int64, device=device)  # [4, rows]
+        self._seq_lens = torch.ones(rows, dtype=torch.int32, device=device)  # [rows]
+        self._query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self._block_tables = torch.zeros((rows, self.max_blocks_per_req), dtype=torch.int32,
+                                         device=device)  # [rows, max_blocks_per_req]
+        # Pinned staging of the same fields; a step writes them, then copies them over.
+        self._host_tokens = torch.zeros((4, rows), dtype=torch.int64).pin_memory()
+        self._host_seq_lens = torch.ones(rows, dtype=torch.int32).pin_memory()
+        self._host_block_tables = torch.zeros((rows, self.max_blocks_per_req),
+                                              dtype=torch.int32).pin_memory()
+        self._copied = torch.cuda.Event()  # the last step's copies have read the staging
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> hidden [bucket, hidden]
         self._pool = None
-
-    def _fields(self, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [4, rows] int64, seq_lens [rows] int32 and block tables [rows,
-        max_blocks_per_req] int32: views of `words` (int32)."""
-        rows = self.buckets[-1]
-        tokens = words[:8 * rows].view(torch.int64).view(4, rows)
-        seq_lens = words[self._seq_lens_at:self._seq_lens_at + rows]
-        block_tables = words[self._block_tables_at:].view(rows, self.max_blocks_per_req)
-        return tokens, seq_lens, block_tables
 
     def bucket_for(self, num_rows: int) -> int | None:
         """The smallest bucket holding `num_rows` rows; None when none does."""
@@ -247,8 +221,9 @@ class DecodeGraphs:
         self._copied.synchronize()  # the previous step's copies are done with the staging
         stage_rows(scheduled, self.block_size, self._host_tokens.numpy(),
                    self._host_seq_lens.numpy(), self._host_block_tables.numpy(), size)
-        num_words = self._block_tables_at + size * self.max_blocks_per_req
-        load_from_host(self._host_staged[:num_words], self._staged[:num_words])
+        self._tokens.copy_(self._host_tokens, non_blocking=True)
+        self._seq_lens.copy_(self._host_seq_lens, non_blocking=True)
+        self._block_tables[:size].copy_(self._host_block_tables[:size], non_blocking=True)
         self._copied.record()
         self._graphs[size].replay()
         self.num_replays += 1

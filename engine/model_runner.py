@@ -1,9 +1,8 @@
 """The model runner: turns one step's plan into tensors, runs the model, samples.
 
 Input preparation builds plain numpy arrays on the CPU (token ids, positions, slot_mapping,
-block_tables, query_start_loc, seq_lens); on CUDA they go to the device in one upload by the
-SMs (`engine.uploads`: a copy-engine upload would wait behind a restore's copies). The
-attention metadata is
+block_tables, query_start_loc, seq_lens), then makes one tensor per field and copies it to
+the device once (from pinned memory, non-blocking, on CUDA). The attention metadata is
 passed to the model's forward as an argument. Logits are computed only for the last token
 of each request that samples in this step (a prefill chunk that stops short of the end of
 the prompt does not sample).
@@ -24,7 +23,6 @@ from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.scheduler import ScheduledRequest
 from kvtier.engine.step_timer import StepTimer
-from kvtier.engine.uploads import StepUploader
 from kvtier.kernels import store_to_host
 
 
@@ -54,7 +52,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_cache.device
         self.sample_fn = sample_fn
-        self._uploader = StepUploader(self.device) if self.device.type == "cuda" else None
+        self._pin = self.device.type == "cuda"
         #: Times the prefill steps (what `Scheduler.prefill_rate` learns from).
         self.step_timer = StepTimer(self.device)
         self.graphs: DecodeGraphs | None = None
@@ -104,23 +102,19 @@ class ModelRunner:
                 logits_indices.append(hi - 1)
                 sampling_rows.append(row)
 
-        arrays = [query_start_loc, seq_lens, block_tables, slot_mapping, input_ids, positions,
-                  np.asarray(logits_indices, dtype=np.int64)]
-        tensors = ([torch.from_numpy(a) for a in arrays] if self._uploader is None
-                   else self._uploader.upload(arrays))
         metadata = AttentionMetadata(
-            query_start_loc=tensors[0],
-            seq_lens=tensors[1],
-            block_tables=tensors[2],
-            slot_mapping=tensors[3],
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(seq_lens),
+            block_tables=self._to_device(block_tables),
+            slot_mapping=self._to_device(slot_mapping),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
         )
         return ModelInputs(
-            input_ids=tensors[4],
-            positions=tensors[5],
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
             attn_metadata=metadata,
-            logits_indices=tensors[6],
+            logits_indices=self._to_device(np.asarray(logits_indices, dtype=np.int64)),
             sampling_rows=tuple(sampling_rows),
         )
 
@@ -186,3 +180,11 @@ class ModelRunner:
             while_waiting()
         self._ids_stored.synchronize()
         return self._host_ids[:num].tolist()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        if self._pin:
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)

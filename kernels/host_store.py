@@ -3,12 +3,12 @@
 A `.tolist()`, `copy_` or `.to(device)` of a small tensor goes through the copy engines, in
 the queue of every other transfer that way: behind a write-through of a prompt's blocks
 (1 GiB for 8K tokens of an 8B model, ~20 ms on the bus) a step's sampled token ids wait
-until the bulk copy has passed, and behind a host-tier restore's copies (4 GiB for a 32K
-prefix, ~80 ms) so does the next step's upload of its inputs, and with it the whole step,
-even when it reads none of the restored blocks. Here small programs load and store the
-values through unified addressing (pinned pages are mapped into the GPU's address space),
-so they never meet the copy engines: `store_to_host` for the read-back, `load_from_host`
-for the upload.
+until the bulk copy has passed; behind a host-tier restore's copies (4 GiB for a 32K prefix,
+~80 ms) so would a step's input upload. Here small programs load and store the values
+through unified addressing (pinned pages are mapped into the GPU's address space), so they
+never meet the copy engines: `store_to_host` is the engine's read-back of sampled ids;
+`load_from_host` the other way (measured in scripts/upload_probe.py; the engine's step
+inputs still go by `.to(device)`, see docs/KERNELS.md).
 """
 
 from __future__ import annotations
