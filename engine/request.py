@@ -27,6 +27,7 @@ from kvtier.engine.outputs import CompletionOutput, RequestMetrics
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash, BlockHasher
+from kvtier.tiers.record import BlockMeta
 
 RequestId = NewType("RequestId", str)
 
@@ -80,6 +81,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     counters: TokenCounters = field(default_factory=TokenCounters)
+    #: `block_meta`'s, built once per full block (a 32K-token restore asks for each twice).
+    _block_metas: list[BlockMeta] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -134,6 +137,16 @@ class Request:
         assert start + self.block_size <= len(self.token_ids), \
             f"block {block_index} of request {self.request_id} is not full"
         return tuple(self.token_ids[start:start + self.block_size])
+
+    def block_meta(self, block_index: int) -> BlockMeta:
+        """What names full block `block_index` in the tiers: its hash, its parent's, its
+        token ids (`kvtier.tiers.record.BlockMeta`)."""
+        metas = self._block_metas
+        while len(metas) <= block_index:  # full blocks never change: build each once
+            i = len(metas)
+            metas.append(BlockMeta(self.block_hashes[i], self.parent_hash(i),
+                                   self.block_token_ids(i)))
+        return metas[block_index]
 
     def parent_hash(self, block_index: int) -> BlockHash:
         """Hash that block `block_index` chains from (the namespace for block 0)."""

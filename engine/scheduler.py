@@ -37,7 +37,6 @@ from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, wo
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
-from kvtier.tiers.record import BlockMeta
 
 if TYPE_CHECKING:
     from kvtier.manager import TierManager
@@ -248,7 +247,7 @@ class Scheduler:
             gpu=tiers.count(Tier.GPU) * request.block_size)
         if load_positions:
             restore = Restore(self.manager, tiers, table,
-                              lambda i: self._meta(request, i), request.block_size,
+                              request.block_meta, request.block_size,
                               self.restore_group_bytes, self.tier_rates.expected(tiers))
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
@@ -442,14 +441,9 @@ class Scheduler:
         start = request.num_cached_blocks
         if num_full <= start:
             return
-        metas = [self._meta(request, i) for i in range(start, num_full)]
+        metas = [request.block_meta(i) for i in range(start, num_full)]
         self.manager.cache_full_blocks(request.block_table[start:num_full], metas)
         request.num_cached_blocks = num_full
-
-    @staticmethod
-    def _meta(request: Request, block_index: int) -> BlockMeta:
-        return BlockMeta(request.block_hashes[block_index], request.parent_hash(block_index),
-                         request.block_token_ids(block_index))
 
     def _plan(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

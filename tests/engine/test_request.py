@@ -119,3 +119,15 @@ def test_metrics_and_output_dict_report_where_tokens_came_from() -> None:
     entry = output.to_dict()
     assert entry["cached_tokens"] == {"gpu": 0, "host": 16, "disk": 32}
     assert entry["outputs"][0]["token_ids"] == [4] and entry["computed_tokens"] == 3
+
+
+def test_block_metas_are_built_once_and_name_each_full_block() -> None:
+    hasher = BlockHasher(namespace_hash("metas", LAYOUT), 4)
+    request = Request(RequestId("m"), tuple(range(10, 21)), params=None, hasher=hasher,
+                      max_num_tokens=20, arrival_time=0.0)
+    second = request.block_meta(1)
+    assert request.block_meta(1) is second  # built once
+    first = request.block_meta(0)
+    assert (first.block_hash, first.parent_hash, first.token_ids) == \
+        (request.block_hashes[0], hasher.namespace, (10, 11, 12, 13))
+    assert (second.parent_hash, second.token_ids) == (first.block_hash, (14, 15, 16, 17))
