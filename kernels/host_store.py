@@ -22,8 +22,7 @@ from kvtier.kernels import _checks
 _BLOCK = 1024
 
 
-# One compiled variant for every length: a step's upload size must not compile a new one.
-@triton.jit(do_not_specialize=["num_values"])
+@triton.jit
 def _copy_values_kernel(src_ptr, dst_ptr, num_values, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = offsets < num_values
