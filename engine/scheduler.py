@@ -15,8 +15,10 @@ yet started. A request whose front waits for bytes already on their way computes
 that step, without blocking the others. A load that fails leaves its blocks to be computed
 (fail closed).
 
-Out of blocks: the newest holder of blocks is preempted (waiting requests that hold restored
-blocks first, then the newest running request, possibly the one asking). Its full blocks stay
+Out of blocks: queued host copies are started, and in-flight ones that will free enough
+blocks are waited for (milliseconds); only then is the newest holder of blocks preempted
+(waiting requests that hold restored blocks first, then the newest running request, possibly
+the one asking). Its full blocks stay
 cached in the pool and were written through to the host tier, so it comes back through the
 lookup / restore path. A request that holds every block of the pool and still needs one more
 ends with "length".
