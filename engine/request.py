@@ -81,8 +81,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     counters: TokenCounters = field(default_factory=TokenCounters)
-    #: `block_meta`'s, built once per full block (a 32K-token restore asks for each twice).
-    _block_metas: list[BlockMeta] = field(default_factory=list, repr=False)
+    #: `block_meta`'s by block index, built once each (a restore asks for each twice).
+    _block_metas: dict[int, BlockMeta] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -141,12 +141,12 @@ class Request:
     def block_meta(self, block_index: int) -> BlockMeta:
         """What names full block `block_index` in the tiers: its hash, its parent's, its
         token ids (`kvtier.tiers.record.BlockMeta`)."""
-        metas = self._block_metas
-        while len(metas) <= block_index:  # full blocks never change: build each once
-            i = len(metas)
-            metas.append(BlockMeta(self.block_hashes[i], self.parent_hash(i),
-                                   self.block_token_ids(i)))
-        return metas[block_index]
+        meta = self._block_metas.get(block_index)
+        if meta is None:  # full blocks never change: build each once, when first asked
+            meta = BlockMeta(self.block_hashes[block_index], self.parent_hash(block_index),
+                             self.block_token_ids(block_index))
+            self._block_metas[block_index] = meta
+        return meta
 
     def parent_hash(self, block_index: int) -> BlockHash:
         """Hash that block `block_index` chains from (the namespace for block 0)."""
