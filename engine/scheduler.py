@@ -18,10 +18,9 @@ that step, without blocking the others. A load that fails leaves its blocks to b
 Out of blocks: queued host copies are started, and in-flight ones that will free enough
 blocks are waited for (milliseconds); only then is the newest holder of blocks preempted
 (waiting requests that hold restored blocks first, then the newest running request, possibly
-the one asking). Its full blocks stay
-cached in the pool and were written through to the host tier, so it comes back through the
-lookup / restore path. A request that holds every block of the pool and still needs one more
-ends with "length".
+the one asking). Its full blocks stay cached in the pool and were written through to the
+host tier, so it comes back through the lookup / restore path. A request that holds every
+block of the pool and still needs one more ends with "length".
 """
 
 from __future__ import annotations
@@ -347,19 +346,13 @@ class Scheduler:
             if blocks is not None:
                 request.block_table.extend(blocks)
                 return True
-            if self.manager.num_stores_queued:
-                # Queued stores hold their blocks: start them before preempting anyone (the
-                # blocks come free once their copies land; on a CPU, at once).
-                self.manager.submit_stores()
-                self.manager.poll()
-                continue
             victim = self._pick_victim(request)
-            # Someone would be preempted (a running request without a victim preempts
-            # itself): wait instead if the copies in flight free enough blocks, a few
-            # milliseconds against a prefill done again. A waiting request just waits.
-            if (victim is not None or request.status is RequestStatus.RUNNING) \
-                    and self.manager.wait_for_stores(num_needed
-                                                     - self.manager.pool.num_free_blocks):
+            # Stores hold blocks: take those first. Where someone would be preempted (a
+            # running request without a victim preempts itself), even wait for copies in
+            # flight: milliseconds, against a prefill done again.
+            if self.manager.reclaim_store_blocks(
+                    num_needed - self.manager.pool.num_free_blocks,
+                    wait=victim is not None or request.status is RequestStatus.RUNNING):
                 continue
             if victim is None:
                 break

@@ -322,6 +322,18 @@ class TierManager:
         if self.stores is not None:
             self.stores.submit_pending()
 
+    def reclaim_store_blocks(self, num_blocks: int, wait: bool) -> bool:
+        """Free GPU blocks that host stores hold, for an allocation `num_blocks` short:
+        start the queued stores (their blocks come free as their copies land; on a CPU, at
+        once), or else, with `wait`, wait for copies in flight that free that many
+        (`wait_for_stores`). False when the stores had nothing to give. A scheduler asks
+        this before it preempts a request (`wait`: when someone would be preempted)."""
+        if self.num_stores_queued:
+            self.submit_stores()
+            self.poll()
+            return True
+        return wait and self.wait_for_stores(num_blocks)
+
     def wait_for_stores(self, num_blocks: int) -> bool:
         """Block until enough of the host copies in flight have landed to free `num_blocks`
         GPU blocks, and hand those back to the pool; False, without waiting, when all of them
