@@ -39,27 +39,7 @@ def store_to_host(src: torch.Tensor, host: torch.Tensor) -> None:
     Asynchronous like any launch: synchronize the stream (or an event recorded after this
     call) before reading `host`. Raises ValueError on misuse.
     """
-    _checks.check_kernel_device("src", src)
-    if src.dim() != 1 or host.dim() != 1:
-        raise ValueError(f"src and host must be 1-D, got shapes {tuple(src.shape)} and "
-                         f"{tuple(host.shape)}; flatten them first")
-    if host.device.type != "cpu":
-        raise ValueError(f"host is on {host.device}; it must be a pinned CPU tensor")
-    if src.device.type == "cuda" and not host.is_pinned():
-        raise ValueError("host is pageable; the GPU can only write pinned memory: allocate "
-                         "it with torch.empty(..., pin_memory=True)")
-    if host.dtype != src.dtype:
-        raise ValueError(f"host is {host.dtype} but src is {src.dtype}; use one dtype")
-    if host.shape[0] < src.shape[0]:
-        raise ValueError(f"host holds {host.shape[0]} values, src has {src.shape[0]}; "
-                         "allocate a larger host buffer")
-    if not (src.is_contiguous() and host.is_contiguous()):
-        raise ValueError("src and host must be contiguous; pass .contiguous() copies")
-    num_values = src.shape[0]
-    if num_values == 0:
-        return
-    _copy_values_kernel[(triton.cdiv(num_values, _BLOCK),)](src, host, num_values,
-                                                            BLOCK=_BLOCK, num_warps=1)
+    _copy_values(src, host, to_host=True)
 
 
 def load_from_host(host: torch.Tensor, dst: torch.Tensor) -> None:
@@ -72,24 +52,35 @@ def load_from_host(host: torch.Tensor, dst: torch.Tensor) -> None:
     The caller must not rewrite `host` before the stream has passed this launch (record an
     event after it). Raises ValueError on misuse.
     """
-    _checks.check_kernel_device("dst", dst)
-    if host.dim() != 1 or dst.dim() != 1:
-        raise ValueError(f"host and dst must be 1-D, got shapes {tuple(host.shape)} and "
-                         f"{tuple(dst.shape)}; flatten them first")
+    _copy_values(host, dst, to_host=False)
+
+
+def _copy_values(src: torch.Tensor, dst: torch.Tensor, to_host: bool) -> None:
+    """Check, then launch the copy of src [n] into dst[:n]: `to_host`, dst is the pinned
+    host side (`store_to_host`'s `host`), else src is (`load_from_host`'s)."""
+    src_name, dst_name = ("src", "host") if to_host else ("host", "dst")
+    host, device, device_name = (dst, src, src_name) if to_host else (src, dst, dst_name)
+    _checks.check_kernel_device(device_name, device)
+    if src.dim() != 1 or dst.dim() != 1:
+        raise ValueError(f"{src_name} and {dst_name} must be 1-D, got shapes "
+                         f"{tuple(src.shape)} and {tuple(dst.shape)}; flatten them first")
     if host.device.type != "cpu":
         raise ValueError(f"host is on {host.device}; it must be a pinned CPU tensor")
-    if dst.device.type == "cuda" and not host.is_pinned():
-        raise ValueError("host is pageable; the GPU can only read pinned memory: allocate "
-                         "it with torch.empty(..., pin_memory=True)")
-    if host.dtype != dst.dtype:
-        raise ValueError(f"dst is {dst.dtype} but host is {host.dtype}; use one dtype")
-    if dst.shape[0] < host.shape[0]:
-        raise ValueError(f"dst holds {dst.shape[0]} values, host has {host.shape[0]}; "
-                         "allocate a larger device buffer")
-    if not (host.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("host and dst must be contiguous; pass .contiguous() copies")
-    num_values = host.shape[0]
+    if device.device.type == "cuda" and not host.is_pinned():
+        raise ValueError(f"host is pageable; the GPU can only {'write' if to_host else 'read'} "
+                         "pinned memory: allocate it with torch.empty(..., pin_memory=True)")
+    if dst.dtype != src.dtype:
+        raise ValueError(f"{dst_name} is {dst.dtype} but {src_name} is {src.dtype}; use one "
+                         "dtype")
+    if dst.shape[0] < src.shape[0]:
+        raise ValueError(f"{dst_name} holds {dst.shape[0]} values, {src_name} has "
+                         f"{src.shape[0]}; allocate a larger {'host' if to_host else 'device'} "
+                         "buffer")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"{src_name} and {dst_name} must be contiguous; pass .contiguous() "
+                         "copies")
+    num_values = src.shape[0]
     if num_values == 0:
         return
-    _copy_values_kernel[(triton.cdiv(num_values, _BLOCK),)](host, dst, num_values,
+    _copy_values_kernel[(triton.cdiv(num_values, _BLOCK),)](src, dst, num_values,
                                                             BLOCK=_BLOCK, num_warps=1)

@@ -10,16 +10,17 @@ from kvtier.kernels import load_from_host, reference, store_to_host
 
 
 @cases.needs_interpreter
+@pytest.mark.parametrize("way", ["store_to_host", "load_from_host"])
 @pytest.mark.parametrize("num_values", [1, 7, 1024, 1500])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
-def test_store_to_host_matches_reference(dtype: torch.dtype, num_values: int) -> None:
+def test_copies_match_reference(way: str, dtype: torch.dtype, num_values: int) -> None:
     src = (torch.arange(num_values) * 7919 - 5).to(dtype)
-    host = torch.full((num_values + 3,), -1).to(dtype)
-    expected = host.clone()
-    store_to_host(src, host)
-    reference.store_to_host(src, expected)
-    assert torch.equal(host, expected)
-    assert (host[num_values:] == -1).all(), "values past src were written"
+    dst = torch.full((num_values + 3,), -1).to(dtype)
+    expected = dst.clone()
+    {"store_to_host": store_to_host, "load_from_host": load_from_host}[way](src, dst)
+    getattr(reference, way)(src, expected)
+    assert torch.equal(dst, expected)
+    assert (dst[num_values:] == -1).all(), "values past src were written"
 
 
 @cases.needs_interpreter
@@ -73,19 +74,6 @@ def test_gpu_store_to_host_does_not_wait_for_a_bulk_device_to_host_copy() -> Non
     assert not bulk_done.query(), "the bulk copy ended first: the test proves nothing"
     assert torch.equal(host, torch.arange(16)), "the ids had not landed at their event"
     torch.cuda.synchronize()
-
-
-@cases.needs_interpreter
-@pytest.mark.parametrize("num_values", [1, 7, 1024, 1500])
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32], ids=str)
-def test_load_from_host_matches_reference(dtype: torch.dtype, num_values: int) -> None:
-    host = (torch.arange(num_values) * 7919 - 5).to(dtype)
-    dst = torch.full((num_values + 3,), -1).to(dtype)
-    expected = dst.clone()
-    load_from_host(host, dst)
-    reference.load_from_host(host, expected)
-    assert torch.equal(dst, expected)
-    assert (dst[num_values:] == -1).all(), "values past host were written"
 
 
 @cases.needs_interpreter
