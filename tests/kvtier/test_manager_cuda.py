@@ -35,6 +35,16 @@ def cuda_manager(managers: list, disk_dir: Path | None = None, **kwargs) -> Tier
     return m
 
 
+def computed_blocks(m: TierManager, data: torch.Tensor) -> list:
+    """Fresh GPU blocks of `m` holding `data` [n, *block_shape], written on the current
+    stream as a step writes them."""
+    blocks = m.allocate(data.shape[0])
+    assert blocks is not None, "test setup: not enough free GPU blocks"
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id].copy_(block_data.cuda())
+    return blocks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("swap_method", ["dma", "staged", "triton"])
 def test_round_trip_on_cuda(tmp_path, managers, swap_method):
@@ -122,13 +132,10 @@ def test_a_queued_store_on_cuda_follows_its_step_and_not_the_steps_after_it(mana
     m = cuda_manager(managers)
     layout = m.layout
     metas, data = chain(layout, "queued", 2), random_blocks(layout, 2, seed=11)
-    blocks = m.allocate(2)
-    assert blocks is not None
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(10):  # the step: long work, then the writes into the blocks
         x = x @ x / 64
-    for block, block_data in zip(blocks, data):
-        m.kv_cache[block.block_id].copy_(block_data.cuda())
+    blocks = computed_blocks(m, data)
     m.cache_full_blocks(blocks, metas)
     m.free(blocks)
     assert m.num_stores_queued == 2
@@ -153,10 +160,7 @@ def test_waiting_for_stores_on_cuda_returns_once_the_copies_landed(managers):
     m = cuda_manager(managers)
     layout = m.layout
     metas, data = chain(layout, "wait", 3), random_blocks(layout, 3, seed=13)
-    blocks = m.allocate(3)
-    assert blocks is not None
-    for block, block_data in zip(blocks, data):
-        m.kv_cache[block.block_id].copy_(block_data.cuda())
+    blocks = computed_blocks(m, data)
     torch.cuda._sleep(500_000_000)  # the step still runs when the copies are submitted
     m.cache_full_blocks(blocks, metas)
     m.free(blocks)
