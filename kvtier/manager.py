@@ -380,12 +380,16 @@ class TierManager:
         if self._remote_writes is not None:
             self._remote_writes.send()  # this step's newly cached blocks, in batches
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
-        # in flight, and `_complete` polls once per load it completes.
+        # in flight, and `_complete` polls once per load it completes. They take the slots
+        # that write-backs just cleaned before deferred write-throughs do: a read serves a
+        # request now, a store only may later (under serving load on an H100, deferred
+        # stores took every cleaned slot and no disk read ever started).
         starved = [load for load in self._loads.values() if load.waiting]
-        if self.stores is not None:
-            self.stores.progress(sum(len(load.waiting) for load in starved))
         for load in starved:
             self.load_path.feed(load)
+        starved = [load for load in starved if load.waiting]
+        if self.stores is not None:
+            self.stores.progress(sum(len(load.waiting) for load in starved))
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
             for load in starved:
                 self._tiers[Tier.HOST].rejected += len(load.waiting)

@@ -258,6 +258,39 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     check_idle(m)
 
 
+@pytest.mark.timeout(120)
+def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_path, managers,
+                                                                          release):
+    layout = small_layout()
+    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=1, io_threads=2))
+    managers.append(m)
+    x, y, w = (chain(layout, name, 1) for name in ("x", "y", "w"))
+    x_data, y_data, w_data = (random_blocks(layout, 1, seed) for seed in (1, 2, 3))
+    write(m, x, x_data)
+    evict_gpu(m)  # X: on disk, and clean in the one host slot
+    m.disk.put, entered = held_before(m.disk.put, release)
+    write(m, y, y_data)  # Y evicts X from the host; its write-back is held
+    assert entered.wait(timeout=60)
+    write(m, w, w_data)  # no slot: W's write-through is deferred
+    assert not m.host.contains(w[0].block_hash)
+    target = m.allocate(1)
+    load_id = m.prepare_load(x, target)  # X waits for a host slot to be read into
+    release.set()
+    m.transfers.wait_all()  # Y's write-back committed; the next poll cleans its slot
+    m.poll()
+    # The read got the slot; W stays deferred (it would have taken the slot first before).
+    assert not m.host.contains(w[0].block_hash)
+    m.transfers.wait_all()
+    m.poll()
+    assert m.is_load_ready(load_id, advance=False)
+    assert m.complete_load(load_id) == 1
+    assert same_bytes(m.kv_cache[target[0].block_id], x_data[0])
+    m.free(target)
+    m.flush()  # W follows once X's slot is clean: nothing was lost
+    assert m.disk.contains([y[0].block_hash, w[0].block_hash]) == [True, True]
+    check_idle(m)
+
+
 def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
     layout = small_layout()
     m = TierManager(layout, config(layout, None, gpu=2, host=2))
