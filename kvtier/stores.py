@@ -77,6 +77,10 @@ class StorePath:
         self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
         self._num_writing_back = 0
         self._writeback_reserve = max(1, host.num_slots // 8) if host_caches else 0
+        #: Slots write-throughs leave to reads from the tiers below when the host tier runs
+        #: out of evictable ones (writes outpacing the disk): without them, every slot a
+        #: write-back cleaned went to the next store, and no disk read ever started.
+        self._read_reserve = host.num_slots // 16 if host_caches and disk is not None else 0
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta]) -> None:
         """Queue newly cached GPU blocks (`metas[i]` names `blocks[i]`) for copying to host
@@ -139,7 +143,7 @@ class StorePath:
         """Write through the deferred blocks the GPU still caches, oldest first, while host
         slots can be had without waiting. Costs O(slots to be had + stale entries dropped),
         not O(entries): a host tier that stays dirty keeps up to a slab's worth of them."""
-        num_room = self.host.num_free_slots + self.host.num_clean  # at most: some are pinned
+        num_room = self._store_room()  # at most: some clean slots are pinned
         pending: list[tuple[KVCacheBlock, BlockMeta]] = []
         while self._deferred and len(pending) < num_room:
             block_hash, (block, meta) = self._deferred.popitem(last=False)
@@ -159,12 +163,13 @@ class StorePath:
         later ones would not either), holding no reference."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
         no_slot: list[tuple[KVCacheBlock, BlockMeta]] = []
+        room = self._store_room()
         for block, meta in pairs:
             # (Staging: the disk write itself skips blocks already on disk.)
             if meta.block_hash in self._storing or (
                     self.host_caches and self.host.contains(meta.block_hash)):
                 continue
-            slot = None if no_slot else self.host.allocate_slot(meta)
+            slot = None if no_slot or len(items) >= room else self.host.allocate_slot(meta)
             if slot is None:  # not waited for
                 no_slot.append((block, meta))
                 continue
@@ -184,6 +189,11 @@ class StorePath:
             job_id = self._submit(job, lambda ok: self._finish_copy(job_id, items, ok))
             self._copying[job_id] = [block for block, _, _ in items]
         return no_slot
+
+    def _store_room(self) -> int:
+        """Slots write-throughs may take now, at most: the free and clean ones (some of
+        those may be pinned) beyond the reserve kept for reads."""
+        return self.host.num_free_slots + self.host.num_clean - self._read_reserve
 
     def copies_freeing(self, num_blocks: int) -> list[JobId]:
         """The oldest write-through copies in flight whose landing frees `num_blocks` GPU

@@ -10,9 +10,10 @@ Two kinds of jobs, keyed by the hop they make:
     blocks. Without CUDA (the "GPU" cache is a CPU tensor) the copy runs synchronously inside
     `submit`, and still reports through `get_finished`, so the whole path is exercised on CPU.
   * `IOJob` (host <-> disk): a callable run on a small pool of threads fed by a bounded
-    queue. A full queue blocks the submitter (backpressure), so queued work and the memory it
-    pins never grow without bound. Queued reads go before queued writes (a restore has a
-    request waiting on it; a write-back runs ahead of demand), each in submission order.
+    queue (`kvtier.io_queue`). A full queue blocks the submitter (backpressure), so queued
+    work and the memory it pins never grow without bound. Queued reads go before queued
+    writes (a restore has a request waiting on it; a write-back runs ahead of demand), each
+    in submission order, and writes never hold every thread.
 
 The I/O threads give up the GIL at every read, write and checksum, and take it back only when
 the thread holding it lets go: a thread launching a model step's kernels in Python lets go
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 import time
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, NewType
 
 import torch
 
+from kvtier.io_queue import IOQueue
 from kvtier.kernels import swap_blocks
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
 
@@ -54,9 +55,8 @@ JobId = NewType("JobId", int)
 _SWAP_DIRECTIONS = (Direction.GPU_TO_HOST, Direction.HOST_TO_GPU)
 _IO_DIRECTIONS = (Direction.HOST_TO_DISK, Direction.DISK_TO_HOST, Direction.HOST_TO_REMOTE,
                   Direction.REMOTE_TO_HOST)
-#: Queue order of I/O jobs (lower first): restores before write-backs.
-_IO_URGENCY = {Direction.DISK_TO_HOST: 0, Direction.REMOTE_TO_HOST: 0,
-               Direction.HOST_TO_DISK: 1, Direction.HOST_TO_REMOTE: 1}
+#: I/O jobs that write (queued behind reads, and never on every I/O thread at once).
+_IO_WRITES = (Direction.HOST_TO_DISK, Direction.HOST_TO_REMOTE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,9 +197,7 @@ class TransferEngine:
         self._cuda_jobs: dict[JobId, _CudaJob] = {}
         self._counters: dict[Direction, TransferCounters] = new_transfer_counters()
         self._closed = False
-        # (urgency, job id, job): reads first, then by submission; job None stops a worker.
-        self._queue: queue.PriorityQueue[tuple[int, JobId, IOJob | None]] = \
-            queue.PriorityQueue(max_pending_io)
+        self._queue: IOQueue[tuple[JobId, IOJob]] = IOQueue(max_pending_io, io_threads)
         self._workers = [threading.Thread(target=self._work, name=f"kvtier-io-{i}", daemon=True)
                          for i in range(io_threads)]
         for worker in self._workers:
@@ -224,7 +222,7 @@ class TransferEngine:
             self._next_job_id += 1
             self._in_flight.add(job_id)
         if isinstance(job, IOJob):
-            self._queue.put((_IO_URGENCY[job.direction], job_id, job))
+            self._queue.put((job_id, job), is_write=job.direction in _IO_WRITES)
         elif self._use_cuda:
             self._launch_cuda(job_id, job)
         else:
@@ -268,10 +266,8 @@ class TransferEngine:
         self._finish(job_id, job.direction, job.num_bytes, time.perf_counter() - started, ok)
 
     def _work(self) -> None:
-        while True:
-            _, job_id, job = self._queue.get()
-            if job is None:
-                return
+        while (item := self._queue.get()) is not None:
+            (job_id, job), is_write = item
             started = time.perf_counter()
             num_bytes, ok = 0, True
             try:
@@ -279,6 +275,9 @@ class TransferEngine:
             except Exception:
                 logger.exception("%s job %d failed", job.direction.value, job_id)
                 ok = False
+            finally:
+                if is_write:
+                    self._queue.write_done()
             self._finish(job_id, job.direction, num_bytes, time.perf_counter() - started, ok)
 
     def _finish(self, job_id: JobId, direction: Direction, num_bytes: int, seconds: float,
@@ -375,7 +374,6 @@ class TransferEngine:
                 return
             self._closed = True
         self.wait_all()
-        for i, _ in enumerate(self._workers):
-            self._queue.put((len(_IO_URGENCY), JobId(-1 - i), None))
+        self._queue.close()
         for worker in self._workers:
             worker.join()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -288,6 +289,51 @@ def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_pa
     m.free(target)
     m.flush()  # W follows once X's slot is clean: nothing was lost
     assert m.disk.contains([y[0].block_hash, w[0].block_hash]) == [True, True]
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_path, managers,
+                                                                            release):
+    layout = small_layout()
+    m = TierManager(layout, config(layout, tmp_path, gpu=32, host=16, io_threads=2))
+    managers.append(m)
+    x, z, w = (chain(layout, name, 1) for name in ("x", "z", "w"))
+    z_data = random_blocks(layout, 1, seed=1)
+    write(m, x, random_blocks(layout, 1, seed=2))
+    write(m, z, z_data)
+    evict_gpu(m)  # X and Z: on disk, and clean in the host tier
+    assert m.host.remove(z[0].block_hash)  # Z: on disk only
+    writing = threading.Semaphore(0)
+    put = m.disk.put
+
+    def held_put(*args):
+        writing.release()
+        release.wait()
+        return put(*args)
+
+    m.disk.put = held_put
+    # Fifteen dirty blocks fill the free slots; their write-backs cannot finish.
+    write(m, chain(layout, "y", 15), random_blocks(layout, 15, seed=3))
+    assert writing.acquire(timeout=60)
+    # The one evictable slot left (X's) is kept for reads: W's write-through is deferred.
+    write(m, w, random_blocks(layout, 1, seed=4))
+    assert m.host.contains(x[0].block_hash) and not m.host.contains(w[0].block_hash)
+    assert m.stores.write_back_all()  # more write jobs than threads
+    assert not writing.acquire(timeout=0.3)  # writes hold one of the two threads, not both
+    target = m.allocate(1)
+    load_id = m.prepare_load(z, target)
+    # Z is read into X's slot by the thread writes leave free, the disk's writes still stuck.
+    deadline = time.monotonic() + 30
+    while not m.is_load_ready(load_id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert m.is_load_ready(load_id) and not release.is_set()
+    assert m.complete_load(load_id) == 1
+    assert same_bytes(m.kv_cache[target[0].block_id], z_data[0])
+    m.free(target)
+    release.set()
+    m.flush()  # the stores follow once the disk writes again: nothing was lost
+    assert m.disk.contains([w[0].block_hash]) == [True]
     check_idle(m)
 
 

@@ -226,3 +226,29 @@ def test_triton_copies_need_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         TransferEngine("cpu", swap_method="triton")
+
+
+@pytest.mark.timeout(60)
+def test_a_read_runs_while_writes_hold_as_many_threads_as_they_may():
+    engine = TransferEngine("cpu", io_threads=4, max_pending_io=16)
+    release = threading.Event()
+    writing = threading.Semaphore(0)
+    read_done = threading.Event()
+
+    def held_write() -> int:
+        writing.release()
+        release.wait()
+        return 0
+
+    try:
+        for _ in range(4):  # more writes than threads
+            engine.submit(IOJob(Direction.HOST_TO_DISK, held_write))
+        for _ in range(2):  # half the threads write (LMDB runs one write at a time anyway)
+            assert writing.acquire(timeout=30)
+        assert not writing.acquire(timeout=0.2)  # the other writes wait for them
+        engine.submit(IOJob(Direction.DISK_TO_HOST, lambda: read_done.set() or 0))
+        assert read_done.wait(timeout=30)  # a free thread took the read at once
+    finally:
+        release.set()
+    engine.close()
+    assert engine.stats()[Direction.HOST_TO_DISK].num_jobs == 4
