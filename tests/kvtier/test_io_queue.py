@@ -1,0 +1,85 @@
+"""IOQueue with real threads: reads before writes, writes on at most half of the threads,
+backpressure, and a close that lets the queued jobs run first."""
+
+import threading
+
+import pytest
+
+from kvtier.io_queue import IOQueue
+
+
+def test_reads_go_before_writes_each_in_submission_order():
+    q: IOQueue[str] = IOQueue(capacity=8, num_threads=1)
+    for name, is_write in (("w1", True), ("r1", False), ("w2", True), ("r2", False)):
+        q.put(name, is_write)
+    order = []
+    for _ in range(4):
+        job, is_write = q.get()
+        order.append(job)
+        if is_write:
+            q.write_done()
+    assert order == ["r1", "r2", "w1", "w2"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("num_threads", "max_writers"), [(1, 1), (2, 1), (4, 2), (5, 2)])
+def test_writes_wait_for_a_writer_to_finish_while_reads_do_not(num_threads, max_writers):
+    q: IOQueue[str] = IOQueue(capacity=16, num_threads=num_threads)
+    assert q.max_writers == max_writers
+    for i in range(max_writers + 1):
+        q.put(f"w{i}", is_write=True)
+    for _ in range(max_writers):
+        assert q.get()[1] is True
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(q.get()))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # the last write waits for a writer
+    q.put("r", is_write=False)
+    waiter.join(timeout=30)
+    assert got == [("r", False)]  # a read is handed out at once
+    q.write_done()
+    assert q.get() == (f"w{max_writers}", True)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_queue_blocks_put_until_a_job_is_taken():
+    q: IOQueue[str] = IOQueue(capacity=1, num_threads=2)
+    q.put("a", is_write=False)
+    putter = threading.Thread(target=q.put, args=("b", False))
+    putter.start()
+    putter.join(timeout=0.2)
+    assert putter.is_alive() and len(q) == 1
+    assert q.get() == ("a", False)
+    putter.join(timeout=30)
+    assert not putter.is_alive() and q.get() == ("b", False)
+
+
+@pytest.mark.timeout(60)
+def test_close_lets_queued_jobs_run_then_stops_every_thread():
+    q: IOQueue[str] = IOQueue(capacity=8, num_threads=2)
+    q.put("w1", is_write=True)
+    q.put("w2", is_write=True)
+    q.close()
+    with pytest.raises(ValueError, match="closed"):
+        q.put("late", is_write=False)
+    ran: list[str] = []
+
+    def worker() -> None:
+        while (item := q.get()) is not None:
+            ran.append(item[0])
+            q.write_done()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in threads) and sorted(ran) == ["w1", "w2"]
+
+
+def test_sizes_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        IOQueue(capacity=0, num_threads=1)
+    with pytest.raises(ValueError, match="positive"):
+        IOQueue(capacity=1, num_threads=0)
