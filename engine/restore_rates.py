@@ -23,20 +23,24 @@ MIN_SAVING_S = 0.05
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
                   load_tokens_per_s: float | None, min_saving_s: float = MIN_SAVING_S,
-                  load_latency_s: float = 0.0) -> bool:
+                  load_latency_s: float = 0.0, num_fast_tokens: int = 0) -> bool:
     """Whether `num_tokens` tokens still to come are worth looking for in the slow tiers:
     computing them alone (at the prefill rate P) must take `min_saving_s` longer than the
     two fronts together, or, while L is not known, at least `min_saving_s` at all. The
     fronts together: the model computes from the start while the tiers deliver L tokens/s
     once their first read ends, `load_latency_s` after the restore began, so they meet
-    after (R + L * latency) / (P + L). True while P is not known (nothing to weigh it
-    with), and always with `min_saving_s` 0."""
+    after (R + L * latency) / (P + L), where R leaves out the `num_fast_tokens` of them a
+    fast tier (the host) holds further on: those come at once, but only if the prefix
+    reaches them through the slow tiers' blocks. True while P is not known (nothing to
+    weigh it with), and always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
+    rest = max(0, num_tokens - num_fast_tokens)  # what the model or the slow tiers supply
     if load_tokens_per_s is None:
         return alone >= min_saving_s
-    together = min(alone, (num_tokens + load_tokens_per_s * max(0.0, load_latency_s))
+    together = min(rest / prefill_tokens_per_s,
+                   (rest + load_tokens_per_s * max(0.0, load_latency_s))
                    / (prefill_tokens_per_s + load_tokens_per_s))
     return alone - together >= min_saving_s
 

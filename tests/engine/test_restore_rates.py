@@ -15,6 +15,7 @@ from kvtier.engine.restore_rates import MIN_SAVING_S, worth_reading
 from restore_cases import (
     BS,
     LAYOUT,
+    NAMESPACE,
     PROMPT,
     Driver,
     ReadHook,
@@ -27,6 +28,7 @@ from restore_cases import (
 
 from kvtier.manager import TierManager
 from kvtier.stats import Tier
+from kvtier.tiers.record import BlockMeta
 
 
 def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> None:
@@ -79,6 +81,33 @@ def test_a_disk_too_slow_to_save_time_on_a_prefix_is_not_asked(disk_dir: Path) -
         disk = manager.stats().tiers[Tier.DISK]
     assert hook.read == [] and (disk.hits, disk.misses) == (0, 0)
     assert restored_blocks(request) == 0 and request.counters.computed == 33
+
+
+def test_host_blocks_behind_a_slow_disks_blocks_still_make_the_disk_worth_asking(
+        disk_dir: Path) -> None:
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        # Blocks 4-7 come back to the host tier (read from disk), blocks 0-3 stay on disk
+        # only, as a conversation's first blocks leave a host tier before its later ones.
+        metas = [BlockMeta(hashes[i], hashes[i - 1] if i else NAMESPACE,
+                           tuple(PROMPT[i * BS:(i + 1) * BS])) for i in range(8)]
+        blocks = manager.allocate(4)
+        assert manager.complete_load(manager.prepare_load(metas[4:], blocks)) == 4
+        manager.free(blocks)
+        everything = manager.allocate(manager.pool.num_free_blocks)  # off the GPU
+        manager.free(everything)
+        assert [manager.host.contains(h) for h in hashes[:8]] == [False] * 4 + [True] * 4
+        hook.read.clear()
+        driver = Driver(manager)
+        # As in the test above, the disk alone would save nothing on 32 tokens; but behind
+        # its 16 tokens the host holds 16 more, which it can give only if the disk is asked.
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+    assert request.counters.cached_host == 4 * BS
+    assert request.counters.computed == 4 * BS + 1
 
 
 def test_the_head_the_model_computes_while_the_disk_loads_the_tail_is_never_issued(
@@ -152,6 +181,8 @@ def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None
     assert saving > MIN_SAVING_S and worth_reading(32_768, 24_000.0, 10_000.0)
     saving = 8_192 / 40_000 - 8_192 / (40_000 + 3_000)
     assert saving < MIN_SAVING_S and not worth_reading(8_192, 40_000.0, 3_000.0)
+    # ... unless a fast tier holds 4K of those tokens further on: they come at once.
+    assert worth_reading(8_192, 40_000.0, 3_000.0, num_fast_tokens=4_096)
     # A threshold of 0 asks the slow tiers for every prefix.
     assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
     assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
