@@ -1,8 +1,8 @@
 """The queue of host <-> disk and remote jobs waiting for the transfer engine's I/O threads.
 
 Reads go before writes, each kind in submission order: a read has a request waiting on it,
-a write-back runs ahead of demand. And writes never take every thread: at most half of them
-(at least one) run writes at once, so a read waits for no write to finish. When the engine
+a write-back runs ahead of demand. And writes never take every thread: one (of two or more)
+is always left to reads, so a read waits for no write to finish. When the engine
 produces KV faster than the disk can write it (an 8B model on an H100 makes ~2.7 GB/s of it
 while serving, against ~0.7 GB/s of LMDB writes on its disk), write-backs are always queued;
 with every thread inside a write transaction (LMDB runs one at a time, the others wait for
@@ -30,7 +30,7 @@ class IOQueue(Generic[Job]):
             raise ValueError(f"capacity ({capacity}) and num_threads ({num_threads}) must "
                              "be positive")
         self.capacity = capacity
-        self.max_writers = max(1, num_threads // 2)
+        self.max_writers = max(1, num_threads - 1)
         self._reads: deque[Job] = deque()
         self._writes: deque[Job] = deque()
         self._num_writing = 0
