@@ -31,13 +31,15 @@ def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
     once their first read ends, `load_latency_s` after the restore began, so they meet
     after (R + L * latency) / (P + L), where R leaves out the `num_fast_tokens` of them a
     fast tier (the host) holds further on: those come at once, but only if the prefix
-    reaches them through the slow tiers' blocks. True while P is not known (nothing to
-    weigh it with), and always with `min_saving_s` 0."""
+    reaches them through the slow tiers' blocks. With such host blocks the tiers are also
+    asked whenever computing alone takes `min_saving_s`, as while L is not known: the
+    fronts size what the slow tiers read, and the host's blocks are a sure saving. True
+    while P is not known (nothing to weigh it with), and always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
     rest = max(0, num_tokens - num_fast_tokens)  # what the model or the slow tiers supply
-    if load_tokens_per_s is None:
+    if load_tokens_per_s is None or (num_fast_tokens > 0 and alone >= min_saving_s):
         return alone >= min_saving_s
     together = min(rest / prefill_tokens_per_s,
                    (rest + load_tokens_per_s * max(0.0, load_latency_s))
