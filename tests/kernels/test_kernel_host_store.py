@@ -8,6 +8,8 @@ import pytest
 import torch
 from kvtier.kernels import load_from_host, reference, store_to_host
 
+COPIES = {"store_to_host": store_to_host, "load_from_host": load_from_host}
+
 
 @cases.needs_interpreter
 @pytest.mark.parametrize("way", ["store_to_host", "load_from_host"])
@@ -17,23 +19,26 @@ def test_copies_match_reference(way: str, dtype: torch.dtype, num_values: int) -
     src = (torch.arange(num_values) * 7919 - 5).to(dtype)
     dst = torch.full((num_values + 3,), -1).to(dtype)
     expected = dst.clone()
-    {"store_to_host": store_to_host, "load_from_host": load_from_host}[way](src, dst)
+    COPIES[way](src, dst)
     getattr(reference, way)(src, expected)
     assert torch.equal(dst, expected)
     assert (dst[num_values:] == -1).all(), "values past src were written"
 
 
 @cases.needs_interpreter
-def test_store_to_host_rejects_misuse() -> None:
+@pytest.mark.parametrize(("way", "dst_kind"), [("store_to_host", "host"),
+                                               ("load_from_host", "device")])
+def test_copies_reject_misuse(way: str, dst_kind: str) -> None:
+    copy = COPIES[way]
     src = torch.arange(4)
     with pytest.raises(ValueError, match="1-D"):
-        store_to_host(src.view(2, 2), torch.empty(4, dtype=torch.int64))
+        copy(src.view(2, 2), torch.empty(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="dtype|int32"):
-        store_to_host(src, torch.empty(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="larger host buffer"):
-        store_to_host(src, torch.empty(3, dtype=torch.int64))
+        copy(src, torch.empty(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=f"larger {dst_kind} buffer"):
+        copy(src, torch.empty(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="contiguous"):
-        store_to_host(torch.arange(8)[::2], torch.empty(4, dtype=torch.int64))
+        copy(torch.arange(8)[::2], torch.empty(4, dtype=torch.int64))
 
 
 @pytest.mark.gpu
@@ -74,19 +79,6 @@ def test_gpu_store_to_host_does_not_wait_for_a_bulk_device_to_host_copy() -> Non
     assert not bulk_done.query(), "the bulk copy ended first: the test proves nothing"
     assert torch.equal(host, torch.arange(16)), "the ids had not landed at their event"
     torch.cuda.synchronize()
-
-
-@cases.needs_interpreter
-def test_load_from_host_rejects_misuse() -> None:
-    host = torch.arange(4)
-    with pytest.raises(ValueError, match="1-D"):
-        load_from_host(host.view(2, 2), torch.empty(4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="dtype|int32"):
-        load_from_host(host, torch.empty(4, dtype=torch.int32))
-    with pytest.raises(ValueError, match="larger device buffer"):
-        load_from_host(host, torch.empty(3, dtype=torch.int64))
-    with pytest.raises(ValueError, match="contiguous"):
-        load_from_host(torch.arange(8)[::2], torch.empty(4, dtype=torch.int64))
 
 
 @pytest.mark.gpu
