@@ -29,20 +29,17 @@ def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
     two fronts together, or, while L is not known, at least `min_saving_s` at all. The
     fronts together: the model computes from the start while the tiers deliver L tokens/s
     once their first read ends, `load_latency_s` after the restore began, so they meet
-    after (R + L * latency) / (P + L), where R leaves out the `num_fast_tokens` of them a
-    fast tier (the host) holds further on: those come at once, but only if the prefix
-    reaches them through the slow tiers' blocks. With such host blocks the tiers are also
-    asked whenever computing alone takes `min_saving_s`, as while L is not known: the
-    fronts size what the slow tiers read, and the host's blocks are a sure saving. True
-    while P is not known (nothing to weigh it with), and always with `min_saving_s` 0."""
+    after (R + L * latency) / (P + L). When a fast tier (the host) holds `num_fast_tokens`
+    of them further on, reached only through the slow tiers' blocks, the rule is the one
+    used while L is not known: the host's blocks are a sure saving, and the fronts size
+    what the slow tiers read. True while P is not known (nothing to weigh it with), and
+    always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
-    rest = max(0, num_tokens - num_fast_tokens)  # what the model or the slow tiers supply
-    if load_tokens_per_s is None or (num_fast_tokens > 0 and alone >= min_saving_s):
+    if load_tokens_per_s is None or num_fast_tokens > 0:
         return alone >= min_saving_s
-    together = min(rest / prefill_tokens_per_s,
-                   (rest + load_tokens_per_s * max(0.0, load_latency_s))
+    together = min(alone, (num_tokens + load_tokens_per_s * max(0.0, load_latency_s))
                    / (prefill_tokens_per_s + load_tokens_per_s))
     return alone - together >= min_saving_s
 
