@@ -51,18 +51,20 @@ class AttentionCase:
 def build_attention_case(seq_lens: list[int], q_lens: list[int], *, num_kv_heads: int,
                          group: int, head_dim: int, block_size: int, dtype: torch.dtype,
                          device: str, seed: int = 0, extra_rows: int = 2,
-                         num_layers: int = 2, layer: int = 1) -> AttentionCase:
+                         num_layers: int = 2, layer: int = 1,
+                         poison: float = float("nan")) -> AttentionCase:
     """A batch whose request r has seq_lens[r] cached tokens and queries the last q_lens[r].
 
     Blocks are a random permutation (so tables are scattered), one spare block stays
     unused, and `extra_rows` query rows follow the last request (they must stay unwritten).
+    Slots nobody wrote hold `poison`.
     """
     assert len(seq_lens) == len(q_lens), "one q_len per request"
     generator = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 1
     cache = torch.full((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
-                       float("nan"), dtype=dtype, device=device)
+                       poison, dtype=dtype, device=device)
     k_cache, v_cache = cache[:, layer, 0], cache[:, layer, 1]
     order = torch.randperm(num_blocks, generator=generator).tolist()
     block_tables = torch.zeros((len(seq_lens), max(1, max(blocks_per_req))), dtype=torch.int32)
