@@ -7,7 +7,10 @@ once per step by the model runner and passed explicitly; there is no global cont
 
 Backends (chosen once, at construction):
     "torch"  kernels.reference: pure torch, the CPU default and the reference in tests.
-    "triton" kernels.store_kv / kernels.paged_attention: the GPU default.
+    "triton" kernels.store_kv / kernels.paged_attention: the GPU default without cuDNN.
+    "cudnn"  kernels.cudnn_backend: prefill steps through cuDNN's fused paged attention,
+             decodes through the Triton kernel; the GPU default when nvidia-cudnn-frontend
+             is installed and cuDNN is >= 9.6.
     "flash"  kernels.flash_backend (flash-attn): CUDA only, block sizes divisible by 256.
 """
 
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ATTN_BACKENDS = ("torch", "triton", "flash")
+ATTN_BACKENDS = ("torch", "triton", "cudnn", "flash")
+#: Backends whose decode steps run the Triton kernel, so they can be captured in CUDA graphs.
+GRAPH_BACKENDS = ("triton", "cudnn")
 
 #: Upstream flash-attn 2's paged KV path needs the page (block) size divisible by this.
 FLASH_BLOCK_MULTIPLE = 256
@@ -61,15 +66,19 @@ class AttentionMetadata:
 def select_backend(device: torch.device | str, block_size: int, requested: str = "auto") -> str:
     """The attention backend to use on `device` for caches of `block_size` tokens per block.
 
-    "auto" picks "torch" on the CPU and "triton" on CUDA (flash is only used when asked
-    for). Raises ValueError when `requested` is unknown or impossible here: "triton" without
-    CUDA (unless TRITON_INTERPRET=1, the slow CPU interpreter used in tests), "flash"
-    without CUDA, without flash-attn installed, or with a block size it cannot page.
+    "auto" picks "torch" on the CPU, and on CUDA "cudnn" when nvidia-cudnn-frontend is
+    installed with cuDNN >= 9.6, else "triton" (flash is only used when asked for). Raises
+    ValueError when `requested` is unknown or impossible here: "triton" without CUDA (unless
+    TRITON_INTERPRET=1, the slow CPU interpreter used in tests), "cudnn" without CUDA or
+    the frontend, "flash" without CUDA, without flash-attn installed, or with a block size
+    it cannot page.
     """
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     if requested == "auto":
-        return "triton" if on_cuda else "torch"
+        if not on_cuda:
+            return "torch"
+        return "cudnn" if _cudnn_available() else "triton"
     if requested == "torch":
         return "torch"
     if requested == "triton":
@@ -77,6 +86,12 @@ def select_backend(device: torch.device | str, block_size: int, requested: str =
             raise ValueError(f"the triton attention backend needs a CUDA device, got {device}; "
                              "use attn_backend='torch' on the CPU")
         return "triton"
+    if requested == "cudnn":
+        if not on_cuda or not _cudnn_available():
+            raise ValueError(f"the cudnn attention backend needs CUDA, nvidia-cudnn-frontend "
+                             f"and cuDNN >= 9.6 (pip install 'kvtier[cudnn]'), got {device}; "
+                             "use 'triton'")
+        return "cudnn"
     if requested == "flash":
         if not on_cuda:
             raise ValueError(f"the flash attention backend needs a CUDA device, got {device}; "
@@ -93,6 +108,10 @@ def select_backend(device: torch.device | str, block_size: int, requested: str =
                      f"{ATTN_BACKENDS}")
 
 
+def _cudnn_available() -> bool:
+    return importlib.import_module("kvtier.kernels.cudnn_backend").cudnn_available()
+
+
 def _backend_functions(backend: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
     """(store_kv, paged_attention) of a backend, imported on first use."""
     if backend == "torch":
@@ -102,6 +121,10 @@ def _backend_functions(backend: str) -> tuple[Callable[..., None], Callable[...,
         store = importlib.import_module("kvtier.kernels.store_kv")
         attend = importlib.import_module("kvtier.kernels.paged_attention")
         return store.store_kv, attend.paged_attention
+    if backend == "cudnn":
+        store = importlib.import_module("kvtier.kernels.store_kv")
+        cudnn_backend = importlib.import_module("kvtier.kernels.cudnn_backend")
+        return store.store_kv, cudnn_backend.paged_attention
     if backend == "flash":
         store = importlib.import_module("kvtier.kernels.store_kv")
         flash = importlib.import_module("kvtier.kernels.flash_backend")

@@ -30,7 +30,7 @@ from pydantic import Field, field_validator
 from kvtier.remote_config import RemoteConfig
 from kvtier.validation import CheckedModel
 
-AttnBackend = Literal["auto", "torch", "triton", "flash"]
+AttnBackend = Literal["auto", "torch", "triton", "cudnn", "flash"]
 ATTN_BACKENDS: tuple[str, ...] = get_args(AttnBackend)
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(DType)
@@ -64,10 +64,10 @@ class EngineConfig(CheckedModel):
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
     cache_salt: default salt of every request's cache namespace (a request's own salt wins);
         None: no salt.
-    attn_backend: "auto", "torch", "triton" or "flash".
+    attn_backend: "auto", "torch", "triton", "cudnn" or "flash".
     seed: default seed for sampling (per-request seeds override it); None: nondeterministic.
     cuda_graphs: replay recorded CUDA graphs for small steps: decodes, and short prefill
-        chunks as decode rows (used only on CUDA with the triton attention backend;
+        chunks as decode rows (used only on CUDA with the triton or cudnn attention backend;
         ignored elsewhere).
     warmup: compile every kernel and time one prefill at start (CUDA).
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be

@@ -122,8 +122,9 @@ def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtyp
                attn_backend: str | None = None, seed: int = 0) -> LoadedModel:
     """Load `model` (see the module docstring) on `device` in `dtype`.
 
-    attn_backend: "torch", "triton" or "flash"; None: the device's default ("torch" on the
-    CPU, "triton" on CUDA). seed: only for "random:<name>" models.
+    attn_backend: "torch", "triton", "cudnn" or "flash"; None: the device's default ("torch"
+    on the CPU, "cudnn" or "triton" on CUDA, see `engine.attention.select_backend`).
+    seed: only for "random:<name>" models.
     Raises FileNotFoundError for a path that does not exist, ValueError for a directory
     without config.json or safetensors weights, an unknown alias or config name, or an
     unsupported architecture; OSError when the conversion cache cannot be written.

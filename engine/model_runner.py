@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata
 from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.scheduler import ScheduledRequest
@@ -43,10 +43,12 @@ class ModelRunner:
     `model` has `forward(input_ids, positions, kv_cache, attn_metadata) -> hidden
     [num_tokens, hidden_size]` and `compute_logits(hidden [n, hidden_size]) -> [n, vocab]`.
     `sample_fn(logits [n, vocab] float32, requests) -> [n]` token ids picks the next tokens.
+    zero_started_blocks: zero each block before a step first writes it (see
+    `_zero_started_blocks`); None: when the model's attention backend is "cudnn".
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 sample_fn) -> None:
+                 sample_fn, zero_started_blocks: bool | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.block_size = block_size
@@ -56,6 +58,9 @@ class ModelRunner:
         #: Times the prefill steps (what `Scheduler.prefill_rate` learns from).
         self.step_timer = StepTimer(self.device)
         self.graphs: DecodeGraphs | None = None
+        if zero_started_blocks is None:
+            zero_started_blocks = getattr(model, "attn_backend", None) == "cudnn"
+        self._zero_started = zero_started_blocks
         #: Pinned buffer the sampled ids are stored into, and the event that says they are.
         self._host_ids: torch.Tensor | None = None
         self._ids_stored = torch.cuda.Event() if self.device.type == "cuda" else None
@@ -63,15 +68,32 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
         """Record decode graphs for up to `max_num_seqs` rows and sequences up to
         `max_model_len` tokens; later small steps replay them. Needs the cache on
-        CUDA and a capture-safe attention backend (triton). Raises ValueError otherwise."""
+        CUDA and a capture-safe attention backend (triton, or cudnn whose decodes run the
+        Triton kernel). Raises ValueError otherwise."""
         backend = getattr(self.model, "attn_backend", None)
-        if backend != "triton":
-            raise ValueError(f"CUDA graphs need the triton attention backend, got {backend!r}")
+        if backend not in GRAPH_BACKENDS:
+            raise ValueError(f"CUDA graphs need the triton or cudnn attention backend, got "
+                             f"{backend!r}")
         graphs = DecodeGraphs(self.model, self.kv_cache, self.block_size, max_num_seqs,
                               max_model_len)
         graphs.capture_all()
         self.graphs = graphs
         return graphs
+
+    def _zero_started_blocks(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        """Zero the blocks this step starts writing (those whose first position it
+        computes), before any layer stores into them. The cudnn backend reads a request's
+        last block whole and masks the slots past its length, which must therefore hold
+        finite values; a block's slots otherwise keep what an earlier owner left."""
+        bs = self.block_size
+        started = []
+        for s in scheduled:
+            table = s.request.block_table
+            first, end = -(-s.start // bs), -(-(s.start + s.num_new_tokens) // bs)
+            started.extend(table[k].block_id for k in range(first, end))
+        if started:
+            ids = self._to_device(np.asarray(started, dtype=np.int64))  # [num_started]
+            self.kv_cache.index_fill_(0, ids, 0)
 
     def prepare_inputs(self, scheduled: Sequence[ScheduledRequest]) -> ModelInputs:
         """The step's tensors, built on the CPU and copied once per field."""
@@ -125,6 +147,8 @@ class ModelRunner:
 
         while_waiting: host work to do once the step is queued on the GPU, before waiting
         for its sampled ids (it runs only when the step samples)."""
+        if self._zero_started:
+            self._zero_started_blocks(scheduled)
         if self.graphs is not None and self.graphs.can_run(scheduled):
             last = self.graphs.run(scheduled)  # [num_reqs, hidden_size]
             sampling_rows = tuple(row for row, s in enumerate(scheduled) if s.samples)

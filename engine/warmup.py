@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvtier.engine import paths
-from kvtier.engine.attention import AttentionMetadata
+from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata, PagedAttention
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.sampler import SamplingParams, sample
 from kvtier.kernels import store_to_host
+
+from kvtier.device_cache import layer_views
 
 if TYPE_CHECKING:
     from kvtier.engine.engine_config import EngineConfig
@@ -75,6 +77,8 @@ class WarmupReport:
     #: with no context and, where the model's length allows, after a context as long: they
     #: seed the scheduler's prefill rate, so the first restore is sized like the later ones.
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
+    #: cuDNN attention graphs built (attention backend "cudnn"; 0 otherwise).
+    num_attention_graphs: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -183,6 +187,24 @@ def _warm_block_copies(kv_cache: torch.Tensor) -> None:
         copy_blocks(kv_cache, torch.tensor([[1, 0]], dtype=torch.int64))
 
 
+def _build_attention_graphs(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                            max_num_batched_tokens: int, max_num_seqs: int,
+                            max_model_len: int) -> int:
+    """With the cudnn attention backend: build the cuDNN graph of every request bucket a
+    prefill step can reach (1.7 s for the first, which loads cuDNN's kernels). Returns how
+    many were built (0 with any other backend)."""
+    if getattr(model, "attn_backend", None) != "cudnn":
+        return 0
+    from kvtier.kernels import cudnn_backend
+
+    attn = next(m for m in model.modules() if isinstance(m, PagedAttention))
+    k_cache, v_cache = layer_views(kv_cache, 0)
+    shapes = cudnn_backend.reachable_shapes(max_num_batched_tokens, max_num_seqs,
+                                            max_model_len, block_size)
+    return cudnn_backend.build_graphs(shapes, attn.num_heads, k_cache, v_cache,
+                                      attn.softmax_scale)
+
+
 def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
             max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
             graph_seconds: float = 0.0, num_graphs: int = 0) -> WarmupReport:
@@ -192,6 +214,9 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
     assert kv_cache.device.type == "cuda", "warm-up compiles GPU kernels; skip it elsewhere"
     start = time.perf_counter()
     steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len)
+    num_attention_graphs = _build_attention_graphs(model, kv_cache, block_size,
+                                                   max_num_batched_tokens, max_num_seqs,
+                                                   max_model_len)
     run_steps(model, kv_cache, block_size, steps)
     _warm_block_copies(kv_cache)
     timed = [steps[0]]
@@ -204,10 +229,12 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                           step_seconds=time.perf_counter() - start,
                           graph_seconds=graph_seconds, num_graphs=num_graphs,
                           triton_cache_dir=os.environ.get("TRITON_CACHE_DIR", ""),
-                          prefill_steps=prefill_steps)
-    logger.info("warm-up: %d step shapes and %d CUDA graphs ready in %.1f s (steps %.1f s, "
-                "graphs %.1f s, prefill %.0f tokens/s); Triton cache %s", len(report.steps),
-                num_graphs, report.seconds, report.step_seconds, graph_seconds,
+                          prefill_steps=prefill_steps,
+                          num_attention_graphs=num_attention_graphs)
+    logger.info("warm-up: %d step shapes, %d CUDA graphs and %d cuDNN attention graphs ready "
+                "in %.1f s (steps %.1f s, graphs %.1f s, prefill %.0f tokens/s); Triton "
+                "cache %s", len(report.steps), num_graphs, num_attention_graphs,
+                report.seconds, report.step_seconds, graph_seconds,
                 report.prefill_tokens_per_s, report.triton_cache_dir)
     return report
 
@@ -220,7 +247,7 @@ def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
     nothing was warmed up (not CUDA, or warm-up off)."""
     if runner.device.type != "cuda":
         return None
-    if config.cuda_graphs and getattr(runner.model, "attn_backend", None) == "triton":
+    if config.cuda_graphs and getattr(runner.model, "attn_backend", None) in GRAPH_BACKENDS:
         # Recorded at start (a few seconds at most), not inside the first decode steps.
         runner.enable_cuda_graphs(config.max_num_seqs, graph_max_len)
     if not config.warmup:

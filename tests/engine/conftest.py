@@ -51,13 +51,13 @@ class PagedBatch:
     """Requests sharing one paged KV cache, stepped with explicit chunks.
 
     Each request owns a block table drawn from a seeded permutation of the cache's blocks,
-    so consecutive tokens land in scattered, non-monotonic blocks. The cache starts as NaN:
-    reading a slot that was never written poisons the logits.
+    so consecutive tokens land in scattered, non-monotonic blocks. The cache starts as
+    `poison` (NaN): reading a slot that was never written poisons the logits.
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_reqs: int,
                  max_len: int, block_size: int = 16, seed: int = 0,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", poison: float = float("nan")) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -66,7 +66,7 @@ class PagedBatch:
         dtype = next(model.parameters()).dtype
         self.kv_cache = allocate_kv_cache(config.kv_layout(block_size, dtype), num_blocks,
                                           self.device)
-        self.kv_cache.fill_(float("nan"))
+        self.kv_cache.fill_(poison)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.block_tables = order[:num_reqs * blocks_per_req].view(num_reqs, blocks_per_req)
         self.num_computed = [0] * num_reqs

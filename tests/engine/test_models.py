@@ -14,10 +14,12 @@ import types
 import pytest
 import torch
 import transformers
+from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.attention import AttentionMetadata, PagedAttention, select_backend
 from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, RopeScaling, named_config
 from kvtier.engine.loader import LoadedModel, converted_model_dir, load_model
 from kvtier.engine.models.llama import rope_inv_freq
+from kvtier.kernels.cudnn_backend import cudnn_available
 from transformers import AutoModelForCausalLM
 
 from kvtier.device_cache import allocate_kv_cache, layer_views
@@ -184,8 +186,10 @@ def test_random_model_on_cuda_matches_transformers(name, paged_batch):
 
 def test_select_backend(monkeypatch):
     assert select_backend("cpu", 16) == "torch"
-    assert select_backend("cuda", 16) == "triton"
+    assert select_backend("cuda", 16) == ("cudnn" if cudnn_available() else "triton")
     assert select_backend("cuda:0", 16, "torch") == "torch"
+    with pytest.raises(ValueError, match="cudnn attention backend needs CUDA"):
+        select_backend("cpu", 16, "cudnn")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_backend("cpu", 16, "triton")
@@ -279,3 +283,45 @@ def test_config_validation_and_kv_layout():
         RopeScaling("dynamic", 2.0)
     with pytest.raises(ValueError, match="unknown model config"):
         named_config("llama9-1t")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cudnn_available(), reason="needs nvidia-cudnn-frontend and CUDA")
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])
+def test_cudnn_backend_matches_triton_backend_in_half_precision(name, paged_batch):
+    gen = torch.Generator().manual_seed(4)
+    logits = {}
+    for backend in ("triton", "cudnn"):
+        loaded = load_model(f"random:{name}", "cuda", "float16", seed=3, attn_backend=backend)
+        sequences = [torch.randint(0, loaded.config.vocab_size, (n,), generator=gen).tolist()
+                     for n in (902, 522)]
+        gen = torch.Generator().manual_seed(4)  # the same tokens for both backends
+        # cuDNN reads the unwritten slots of a request's last block (masked): in the engine
+        # they hold zeros or an earlier owner's K/V; here a large finite value.
+        batch = paged_batch(loaded.model, loaded.config, num_reqs=2, max_len=904,
+                            device="cuda", poison=1e4)
+        # A 600-token chunk, then 300 batched with a 520-token prompt (both cuDNN), then
+        # decodes (the Triton kernel).
+        logits[backend] = run_plans(batch, sequences, [[600, 300, 1, 1], [0, 520, 1, 1]])
+    for got, expected in zip(logits["cudnn"], logits["triton"]):
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cudnn_available(), reason="needs nvidia-cudnn-frontend and CUDA")
+def test_cudnn_engine_zeroes_the_blocks_a_step_starts():
+    # A pool whose every slot holds NaN, the worst an earlier owner could leave: the engine
+    # zeroes each block before a step first writes it, so cuDNN's masked reads of the last
+    # block's unwritten slots stay finite and the tokens are the Triton kernel's.
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (700, 530)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    tokens = {}
+    for backend in ("triton", "cudnn"):
+        loaded = load_model("random:tiny-llama3", "cuda", "float16", seed=3,
+                            attn_backend=backend)
+        with LLM(loaded, gpu_blocks=256, host_cache=False, disk_cache=False,
+                 warmup=False) as llm:
+            llm.runner.kv_cache.fill_(float("nan"))
+            tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cudnn"] == tokens["triton"]

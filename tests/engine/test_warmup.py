@@ -21,6 +21,8 @@ from kvtier.engine.config import named_config
 from kvtier.engine.loader import LoadedModel, build_model, init_random_weights, load_model
 from kvtier.engine.restore_rates import PrefillRate
 from kvtier.engine.warmup import run_steps, use_user_triton_cache, warmup_steps
+from kvtier.kernels import cudnn_backend
+from kvtier.kernels.cudnn_backend import cudnn_available
 
 from kvtier.device_cache import allocate_kv_cache
 
@@ -95,13 +97,18 @@ def _compiled_variants() -> dict[str, int]:
     return counts
 
 
-@pytest.fixture(scope="module")
-def long_context_model() -> LoadedModel:
-    """tiny-llama with a 4096-token context, so split-KV steps are reachable."""
+@pytest.fixture(scope="module", params=["triton", "cudnn"])
+def long_context_model(request: pytest.FixtureRequest) -> LoadedModel:
+    """tiny-llama with a 4096-token context, so split-KV steps are reachable, on each GPU
+    attention backend."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if request.param == "cudnn" and not cudnn_available():
+        pytest.skip("needs nvidia-cudnn-frontend and cuDNN >= 9.6")
     config = dataclasses.replace(named_config("tiny-llama"), max_position_embeddings=4096)
-    model = build_model(config, torch.device("cuda"), torch.bfloat16, "triton")
+    model = build_model(config, torch.device("cuda"), torch.bfloat16, request.param)
     init_random_weights(model, 0)
-    return LoadedModel(model, None, config, "tiny-llama-4k@seed=0:bf16:cuda")
+    return LoadedModel(model, None, config, f"tiny-llama-4k@seed=0:bf16:cuda:{request.param}")
 
 
 def _serve(llm: LLM, prefix: list[int]) -> list[tuple[int, ...]]:
@@ -139,8 +146,12 @@ def test_after_warmup_serving_compiles_nothing(long_context_model: LoadedModel) 
         assert len(report.prefill_steps) == 2  # with and without a context
         compiled = _compiled_variants()
         assert compiled.get("_paged_attention_kernel", 0) >= 4  # (decode, prefill) x split
+        cudnn = long_context_model.model.attn_backend == "cudnn"
+        assert (report.num_attention_graphs == 5) == cudnn  # 1, 2, 4, 8, 16 requests
+        graphs = cudnn_backend._PREFILL.num_graphs
         tokens = _serve(llm, prefix.tolist())
         assert _compiled_variants() == compiled, "a request compiled a new kernel variant"
+        assert cudnn_backend._PREFILL.num_graphs == graphs, "a request built a cuDNN graph"
     with LLM(long_context_model, warmup=False, **options) as llm:
         assert llm.warmup_report is None
         expected = _serve(llm, prefix.tolist())
