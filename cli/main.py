@@ -18,7 +18,8 @@ from kvtier.cli.allocator import tune_malloc
 from kvtier.cli.common import KvtierGroup, print_json, print_table
 
 #: Distributions whose versions `kvtier info` reports, in this order.
-_REPORTED_PACKAGES = ("torch", "triton", "transformers", "lmdb", "xxhash")
+_REPORTED_PACKAGES = ("torch", "triton", "transformers", "lmdb", "xxhash",
+                      "nvidia-cudnn-frontend")
 
 #: (name, "module:attribute", help) of every command loaded when it runs; the help repeats
 #: the command's own (its docstring or group help; a test keeps them equal).
@@ -96,6 +97,7 @@ def _flash_attn_status() -> dict[str, Any]:
 def collect_info() -> dict[str, Any]:
     """Versions, CUDA devices, optional backends and the default cache directory."""
     import torch
+    from kvtier.engine.attention import select_backend
     from kvtier.engine.paths import cache_dir  # the engine's own resolution, so both always agree
 
     devices = []
@@ -112,6 +114,7 @@ def collect_info() -> dict[str, Any]:
         "cuda": {"available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,
                  "devices": devices},
         "flash_attn": _flash_attn_status(),
+        "attn_backend_auto": select_backend("cuda" if torch.cuda.is_available() else "cpu", 16),
         "default_cache_dir": str(cache_dir(create=False)),
     }
 
@@ -119,7 +122,7 @@ def collect_info() -> dict[str, Any]:
 def info(
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Versions, CUDA devices, flash-attn, and the default cache directory."""
+    """Versions, CUDA devices, optional attention backends, the default cache directory."""
     result = collect_info()
     if json_output:
         print_json(result)
@@ -133,6 +136,7 @@ def info(
                      f"{device['name']}, {device['memory_bytes'] / 2**30:.1f} GiB"))
     flash = result["flash_attn"]
     rows.append(("flash-attn", f"yes ({flash['version']})" if flash["importable"] else "no"))
+    rows.append(("attention backend (auto)", result["attn_backend_auto"]))
     rows.append(("default cache dir", result["default_cache_dir"]))
     print_table("kvtier info", ("item", "value"), rows)
 

@@ -101,6 +101,8 @@ def longctx(
                               "permitted)."),
     plot: Path | None = typer.Option(None, "--plot", help="Draw the swap timeline and the "
                                      "TTFT comparison to this PNG file (needs matplotlib)."),
+    attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch, triton, "
+                                     "cudnn or flash."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """TTFT of long prompts whose KV is recomputed vs restored from the host or disk tier."""
@@ -112,7 +114,7 @@ def longctx(
                            strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
                            compare_hf=compare_hf,
-                           cold=cold)
+                           cold=cold, attn_backend=attn_backend)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
             config, lengths, update))

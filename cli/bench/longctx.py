@@ -48,6 +48,7 @@ from kvtier.cli.bench.diskread import (
     resident_fraction,
 )
 from kvtier.engine import LLM, RequestOutput, SamplingParams
+from kvtier.engine.attention import select_backend
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device
 from kvtier.engine.restore import DISK_GROUP_BYTES
 
@@ -89,6 +90,7 @@ class LongctxConfig:
     seed: int = 0
     compare_hf: bool = False
     cold: bool = False
+    attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -124,9 +126,13 @@ def summarize(samples: Sequence[float]) -> dict[str, float | int]:
             "mean": float(values.mean()), "n": int(values.size)}
 
 
-def load_for_bench(model: str, device: str, dtype: str) -> LoadedModel:
-    """Load `model` once; the strategies' engines share it."""
-    return load_model(model, resolve_device(device), dtype)
+def load_for_bench(model: str, device: str, dtype: str,
+                   attn_backend: str = "auto") -> LoadedModel:
+    """Load `model` once; the strategies' engines share it. attn_backend as in
+    `engine.attention.select_backend` ("auto": the device's default)."""
+    device_ = resolve_device(device)
+    return load_model(model, device_, dtype,
+                      attn_backend=select_backend(device_, 16, attn_backend))
 
 
 def free_engine_memory(device: torch.device) -> None:
@@ -349,7 +355,8 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
     report = progress or (lambda message: None)
     if loaded is None:
         report(f"loading {config.model}")
-        loaded = load_for_bench(config.model, config.device, config.dtype)
+        loaded = load_for_bench(config.model, config.device, config.dtype,
+                                config.attn_backend)
     context = loaded.config.max_position_embeddings
     if config.doc_tokens + config.question_tokens + config.max_tokens > context:
         raise ValueError(f"--doc-tokens {config.doc_tokens} plus the question and answer "
@@ -389,6 +396,7 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
         "bench": "longctx",
         "config": asdict(config),
         "model_id": loaded.model_id,
+        "attn_backend": loaded.model.attn_backend,
         "device": str(weight.device),
         "dtype": str(weight.dtype).removeprefix("torch."),
         "layout": layout.describe(),
@@ -421,7 +429,8 @@ def run_longctx_sweep(config: LongctxConfig, doc_tokens: Sequence[int],
     Raises as `run_longctx_bench` does."""
     report = progress or (lambda message: None)
     report(f"loading {config.model}")
-    loaded = load_for_bench(config.model, config.device, config.dtype)
+    loaded = load_for_bench(config.model, config.device, config.dtype,
+                                config.attn_backend)
     runs = []
     for tokens in doc_tokens:
         one = LongctxConfig(**{**asdict(config), "doc_tokens": tokens,

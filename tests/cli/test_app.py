@@ -61,7 +61,7 @@ def test_help_lists_choices_and_completion() -> None:
     assert "--install-completion" in root_help and "generate" in root_help
     generate_help = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "200"}).stdout
     for choices in ("xxh3_128|sha256", "auto|float32|bfloat16|float16",
-                    "auto|torch|triton|flash"):
+                    "auto|torch|triton|cudnn|flash"):
         assert choices in generate_help, choices
     for option in ("--gpu-memory-utilization", "--max-model-len", "--max-num-batched-tokens",
                    "--cache-salt", "--config", "--raw", "--system"):

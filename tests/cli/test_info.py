@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvtier.cli.main import app
+from kvtier.engine.attention import select_backend
 from typer.testing import CliRunner
 
 import kvtier
@@ -34,7 +35,8 @@ def test_info_table_names_every_package(runner):
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output
     for name in ("python", "torch", "triton", "transformers", "lmdb", "xxhash",
-                 "CUDA available", "flash-attn", "default cache dir"):
+                 "nvidia-cudnn-frontend", "CUDA available", "flash-attn",
+                 "attention backend (auto)", "default cache dir"):
         assert name in result.stdout
     assert torch.__version__ in result.stdout
 
@@ -47,12 +49,15 @@ def test_info_json(runner, tmp_path, monkeypatch):
     assert info["kvtier"] == kvtier.__version__
     assert info["python"] == platform.python_version()
     assert info["packages"]["torch"] == torch.__version__
-    assert set(info["packages"]) == {"torch", "triton", "transformers", "lmdb", "xxhash"}
+    assert set(info["packages"]) == {"torch", "triton", "transformers", "lmdb", "xxhash",
+                                     "nvidia-cudnn-frontend"}
     assert info["cuda"]["available"] == torch.cuda.is_available()
     assert len(info["cuda"]["devices"]) == (torch.cuda.device_count()
                                             if torch.cuda.is_available() else 0)
     assert all(d["memory_bytes"] > 0 for d in info["cuda"]["devices"])
     assert isinstance(info["flash_attn"]["importable"], bool)
+    assert info["attn_backend_auto"] == ("torch" if not torch.cuda.is_available()
+                                         else select_backend("cuda", 16))
     assert info["default_cache_dir"] == str(tmp_path / "kv")
 
 
