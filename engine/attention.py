@@ -87,10 +87,13 @@ def select_backend(device: torch.device | str, block_size: int, requested: str =
                              "use attn_backend='torch' on the CPU")
         return "triton"
     if requested == "cudnn":
-        if not on_cuda or not _cudnn_available():
-            raise ValueError(f"the cudnn attention backend needs CUDA, nvidia-cudnn-frontend "
-                             f"and cuDNN >= 9.6 (pip install 'kvtier[cudnn]'), got {device}; "
-                             "use 'triton'")
+        if not on_cuda:
+            raise ValueError(f"the cudnn attention backend needs a CUDA device, got {device}; "
+                             "use 'torch' on the CPU")
+        if not _cudnn_available():
+            raise ValueError("the cudnn attention backend needs nvidia-cudnn-frontend and "
+                             "cuDNN >= 9.6 on an Ampere or newer GPU (pip install "
+                             "'kvtier[cudnn]'); or use 'triton'")
         return "cudnn"
     if requested == "flash":
         if not on_cuda:

@@ -55,9 +55,11 @@ MIN_PAGES_BUCKET = 8192
 
 @functools.lru_cache(maxsize=1)
 def cudnn_available() -> bool:
-    """True when CUDA is present, nvidia-cudnn-frontend imports and cuDNN is >= 9.6
-    (asked once per process)."""
+    """True when an Ampere or newer GPU is present, nvidia-cudnn-frontend imports and cuDNN
+    is >= 9.6 (asked once per process, of the current device)."""
     if not torch.cuda.is_available() or importlib.util.find_spec("cudnn") is None:
+        return False
+    if torch.cuda.get_device_capability()[0] < 8:  # cuDNN's fused attention: Ampere on
         return False
     try:
         import cudnn

@@ -168,6 +168,8 @@ def serve(
                                    "engine options are then the server's."),
     api_key: str | None = typer.Option(None, "--api-key", envvar="KVTIER_API_KEY",
                                        help="API key of the server at --url."),
+    attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch, triton, "
+                                     "cudnn or flash."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
@@ -196,7 +198,8 @@ def serve(
                          modes=_parse_names(modes, SERVE_MODES + EXTRA_SERVE_MODES, "--modes"),
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
-                         repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache)
+                         repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache,
+                         attn_backend=attn_backend)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

@@ -49,6 +49,7 @@ from kvtier.cli.bench.diskread import (
 )
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.attention import select_backend
+from kvtier.engine.engine_config import ATTN_BACKENDS
 from kvtier.engine.loader import LoadedModel, load_model, resolve_device
 from kvtier.engine.restore import DISK_GROUP_BYTES
 
@@ -98,6 +99,7 @@ class LongctxConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
+        check_attn_backend(self.attn_backend)
         unknown = [s for s in self.strategies if s not in STRATEGIES]
         if unknown or "recompute" not in self.strategies:
             raise ValueError(f"--strategies must name some of {STRATEGIES} including "
@@ -124,6 +126,13 @@ def summarize(samples: Sequence[float]) -> dict[str, float | int]:
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99),
             "mean": float(values.mean()), "n": int(values.size)}
+
+
+def check_attn_backend(name: str) -> None:
+    """Raise ValueError naming --attn-backend unless `name` is one the engine knows."""
+    if name not in ATTN_BACKENDS:
+        raise ValueError(f"--attn-backend must be one of {', '.join(ATTN_BACKENDS)}; "
+                         f"got {name!r}")
 
 
 def load_for_bench(model: str, device: str, dtype: str,

@@ -26,7 +26,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from kvtier.cli.bench.longctx import free_engine_memory, load_for_bench, median_by, summarize
+from kvtier.cli.bench.longctx import (
+    check_attn_backend,
+    free_engine_memory,
+    load_for_bench,
+    median_by,
+    summarize,
+)
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
@@ -66,8 +72,10 @@ class ServeConfig:
     runs: int = 1  # rounds over every mode; each mode reports its median-throughput run
     seed: int = 0
     remote_cache: str | None = None  # a Redis URL: the tiered modes also get a remote tier
+    attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        check_attn_backend(self.attn_backend)
         for name in ("num_conversations", "num_rounds", "system_tokens", "user_tokens",
                      "max_tokens", "block_size", "max_batched_tokens", "hf_batch",
                      "hf_prompt_tokens", "repeats", "runs"):
@@ -338,7 +346,7 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     """
     report = progress or (lambda message: None)
     report(f"loading {config.model}")
-    loaded = load_for_bench(config.model, config.device, config.dtype)
+    loaded = load_for_bench(config.model, config.device, config.dtype, config.attn_backend)
     if config.context_tokens > loaded.config.max_position_embeddings:
         raise ValueError(f"a conversation reaches {config.context_tokens} tokens, past the "
                          f"model's context ({loaded.config.max_position_embeddings}); use "
@@ -374,6 +382,7 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
         "bench": "serve",
         "config": asdict(config),
         "model_id": loaded.model_id,
+        "attn_backend": loaded.model.attn_backend,
         "device": str(weight.device),
         "dtype": str(weight.dtype).removeprefix("torch."),
         "gpu_blocks": config.num_gpu_blocks,

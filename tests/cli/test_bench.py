@@ -150,6 +150,19 @@ def test_longctx_bad_strategies_is_one_line_error(runner):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(("bench", "backend", "message"), [
+    (LONGCTX, "cudnn", "needs a CUDA device"), (SERVE, "cudnn", "needs a CUDA device"),
+    (LONGCTX, "sdpa", "--attn-backend must be"), (SERVE, "flash-2", "--attn-backend must be")])
+def test_benches_refuse_an_attention_backend_they_cannot_have(runner, bench, backend,
+                                                              message):
+    if torch.cuda.is_available() and backend == "cudnn":
+        pytest.skip("checks the message shown without CUDA")
+    result = runner.invoke(app, [*bench, "--attn-backend", backend])
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
 def test_serve_modes_agree_and_tiers_serve_history(runner):
     result = runner.invoke(app, [*SERVE, "--compare-hf", "--hf-batch", "2",
                                  "--hf-prompt-tokens", "12", "--hf-new-tokens", "3",
@@ -219,7 +232,7 @@ def test_serve_runs_go_round_the_modes_and_report_the_median_run(runner):
 
 
 def test_serve_table(runner):
-    result = runner.invoke(app, [*SERVE, "--modes", "off,host"])
+    result = runner.invoke(app, [*SERVE, "--modes", "off,host", "--attn-backend", "torch"])
     assert result.exit_code == 0, result.output
     assert "conversations across modes: identical" in result.stdout
     assert "TTFT" in result.stdout and "TPOT" in result.stdout

@@ -188,7 +188,7 @@ def test_select_backend(monkeypatch):
     assert select_backend("cpu", 16) == "torch"
     assert select_backend("cuda", 16) == ("cudnn" if cudnn_available() else "triton")
     assert select_backend("cuda:0", 16, "torch") == "torch"
-    with pytest.raises(ValueError, match="cudnn attention backend needs CUDA"):
+    with pytest.raises(ValueError, match="cudnn attention backend needs a CUDA device"):
         select_backend("cpu", 16, "cudnn")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
