@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,6 +45,9 @@ class AttentionMetadata:
     slot_mapping: [num_tokens] int64, `block_id * block_size + offset` for each new token's
         K/V; -1 = do not store.
     max_query_len, max_seq_len: host-side maxima over the requests.
+    derived: what a backend derives from these fields once per step and every layer reuses
+        (the cudnn backend's padded lengths and tables); filled on first use. The fields
+        above are never modified after construction, so it stays true to them.
     """
 
     query_start_loc: torch.Tensor
@@ -53,6 +56,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -167,10 +171,11 @@ class PagedAttention(nn.Module):
         assert key.shape[1:] == (self.num_kv_heads, self.head_dim), \
             f"key heads {tuple(key.shape[1:])} != {(self.num_kv_heads, self.head_dim)}"
         self._store_kv(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        per_step = {"step_cache": attn_metadata.derived} if self.backend == "cudnn" else {}
         return self._paged_attention(
             query, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
             attn_metadata.block_tables, attn_metadata.max_query_len,
-            attn_metadata.max_seq_len, self.softmax_scale)
+            attn_metadata.max_seq_len, self.softmax_scale, **per_step)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -37,9 +37,12 @@ logger = logging.getLogger(__name__)
 #: cuDNN 9.6 is the first with a bottom-right causal mask at any length (earlier: multiples
 #: of 64) beside page tables.
 MIN_CUDNN_VERSION = 90600
-#: A step goes to cuDNN when it has at least this many query tokens (a 128-token chunk after
-#: 4K keys took 1.6x the Triton kernel's time, which splits long contexts; 512 tokens 0.58x)
-MIN_STEP_TOKENS = 512
+#: A step goes to cuDNN when it has at least this many query tokens. Below, attention is a
+#: small part of the step and cuDNN's gain with it (a 1K-token prompt took 26.0-26.7 ms to
+#: first token against 25.4 ms with the Triton kernel alone, and a cold disk strategy's
+#: 1K prompt 1.02-1.66x its recompute where the Triton kernel gave 1.01x); a 128-token
+#: chunk after 4K keys took 1.6x the Triton kernel's time (which splits long contexts).
+MIN_STEP_TOKENS = 2048
 #: ... its longest query has at least this many ...
 MIN_QUERY_LEN = 64
 #: ... and it has at most this many requests (cuDNN's grid is requests x heads x query tiles
@@ -225,12 +228,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
                     softmax_scale: float, out: torch.Tensor | None = None,
-                    shape: GraphShape | None = None) -> torch.Tensor:
+                    shape: GraphShape | None = None,
+                    step_cache: dict | None = None) -> torch.Tensor:
     """`kernels.paged_attention` with prefill-shaped steps through cuDNN; same arguments,
     same contract (rows of `out` past `query_start_loc[-1]` are not written). `shape`
-    overrides the graph bucket (benchmarks; it must hold the step). Raises ValueError as
-    the Triton launcher does on misuse, and when nvidia-cudnn-frontend is missing or cuDNN
-    is older than 9.6."""
+    overrides the graph bucket (benchmarks; it must hold the step). `step_cache`: a dict
+    that lives as long as this step's metadata (`AttentionMetadata.derived`), where the
+    tensors cuDNN needs beyond it are kept for the step's other layers; None derives them
+    on every call. Raises ValueError as the Triton launcher does on misuse, and when
+    nvidia-cudnn-frontend is missing or cuDNN is older than 9.6."""
     num_reqs = seq_lens.shape[0]
     if not routes_to_cudnn(query, num_reqs, max_query_len):
         return triton_paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
@@ -263,8 +269,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     elif not out.is_contiguous():
         raise ValueError("out must be contiguous [num_tokens, num_heads, head_dim] for the "
                          "cudnn backend; pass out=None to get a new tensor")
-    q_lens, offsets, kv_lens, tables = _step_inputs(query_start_loc, seq_lens, block_tables,
-                                                    shape, num_heads * head_dim)
+    derived_key = ("cudnn", shape, num_heads * head_dim)
+    inputs = None if step_cache is None else step_cache.get(derived_key)
+    if inputs is None:
+        inputs = _step_inputs(query_start_loc, seq_lens, block_tables, shape,
+                              num_heads * head_dim)
+        if step_cache is not None:
+            step_cache[derived_key] = inputs
+    q_lens, offsets, kv_lens, tables = inputs
     handle = _PREFILL._handles[k_cache.device.index]
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(query.device).cuda_stream)
     graph.graph.execute({graph.q: query, graph.offsets: offsets, graph.k: k_cache,

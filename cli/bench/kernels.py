@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from kvtier.kernels import AttentionConfig, paged_attention, store_kv
+from kvtier.kernels import AttentionConfig, cudnn_backend, paged_attention, store_kv
+from kvtier.kernels.cudnn_backend import cudnn_available, routes_to_cudnn
 from kvtier.kernels.paged_decode import pick_config
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 32, 8, 128, 16
@@ -209,7 +210,9 @@ def bench_decode(setup: PagedSetup, batch: int, context: int, copy_gbps: float,
 def bench_prefill(setup: PagedSetup, chunk: int, prefix: int,
                   configs: Sequence[AttentionConfig] = ()) -> dict:
     """One prefill chunk of `chunk` queries after `prefix` cached tokens: paged against
-    SDPA (every backend, flash named) on contiguous K/V expanded to the query heads."""
+    SDPA (every backend, flash named) on contiguous K/V expanded to the query heads, and
+    the cudnn backend where it is available and takes the chunk ("cudnn": ms, ratios,
+    error against the Triton kernel)."""
     from torch.nn.attention.bias import causal_lower_right
 
     seq_len = prefix + chunk
@@ -236,6 +239,15 @@ def bench_prefill(setup: PagedSetup, chunk: int, prefix: int,
               "paged_tflops": flops / paged / 1e9,
               "sdpa_best_tflops": flops / sdpa["best_ms"] / 1e9,
               "rel_error": rel_error(out, expected[0].transpose(0, 1))}
+    if cudnn_available() and routes_to_cudnn(meta["query"], 1, chunk):
+        cudnn_out = torch.empty_like(meta["query"])
+        cudnn_ms = median_ms(lambda: cudnn_backend.paged_attention(
+            **meta, softmax_scale=SCALE, out=cudnn_out))
+        result["cudnn"] = {"ms": cudnn_ms, "tflops": flops / cudnn_ms / 1e9,
+                           "ratio_vs_sdpa_flash": cudnn_ms / flash_ms if flash_ms else None,
+                           "ratio_vs_sdpa_default": cudnn_ms / sdpa["default_ms"],
+                           "ratio_vs_triton": cudnn_ms / paged,
+                           "rel_error": rel_error(cudnn_out, out)}
     if configs:
         result["sweep"] = {str(c): median_ms(paged_fn(meta, c)) for c in configs}
     return result

@@ -161,11 +161,13 @@ def print_kernels(result: dict[str, Any]) -> None:
                  for r in result["decode"]])
     print_table("paged prefill vs torch SDPA (ms)",
                 ("chunk", "prefix", "paged", "TFLOP/s", "SDPA flash", "paged/flash", "SDPA",
-                 "paged/SDPA"),
+                 "paged/SDPA", "cudnn backend", "cudnn/SDPA"),
                 [(r["chunk"], r["prefix"], f"{r['paged_ms']:.3f}", f"{r['paged_tflops']:,.0f}",
                   f"{r['sdpa']['ms_by_backend'].get('flash', float('nan')):.3f}",
                   "-" if r["ratio_vs_sdpa_flash"] is None else f"{r['ratio_vs_sdpa_flash']:.2f}",
-                  f"{r['sdpa']['default_ms']:.3f}", f"{r['ratio_vs_sdpa_default']:.2f}")
+                  f"{r['sdpa']['default_ms']:.3f}", f"{r['ratio_vs_sdpa_default']:.2f}",
+                  "-" if "cudnn" not in r else f"{r['cudnn']['ms']:.3f}",
+                  "-" if "cudnn" not in r else f"{r['cudnn']['ratio_vs_sdpa_default']:.2f}")
                  for r in result["prefill"]])
     print_table("store_kv vs a device-to-device copy",
                 ("tokens", "store GB/s", "copy GB/s", "ratio", "correct"),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from kvtier.cli.main import app
+from kvtier.kernels.cudnn_backend import cudnn_available
 from typer.testing import CliRunner
 
 from kvtier.stats import Direction
@@ -249,12 +250,15 @@ def test_gpu_benches_without_cuda_fail_in_one_line(runner, command):
 @pytest.mark.gpu
 def test_kernels_bench_tiny_json(runner):
     result = runner.invoke(app, ["bench", "kernels", "--decode-cases", "2x256,1x1024",
-                                 "--prefill-cases", "128+0,128+256", "--store-tokens", "256",
-                                 "--json"])
+                                 "--prefill-cases", "128+0,128+256,2048+512",
+                                 "--store-tokens", "256", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [r["context"] for r in report["decode"]] == [256, 1024]
-    assert [r["prefix"] for r in report["prefill"]] == [0, 256]
+    assert [r["prefix"] for r in report["prefill"]] == [0, 256, 512]
+    # The cudnn backend is timed where it takes the chunk (>= 2048 tokens).
+    assert ["cudnn" in r for r in report["prefill"]] == [False, False, cudnn_available()]
+    assert all(r["cudnn"]["rel_error"] < 2e-2 for r in report["prefill"] if "cudnn" in r)
     assert report["block_order"] == "random"
     assert all(r["rel_error"] < 2e-2 for r in report["decode"] + report["prefill"])
     assert all(0 < r["copy_share"] for r in report["decode"])

@@ -19,6 +19,7 @@ from kvtier.engine.attention import AttentionMetadata, PagedAttention, select_ba
 from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, RopeScaling, named_config
 from kvtier.engine.loader import LoadedModel, converted_model_dir, load_model
 from kvtier.engine.models.llama import rope_inv_freq
+from kvtier.kernels import cudnn_backend
 from kvtier.kernels.cudnn_backend import cudnn_available
 from transformers import AutoModelForCausalLM
 
@@ -158,13 +159,16 @@ def test_triton_backend_matches_torch_backend():
         max_query_len=6, max_seq_len=21)
     start = torch.randn(4, 1, 2, block_size, num_kv_heads, head_dim, generator=gen)
     results = {}
-    for backend in ("torch", "triton"):
-        cache = start.to(device, copy=True)  # both backends start from the same context
+    # "cudnn" sends this short step to the Triton kernel (and on the CPU it always does).
+    for backend in ("torch", "triton", "cudnn"):
+        cache = start.to(device, copy=True)  # every backend starts from the same context
         k_cache, v_cache = layer_views(cache, 0)
         attn = PagedAttention(num_heads, num_kv_heads, head_dim, backend=backend)
         results[backend] = (attn(query, key, value, k_cache, v_cache, metadata), cache)
     torch.testing.assert_close(results["triton"][0], results["torch"][0], atol=1e-5, rtol=1e-5)
     assert torch.equal(results["triton"][1], results["torch"][1])
+    assert torch.equal(results["cudnn"][0], results["triton"][0])
+    assert torch.equal(results["cudnn"][1], results["triton"][1])
     assert not torch.equal(results["torch"][1].cpu(), start), "new K/V must have been stored"
 
 
@@ -288,7 +292,9 @@ def test_config_validation_and_kv_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not cudnn_available(), reason="needs nvidia-cudnn-frontend and CUDA")
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2"])
-def test_cudnn_backend_matches_triton_backend_in_half_precision(name, paged_batch):
+def test_cudnn_backend_matches_triton_backend_in_half_precision(name, paged_batch,
+                                                                monkeypatch):
+    monkeypatch.setattr(cudnn_backend, "MIN_STEP_TOKENS", 512)  # small steps take cuDNN
     gen = torch.Generator().manual_seed(4)
     logits = {}
     for backend in ("triton", "cudnn"):
@@ -309,10 +315,11 @@ def test_cudnn_backend_matches_triton_backend_in_half_precision(name, paged_batc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cudnn_available(), reason="needs nvidia-cudnn-frontend and CUDA")
-def test_cudnn_engine_zeroes_the_blocks_a_step_starts():
+def test_cudnn_engine_zeroes_the_blocks_a_step_starts(monkeypatch):
     # A pool whose every slot holds NaN, the worst an earlier owner could leave: the engine
     # zeroes each block before a step first writes it, so cuDNN's masked reads of the last
     # block's unwritten slots stay finite and the tokens are the Triton kernel's.
+    monkeypatch.setattr(cudnn_backend, "MIN_STEP_TOKENS", 512)  # small steps take cuDNN
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (700, 530)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)

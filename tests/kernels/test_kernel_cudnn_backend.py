@@ -18,6 +18,13 @@ requires_cudnn = pytest.mark.skipif(not HAS_CUDNN, reason="needs CUDA, "
                                     "nvidia-cudnn-frontend and cuDNN >= 9.6")
 
 
+@pytest.fixture
+def small_steps_use_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route steps from 512 query tokens to cuDNN (the engine's threshold is a speed
+    policy), so the GPU tests' shapes stay small."""
+    monkeypatch.setattr(cudnn_backend, "MIN_STEP_TOKENS", 512)
+
+
 def expected_output(case: cases.AttentionCase, scale: float) -> torch.Tensor:
     cpu_args = [t.cpu() if isinstance(t, torch.Tensor) else t for t in case.args()]
     return reference.paged_attention(*cpu_args, scale)
@@ -52,6 +59,7 @@ def test_only_prefill_shaped_half_precision_cuda_steps_route_to_cudnn() -> None:
     assert routes_to_cudnn(chunk, 1, 8192)
     assert not routes_to_cudnn(chunk.float(), 1, 8192), "float32 stays on Triton"
     assert not routes_to_cudnn(chunk[:128], 1, 128), "a short step stays on Triton"
+    assert not routes_to_cudnn(chunk[:1040], 1, 1040), "so does a 1K-token prompt"
     assert not routes_to_cudnn(chunk[:512], 512, 1), "decodes stay on Triton"
     assert not routes_to_cudnn(chunk, 17, 8000), "many requests stay on Triton"
 
@@ -82,6 +90,7 @@ GPU_Q_LENS = [1500, 128, 1, 0, 96, 1]
 
 @pytest.mark.gpu
 @requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_cudnn_matches_reference(dtype: torch.dtype, group: int) -> None:
@@ -96,6 +105,7 @@ def test_gpu_cudnn_matches_reference(dtype: torch.dtype, group: int) -> None:
 
 @pytest.mark.gpu
 @requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 32), (128, 64)])
 def test_gpu_cudnn_head_dims_and_block_sizes(head_dim: int, block_size: int) -> None:
     case = cases.build_attention_case([600, 1025], [600, 64], num_kv_heads=3, group=3,
@@ -108,6 +118,7 @@ def test_gpu_cudnn_head_dims_and_block_sizes(head_dim: int, block_size: int) -> 
 
 @pytest.mark.gpu
 @requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
 def test_gpu_cudnn_reuses_a_graph_across_steps_of_one_bucket() -> None:
     first = cases.build_attention_case([900, 300], [900, 200], num_kv_heads=2, group=4,
                                        head_dim=128, block_size=16, dtype=torch.bfloat16,
@@ -129,6 +140,7 @@ def test_gpu_cudnn_reuses_a_graph_across_steps_of_one_bucket() -> None:
 
 @pytest.mark.gpu
 @requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
 def test_gpu_cudnn_takes_queries_that_are_views_of_a_packed_projection() -> None:
     case = cases.build_attention_case([700], [700], num_kv_heads=2, group=4, head_dim=64,
                                       block_size=16, dtype=torch.float16, device="cuda",
@@ -143,6 +155,7 @@ def test_gpu_cudnn_takes_queries_that_are_views_of_a_packed_projection() -> None
 
 @pytest.mark.gpu
 @requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
 def test_gpu_decode_steps_and_float32_run_the_triton_kernel() -> None:
     for dtype, q_lens in ((torch.bfloat16, [1, 1, 0]), (torch.float32, [300, 1, 0])):
         case = cases.build_attention_case([700, 33, 0], q_lens, num_kv_heads=2, group=4,
@@ -162,3 +175,20 @@ def test_an_engine_reaches_one_graph_per_request_bucket() -> None:
     assert [s.num_reqs for s in reachable_shapes(8192, 5, 32768, 16)] == [1, 2, 4, 8]
     assert reachable_shapes(16384, 2, 262144, 16) == [
         GraphShape(1, 16384, 16384), GraphShape(2, 16384, 16384)]
+
+
+@pytest.mark.gpu
+@requires_cudnn
+@pytest.mark.usefixtures("small_steps_use_cudnn")
+def test_gpu_layers_of_one_step_derive_cudnns_inputs_once() -> None:
+    case = cases.build_attention_case([900, 300], [900, 200], num_kv_heads=2, group=4,
+                                      head_dim=128, block_size=16, dtype=torch.bfloat16,
+                                      device="cuda", seed=8, poison=1e4)
+    step_cache: dict = {}
+    first = cudnn_backend.paged_attention(*case.args(), 128 ** -0.5, step_cache=step_cache)
+    (derived,) = step_cache.values()
+    second = cudnn_backend.paged_attention(*case.args(), 128 ** -0.5, step_cache=step_cache)
+    (again,) = step_cache.values()
+    assert again is derived, "the second layer reused the first one's tensors"
+    assert torch.equal(first[:1100], second[:1100])
+    check_against_reference(case, 128 ** -0.5)  # and without a cache: the same result
