@@ -15,6 +15,8 @@ on what the model fixes (dtype, head counts, head dim, block size) and on the ti
     sampling       the logits head, both sampler paths (greedy, seeded random) and the
                    read-back of the sampled ids (`kernels.store_to_host`)
     block copies   one block GPU -> pinned host -> GPU, and one GPU -> GPU block copy
+    cuDNN graphs   with the cudnn attention backend, one prefill graph per request bucket
+                   (`kernels.cudnn_backend.reachable_shapes`), built before the steps run
 
 `prepare_gpu` runs it at engine start, right after the model runner records the CUDA graphs
 of every decode batch bucket (`DecodeGraphs.capture_all`). Every warm-up step stores nothing
