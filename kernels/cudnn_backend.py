@@ -198,6 +198,12 @@ class CudnnPrefill:
                 self._graphs[key] = None
         return self._graphs[key]
 
+    def disable(self, graph: _PagedGraph) -> None:
+        """Never use `graph` again (its steps go to the Triton kernel)."""
+        for key, built in self._graphs.items():
+            if built is graph:
+                self._graphs[key] = None
+
 
 _PREFILL = CudnnPrefill()
 
@@ -279,8 +285,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_lens, offsets, kv_lens, tables = inputs
     handle = _PREFILL._handles[k_cache.device.index]
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(query.device).cuda_stream)
-    graph.graph.execute({graph.q: query, graph.offsets: offsets, graph.k: k_cache,
-                         graph.v: v_cache, graph.table_k: tables, graph.table_v: tables,
-                         graph.q_lens: q_lens, graph.kv_lens: kv_lens, graph.o: out},
-                        graph.workspace, handle=handle)
+    try:
+        graph.graph.execute({graph.q: query, graph.offsets: offsets, graph.k: k_cache,
+                             graph.v: v_cache, graph.table_k: tables, graph.table_v: tables,
+                             graph.q_lens: q_lens, graph.kv_lens: kv_lens, graph.o: out},
+                            graph.workspace, handle=handle)
+    except Exception as exc:  # noqa: BLE001 - cuDNN refused at run time: the Triton kernel
+        _PREFILL.disable(graph)
+        logger.warning("cuDNN paged attention failed for %s (%s); those steps use the "
+                       "Triton kernel from now on", shape, exc)
+        return triton_paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
+                                      block_tables, max_query_len, max_seq_len,
+                                      softmax_scale, out)
     return out

@@ -64,6 +64,15 @@ def test_only_prefill_shaped_half_precision_cuda_steps_route_to_cudnn() -> None:
     assert not routes_to_cudnn(chunk, 17, 8000), "many requests stay on Triton"
 
 
+def test_a_graph_cudnn_fails_to_run_is_never_used_again() -> None:
+    prefill = cudnn_backend.CudnnPrefill()
+    built = object()  # stands for a built graph; disable only forgets it
+    prefill._graphs[("geometry", "shape")] = built
+    assert prefill.num_graphs == 1
+    prefill.disable(built)
+    assert prefill.num_graphs == 0 and prefill._graphs[("geometry", "shape")] is None
+
+
 @cases.needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_on_the_cpu_the_backend_is_the_triton_kernel(dtype: torch.dtype) -> None:
