@@ -91,6 +91,13 @@ def test_the_backend_refuses_misuse_like_the_triton_launcher() -> None:
         cudnn_backend.paged_attention(*args, 0.25)
 
 
+def chunk_beside_a_prompt(seed: int) -> cases.AttentionCase:
+    """A 900-token prompt and a 200-token chunk after 100 tokens, on the GPU (77 blocks)."""
+    return cases.build_attention_case([900, 300], [900, 200], num_kv_heads=2, group=4,
+                                      head_dim=128, block_size=16, dtype=torch.bfloat16,
+                                      device="cuda", seed=seed, poison=1e4)
+
+
 # Request 0: a fresh prompt; 1: a chunk after a prefix; 2: a decode; 3: padding; 4: a chunk
 # that ends exactly on a block boundary; 5: a one-token chunk after a long prefix.
 GPU_SEQ_LENS = [1500, 700, 2049, 0, 640, 3001]
@@ -129,9 +136,7 @@ def test_gpu_cudnn_head_dims_and_block_sizes(head_dim: int, block_size: int) -> 
 @requires_cudnn
 @pytest.mark.usefixtures("small_steps_use_cudnn")
 def test_gpu_cudnn_reuses_a_graph_across_steps_of_one_bucket() -> None:
-    first = cases.build_attention_case([900, 300], [900, 200], num_kv_heads=2, group=4,
-                                       head_dim=128, block_size=16, dtype=torch.bfloat16,
-                                       device="cuda", seed=1, poison=1e4)
+    first = chunk_beside_a_prompt(seed=1)
     assert routes_to_cudnn(first.query, 2, first.max_query_len)
     check_against_reference(first, 128 ** -0.5)
     built = cudnn_backend._PREFILL.num_graphs
@@ -190,9 +195,7 @@ def test_an_engine_reaches_one_graph_per_request_bucket() -> None:
 @requires_cudnn
 @pytest.mark.usefixtures("small_steps_use_cudnn")
 def test_gpu_layers_of_one_step_derive_cudnns_inputs_once() -> None:
-    case = cases.build_attention_case([900, 300], [900, 200], num_kv_heads=2, group=4,
-                                      head_dim=128, block_size=16, dtype=torch.bfloat16,
-                                      device="cuda", seed=8, poison=1e4)
+    case = chunk_beside_a_prompt(seed=8)
     step_cache: dict = {}
     first = cudnn_backend.paged_attention(*case.args(), 128 ** -0.5, step_cache=step_cache)
     (derived,) = step_cache.values()
