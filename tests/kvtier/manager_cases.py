@@ -100,6 +100,16 @@ def config(layout: KVLayout, tmp_path: Path | None, gpu: int, host: int, **kwarg
     return TierConfig.from_slots(layout, gpu, host, **disk, **kwargs)
 
 
+def small_manager(managers: list, tmp_path: Path | None, gpu: int, host: int,
+                  **kwargs) -> TierManager:
+    """A manager over `small_layout()` (`tmp_path` None: no disk tier), closed with
+    `managers` at the test's end."""
+    layout = small_layout()
+    m = TierManager(layout, config(layout, tmp_path, gpu, host, **kwargs))
+    managers.append(m)
+    return m
+
+
 def disk_only(tmp_path: Path, managers: list, layout: KVLayout, names: dict[str, int],
               **kwargs) -> tuple[TierManager, dict[str, tuple[list[BlockMeta], torch.Tensor]]]:
     """A manager with the host tier off (staging only) whose blocks are on disk only."""

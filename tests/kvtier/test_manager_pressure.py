@@ -11,17 +11,15 @@ import pytest
 from manager_cases import (
     chain,
     check_idle,
-    config,
     evict_gpu,
     held_before,
     load,
     random_blocks,
     same_bytes,
-    small_layout,
+    small_manager,
     write,
 )
 
-from kvtier.manager import TierManager
 from kvtier.stats import Direction, Tier
 from kvtier.tiers.host import SlotState
 
@@ -29,9 +27,8 @@ from kvtier.tiers.host import SlotState
 
 @pytest.mark.timeout(120)
 def test_a_slot_pinned_by_a_load_survives_host_exhaustion(tmp_path, managers, release):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=2, io_threads=2))
-    managers.append(m)
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    layout = m.layout
     block_a, data_a = chain(layout, "a", 1), random_blocks(layout, 1, seed=1)
     write(m, block_a, data_a)
     m.flush()
@@ -70,9 +67,8 @@ def test_a_slot_pinned_by_a_load_survives_host_exhaustion(tmp_path, managers, re
 
 @pytest.mark.timeout(120)
 def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=3, io_threads=2))
-    managers.append(m)
+    m = small_manager(managers, tmp_path, gpu=8, host=3, io_threads=2)
+    layout = m.layout
     m.disk.put, entered = held_before(m.disk.put, release)
     metas, data = chain(layout, "wb", 5), random_blocks(layout, 5, seed=3)
     hashes = [meta.block_hash for meta in metas]
@@ -114,9 +110,8 @@ def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release
 @pytest.mark.timeout(120)
 def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_path, managers,
                                                                          release):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=2, io_threads=2))
-    managers.append(m)
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    layout = m.layout
     m.disk.put, _ = held_before(m.disk.put, release)
     metas, data = chain(layout, "gone", 3), random_blocks(layout, 3, seed=5)
     for i in range(3):
@@ -138,9 +133,8 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
 @pytest.mark.timeout(120)
 def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_path, managers,
                                                                           release):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=8, host=1, io_threads=2))
-    managers.append(m)
+    m = small_manager(managers, tmp_path, gpu=8, host=1, io_threads=2)
+    layout = m.layout
     x, y, w = (chain(layout, name, 1) for name in ("x", "y", "w"))
     x_data, y_data, w_data = (random_blocks(layout, 1, seed) for seed in (1, 2, 3))
     write(m, x, x_data)
@@ -171,9 +165,8 @@ def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_pa
 @pytest.mark.timeout(120)
 def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_path, managers,
                                                                             release):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, tmp_path, gpu=32, host=16, io_threads=2))
-    managers.append(m)
+    m = small_manager(managers, tmp_path, gpu=32, host=16, io_threads=2)
+    layout = m.layout
     x, z, w = (chain(layout, name, 1) for name in ("x", "z", "w"))
     z_data = random_blocks(layout, 1, seed=1)
     write(m, x, random_blocks(layout, 1, seed=2))
@@ -214,9 +207,8 @@ def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_
 
 
 def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, None, gpu=2, host=2))
-    managers.append(m)
+    m = small_manager(managers, None, gpu=2, host=2)
+    layout = m.layout
     blocks = m.allocate(1)
     m.cache_full_blocks(blocks, chain(layout, "x", 1))
     m.free(blocks)
@@ -235,9 +227,8 @@ def test_write_through_holds_the_gpu_block_until_the_copy_is_done(managers):
 
 
 def test_waiting_for_stores_frees_only_blocks_the_copies_alone_hold(managers):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, None, gpu=4, host=4))
-    managers.append(m)
+    m = small_manager(managers, None, gpu=4, host=4)
+    layout = m.layout
     metas, data = chain(layout, "w", 3), random_blocks(layout, 3, seed=12)
     blocks = m.allocate(3)
     for block, block_data in zip(blocks, data):
@@ -261,9 +252,8 @@ def test_waiting_for_stores_frees_only_blocks_the_copies_alone_hold(managers):
 
 
 def test_the_blocks_of_one_store_are_copied_in_one_job(managers):
-    layout = small_layout()
-    m = TierManager(layout, config(layout, None, gpu=8, host=6))
-    managers.append(m)
+    m = small_manager(managers, None, gpu=8, host=6)
+    layout = m.layout
     metas, data = chain(layout, "batch", 5), random_blocks(layout, 5, seed=6)
     write(m, metas, data)
     stats = m.stats()
