@@ -119,23 +119,40 @@ def _cudnn_available() -> bool:
     return importlib.import_module("kvtier.kernels.cudnn_backend").cudnn_available()
 
 
-def _backend_functions(backend: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
-    """(store_kv, paged_attention) of a backend, imported on first use."""
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+                  torch.Tensor]
+
+
+def _attend_with(paged_attention: Callable[..., torch.Tensor],
+                 shares_derived: bool = False) -> Attend:
+    """attend(query, k_cache, v_cache, metadata, softmax_scale) over a backend's
+    `paged_attention`; `shares_derived`: it also takes the step's `derived` dict."""
+    def attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               md: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+        per_step = {"step_cache": md.derived} if shares_derived else {}
+        return paged_attention(query, k_cache, v_cache, md.query_start_loc, md.seq_lens,
+                               md.block_tables, md.max_query_len, md.max_seq_len,
+                               softmax_scale, **per_step)
+    return attend
+
+
+def _backend_functions(backend: str) -> tuple[Callable[..., None], Attend]:
+    """(store_kv, attend) of a backend, imported on first use."""
     if backend == "torch":
         reference = importlib.import_module("kvtier.kernels.reference")
-        return reference.store_kv, reference.paged_attention
+        return reference.store_kv, _attend_with(reference.paged_attention)
     if backend == "triton":
         store = importlib.import_module("kvtier.kernels.store_kv")
         attend = importlib.import_module("kvtier.kernels.paged_attention")
-        return store.store_kv, attend.paged_attention
+        return store.store_kv, _attend_with(attend.paged_attention)
     if backend == "cudnn":
         store = importlib.import_module("kvtier.kernels.store_kv")
         cudnn_backend = importlib.import_module("kvtier.kernels.cudnn_backend")
-        return store.store_kv, cudnn_backend.paged_attention
+        return store.store_kv, _attend_with(cudnn_backend.paged_attention, shares_derived=True)
     if backend == "flash":
         store = importlib.import_module("kvtier.kernels.store_kv")
         flash = importlib.import_module("kvtier.kernels.flash_backend")
-        return store.store_kv, flash.paged_attention
+        return store.store_kv, _attend_with(flash.paged_attention)
     raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTN_BACKENDS}")
 
 
@@ -158,7 +175,7 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.backend = backend
         self.softmax_scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
-        self._store_kv, self._paged_attention = _backend_functions(backend)
+        self._store_kv, self._attend = _backend_functions(backend)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -171,11 +188,7 @@ class PagedAttention(nn.Module):
         assert key.shape[1:] == (self.num_kv_heads, self.head_dim), \
             f"key heads {tuple(key.shape[1:])} != {(self.num_kv_heads, self.head_dim)}"
         self._store_kv(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
-        per_step = {"step_cache": attn_metadata.derived} if self.backend == "cudnn" else {}
-        return self._paged_attention(
-            query, k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-            attn_metadata.block_tables, attn_metadata.max_query_len,
-            attn_metadata.max_seq_len, self.softmax_scale, **per_step)
+        return self._attend(query, k_cache, v_cache, attn_metadata, self.softmax_scale)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
