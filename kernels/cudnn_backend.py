@@ -243,11 +243,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     tensors cuDNN needs beyond it are kept for the step's other layers; None derives them
     on every call. Raises ValueError as the Triton launcher does on misuse, and when
     nvidia-cudnn-frontend is missing or cuDNN is older than 9.6."""
-    num_reqs = seq_lens.shape[0]
-    if not routes_to_cudnn(query, num_reqs, max_query_len):
+    def on_triton() -> torch.Tensor:
         return triton_paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
                                       block_tables, max_query_len, max_seq_len,
                                       softmax_scale, out)
+
+    num_reqs = seq_lens.shape[0]
+    if not routes_to_cudnn(query, num_reqs, max_query_len):
+        return on_triton()
     if not cudnn_available():
         raise ValueError("the cudnn attention backend needs nvidia-cudnn-frontend and "
                          "cuDNN >= 9.6 on CUDA (pip install 'kvtier[cudnn]'); or use 'triton'")
@@ -264,9 +267,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                          f"blocks wide); pass shape=None to let the backend pick {needed}")
     graph = _PREFILL.graph(shape, num_heads, k_cache, v_cache, softmax_scale)
     if graph is None:
-        return triton_paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                      block_tables, max_query_len, max_seq_len,
-                                      softmax_scale, out)
+        return on_triton()
     import cudnn
 
     query = query.contiguous()  # [num_tokens, heads, dim]: cuDNN's packed rows
@@ -294,7 +295,5 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         _PREFILL.disable(graph)
         logger.warning("cuDNN paged attention failed for %s (%s); those steps use the "
                        "Triton kernel from now on", shape, exc)
-        return triton_paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens,
-                                      block_tables, max_query_len, max_seq_len,
-                                      softmax_scale, out)
+        return on_triton()
     return out
