@@ -23,21 +23,21 @@ MIN_SAVING_S = 0.05
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
                   load_tokens_per_s: float | None, min_saving_s: float = MIN_SAVING_S,
-                  load_latency_s: float = 0.0, num_fast_tokens: int = 0) -> bool:
+                  load_latency_s: float = 0.0, fast_blocks_behind: bool = False) -> bool:
     """Whether `num_tokens` tokens still to come are worth looking for in the slow tiers:
     computing them alone (at the prefill rate P) must take `min_saving_s` longer than the
     two fronts together, or, while L is not known, at least `min_saving_s` at all. The
     fronts together: the model computes from the start while the tiers deliver L tokens/s
     once their first read ends, `load_latency_s` after the restore began, so they meet
-    after (R + L * latency) / (P + L). When a fast tier (the host) holds `num_fast_tokens`
-    of them further on, reached only through the slow tiers' blocks, the rule is the one
-    used while L is not known: the host's blocks are a sure saving, and the fronts size
+    after (R + L * latency) / (P + L). When a fast tier (the host) holds some of them
+    further on (`fast_blocks_behind`), reached only through the slow tiers' blocks, the rule
+    is the one used while L is not known: the host's blocks are a sure saving, and the fronts size
     what the slow tiers read. True while P is not known (nothing to weigh it with), and
     always with `min_saving_s` 0."""
     if prefill_tokens_per_s is None or prefill_tokens_per_s <= 0:
         return True
     alone = num_tokens / prefill_tokens_per_s
-    if load_tokens_per_s is None or num_fast_tokens > 0:
+    if load_tokens_per_s is None or fast_blocks_behind:
         return alone >= min_saving_s
     together = min(alone, (num_tokens + load_tokens_per_s * max(0.0, load_latency_s))
                    / (prefill_tokens_per_s + load_tokens_per_s))

@@ -265,12 +265,12 @@ class Scheduler:
         # The rate over these tokens, after the context before them.
         seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
         # Host blocks further on (a conversation's later ones outlive its first) come at once.
-        on_host = self.manager.num_on_host(
+        on_host = self.manager.any_on_host(
             request.block_hashes[first_block + 1:(request.num_tokens - 1) // request.block_size])
         return worth_reading(num_tokens, None if not seconds else num_tokens / seconds,
                              self.tier_rates.expected(slow), self.min_restore_saving_s,
                              self.tier_rates.expected_latency(slow),
-                             num_fast_tokens=on_host * request.block_size)
+                             fast_blocks_behind=on_host)
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""

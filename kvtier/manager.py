@@ -140,9 +140,10 @@ class TierManager:
         self.pool.take_events()  # evicted GPU blocks need nothing: their bytes are below
         return blocks
 
-    def num_on_host(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of `hashes` the host tier caches now (0 without host caching)."""
-        return 0 if self.host is None else sum(map(self.host.contains, hashes))
+    def any_on_host(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether the host tier caches any of `hashes` now (False without host caching);
+        stops at the first it finds."""
+        return self.host is not None and any(map(self.host.contains, hashes))
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """One more reference on each block (e.g. GPU prefix hits a request will use)."""

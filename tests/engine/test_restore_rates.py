@@ -183,8 +183,8 @@ def test_slow_tiers_are_asked_only_when_reading_could_save_enough_time() -> None
     assert saving < MIN_SAVING_S and not worth_reading(8_192, 40_000.0, 3_000.0)
     # ... unless a fast tier holds some of those tokens further on: they come at once, and
     # the tiers are asked as while the disk's rate is unknown (computing alone >= 50 ms).
-    assert worth_reading(8_192, 40_000.0, 3_000.0, num_fast_tokens=16)
-    assert not worth_reading(1_000, 40_000.0, 3_000.0, num_fast_tokens=512)  # 25 ms alone
+    assert worth_reading(8_192, 40_000.0, 3_000.0, fast_blocks_behind=True)
+    assert not worth_reading(1_000, 40_000.0, 3_000.0, fast_blocks_behind=True)  # 25 ms alone
     # A threshold of 0 asks the slow tiers for every prefix.
     assert worth_reading(16, 40_000.0, None, min_saving_s=0.0)
     assert worth_reading(16, 40_000.0, 1.0, min_saving_s=0.0)
