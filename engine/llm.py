@@ -428,9 +428,11 @@ class LLM:
 
     # ---- inspection and lifetime ---------------------------------------------------------
 
-    def stats(self) -> ManagerStats:
-        """The tier manager's counters (per-tier hits and misses, bytes moved, pool state)."""
-        return self.manager.stats()
+    def stats(self, lower_tiers: bool = True) -> ManagerStats:
+        """The tier manager's counters (per-tier hits and misses, bytes moved, pool state);
+        `lower_tiers=False` skips the disk and remote tiers' own stats, which read LMDB or
+        ask the server (`TierManager.stats`)."""
+        return self.manager.stats(lower_tiers)
 
     def close(self) -> None:
         """Wait for in-flight transfers, flush the host tier to disk and close it."""

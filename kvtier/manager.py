@@ -432,15 +432,21 @@ class TierManager:
 
     # ---- inspection ----------------------------------------------------------------------
 
-    def stats(self) -> ManagerStats:
-        """Per-tier block counters, transfers per direction, pool and host occupancy."""
+    def stats(self, lower_tiers: bool = True) -> ManagerStats:
+        """Per-tier block counters, transfers per direction, pool and host occupancy.
+
+        `lower_tiers=False` leaves out the disk and remote tiers' own stats (`disk` and
+        `remote` are None): those read LMDB or ask the server, which after a dropped page
+        cache means disk reads on the caller's thread (a few milliseconds on a lent H100's
+        disk), too dear for a caller sampling after every step."""
         host = self.host if self._host_caches else None
+        below = lower_tiers and not self._closed
         return ManagerStats(
             tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},
             transfers=self.transfers.stats(), pool=self.pool.stats(),
             host_slots=host.num_slots if host else 0,
             host_free_slots=host.num_free_slots if host else 0,
             host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
-            disk=self.disk.stats() if self.disk is not None and not self._closed else None,
+            disk=self.disk.stats() if self.disk is not None and below else None,
             num_loads_in_flight=len(self._loads), num_jobs_in_flight=len(self._on_done),
-            remote=self.remote.stats() if self.remote is not None else None)
+            remote=self.remote.stats() if self.remote is not None and lower_tiers else None)

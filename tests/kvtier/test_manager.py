@@ -87,6 +87,24 @@ CHILD = textwrap.dedent("""
 """)
 
 
+def test_stats_without_lower_tiers_leave_lmdb_alone(tmp_path, managers, monkeypatch):
+    layout = small_layout()
+    m, blocks = disk_only(tmp_path, managers, layout, {"a": 2})
+    full = m.stats()
+    assert full.disk is not None and full.disk.num_blocks == 2
+
+    def no_lmdb():
+        raise AssertionError("the disk tier's stats were read")
+
+    monkeypatch.setattr(m.disk, "stats", no_lmdb)
+    light = m.stats(lower_tiers=False)
+    assert light.disk is None and light.remote is None
+    assert light.tiers == full.tiers and light.pool == full.pool
+    assert light.host_cached == full.host_cached
+    with pytest.raises(AssertionError, match="were read"):
+        m.stats()
+
+
 def test_blocks_persist_across_a_process_restart(tmp_path, managers):
     subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO_ROOT, check=True,
                    timeout=120)
