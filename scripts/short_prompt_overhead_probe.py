@@ -31,6 +31,7 @@ from kvtier.cli.bench.diskread import drop_page_cache
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import load_model
 from kvtier.engine.scheduler import Scheduler
+
 from kvtier.tiers.disk import DiskTier
 from kvtier.transfer import TransferEngine
 
