@@ -8,7 +8,8 @@ for a 32K-token prompt of an 8B model on an H100). The engine's kernels are spec
 on what the model fixes (dtype, head counts, head dim, block size) and on the tiling
 `kernels.paged_decode.pick_config` chooses, i.e. on the shape class of a step:
 
-    prefill        one fresh prompt chunk of the step's full token budget (no prefix)
+    prefill        one fresh prompt chunk of the step's full token budget (no prefix); with
+                   the cudnn backend also one just under the size it takes, for Triton
     long prefix    a short chunk after a long context (split-KV)
     decode         short decodes, and decodes over long contexts (split-KV, merged)
     mixed          a prefill chunk batched with decodes
@@ -112,15 +113,22 @@ def use_user_triton_cache() -> Path | None:
     return path
 
 
-def warmup_steps(max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> list[WarmupStep]:
-    """The synthetic steps that reach every shape class of an engine with these limits."""
+def warmup_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
+                 cudnn_min_tokens: int | None = None) -> list[WarmupStep]:
+    """The synthetic steps that reach every shape class of an engine with these limits.
+
+    `cudnn_min_tokens`: with the cudnn attention backend, the fewest query tokens of a step
+    it takes (`kernels.cudnn_backend.MIN_STEP_TOKENS`). A full-budget prefill then runs on
+    cuDNN, so a fresh chunk just under that size is added: shorter prompts still run the
+    Triton kernel's one-pass prefill tiling, and it must be compiled here too."""
     budget = max(1, min(max_num_batched_tokens, max_model_len - 1))
     long_context = max(2, min(LONG_CONTEXT, max_model_len - 1))
     chunk = max(1, min(SHORT_CHUNK, budget, long_context // 4))
     num_decodes = max(1, min(3, max_num_seqs - 1))
     steps = [
         WarmupStep("prefill", (budget,), (budget,)),
+        *([WarmupStep("prefill below cuDNN", (cudnn_min_tokens - 1,), (cudnn_min_tokens - 1,))]
+          if cudnn_min_tokens is not None and 1 < cudnn_min_tokens <= budget else []),
         WarmupStep("long prefix", (chunk,), (long_context,)),
         WarmupStep("decode", (1,) * num_decodes, (17,) * num_decodes),
         WarmupStep("long decode", (1,) * num_decodes, (long_context,) * num_decodes),
@@ -189,6 +197,15 @@ def _warm_block_copies(kv_cache: torch.Tensor) -> None:
         copy_blocks(kv_cache, torch.tensor([[1, 0]], dtype=torch.int64))
 
 
+def _cudnn_min_tokens(model: torch.nn.Module) -> int | None:
+    """The fewest query tokens of a step the cudnn backend takes; None with another one."""
+    if getattr(model, "attn_backend", None) != "cudnn":
+        return None
+    from kvtier.kernels import cudnn_backend
+
+    return cudnn_backend.MIN_STEP_TOKENS
+
+
 def _build_attention_graphs(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                             max_num_batched_tokens: int, max_num_seqs: int,
                             max_model_len: int) -> int:
@@ -215,7 +232,8 @@ def warm_up(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
     the runner recorded at start, reported in the same line."""
     assert kv_cache.device.type == "cuda", "warm-up compiles GPU kernels; skip it elsewhere"
     start = time.perf_counter()
-    steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len)
+    steps = warmup_steps(max_num_batched_tokens, max_num_seqs, max_model_len,
+                         _cudnn_min_tokens(model))
     num_attention_graphs = _build_attention_graphs(model, kv_cache, block_size,
                                                    max_num_batched_tokens, max_num_seqs,
                                                    max_model_len)

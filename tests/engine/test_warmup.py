@@ -27,12 +27,20 @@ from kvtier.kernels.cudnn_backend import cudnn_available
 from kvtier.device_cache import allocate_kv_cache
 
 
+@pytest.mark.parametrize("cudnn_min_tokens", [None, 512, 2048])
 @pytest.mark.parametrize(("budget", "max_num_seqs", "max_model_len"),
                          [(2048, 64, 131072), (256, 1, 1024), (8, 2, 40), (8192, 256, 4096)])
-def test_steps_fit_the_engine_limits(budget: int, max_num_seqs: int,
-                                     max_model_len: int) -> None:
-    steps = warmup_steps(budget, max_num_seqs, max_model_len)
+def test_steps_fit_the_engine_limits(budget: int, max_num_seqs: int, max_model_len: int,
+                                     cudnn_min_tokens: int | None) -> None:
+    steps = warmup_steps(budget, max_num_seqs, max_model_len, cudnn_min_tokens)
     names = [s.name for s in steps]
+    below = [s for s in steps if s.name == "prefill below cuDNN"]
+    # Where cuDNN takes the full budget, Triton's one-pass prefill is warmed just below it.
+    takes_full = cudnn_min_tokens is not None and steps[0].q_lens[0] >= cudnn_min_tokens
+    assert len(below) == takes_full
+    if takes_full:
+        assert below[0].q_lens == below[0].seq_lens == (cudnn_min_tokens - 1,)
+    names = [n for n in names if n != "prefill below cuDNN"]
     assert names[:4] == ["prefill", "long prefix", "decode", "long decode"]
     assert ("mixed" in names) == (max_num_seqs > 1)
     for step in steps:
@@ -127,7 +135,11 @@ def _serve(llm: LLM, prefix: list[int]) -> list[tuple[int, ...]]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_after_warmup_serving_compiles_nothing(long_context_model: LoadedModel) -> None:
+def test_after_warmup_serving_compiles_nothing(long_context_model: LoadedModel,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuDNN takes steps from 256 tokens here (2,048 by default), so full 512-token steps go
+    # to it while shorter prompts, and steps of more than 16 requests, stay on Triton.
+    monkeypatch.setattr(cudnn_backend, "MIN_STEP_TOKENS", 256)
     prefix = torch.randint(3, 256, (3000,), generator=torch.Generator().manual_seed(2))
     options = {"gpu_blocks": 1024, "max_num_seqs": 16, "max_num_batched_tokens": 512,
                "host_cache": False, "disk_cache": False}
