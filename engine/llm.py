@@ -297,15 +297,18 @@ class LLM:
             self._stopped.append(request)
         return bool(targets)
 
+    def _submit_stores(self) -> None:
+        self.manager.submit_stores(batch=True)
+
     def _run_step(self) -> tuple[list[Request], list[Request]]:
         """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
         # The stores the last update queued start while the GPU runs this step (right after
-        # it when the step samples nothing, so that nothing waits).
-        sampled = self.runner.execute(plan.scheduled, self.manager.submit_stores) \
+        # it when the step samples nothing, so that nothing waits), once enough are queued.
+        sampled = self.runner.execute(plan.scheduled, self._submit_stores) \
             if plan.scheduled else []
-        self.manager.submit_stores()
+        self._submit_stores()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
@@ -323,7 +326,10 @@ class LLM:
             self.manager.submit_stores()  # no next step to overlap them with
         elif not plan.scheduled and not finished:
             # Only transfers can free blocks or finish loads now: wait for them a little.
-            if not (self.scheduler.num_loading or self.manager.stats().num_jobs_in_flight):
+            if self.manager.num_stores_queued:
+                self.manager.submit_stores()  # their held blocks come free as copies land
+            elif not (self.scheduler.num_loading
+                      or self.manager.stats(lower_tiers=False).num_jobs_in_flight):
                 raise RuntimeError("the scheduler could not run any request and no transfer "
                                    "is in flight to make room")
             time.sleep(_IDLE_WAIT_S)

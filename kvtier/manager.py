@@ -320,12 +320,15 @@ class TierManager:
         started yet (each holds its GPU block)."""
         return 0 if self.stores is None else self.stores.num_pending
 
-    def submit_stores(self) -> None:
+    def submit_stores(self, batch: bool = False) -> None:
         """Start the host copies `cache_full_blocks` queued (their slots, evictions and copy
         plans). The engine calls it while the GPU runs a step, so that this host work
-        overlaps the GPU's instead of delaying the next launch; `drain` calls it too."""
+        overlaps the GPU's instead of delaying the next launch, with `batch`: then the copies
+        start only once enough blocks are queued (`kvtier.stores.STORE_BATCH_BLOCKS`), so
+        that a decode step filling a block or two does not pay a copy job's host time each
+        step. `drain`, and the engine when it has nothing left to run, start them all."""
         if self.stores is not None:
-            self.stores.submit_pending()
+            self.stores.submit_pending(batch)
 
     def reclaim_store_blocks(self, num_blocks: int, wait: bool) -> bool:
         """Free GPU blocks that host stores hold, for an allocation `num_blocks` short:

@@ -19,6 +19,8 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.config import named_config
 from kvtier.engine.loader import LoadedModel, converted_model_dir, load_model
 
+from kvtier.stores import STORE_BATCH_BLOCKS, STORE_MAX_OFFERS
+
 MAX_TOKENS = 6
 
 _SENTENCES = (
@@ -261,28 +263,66 @@ def test_step_interface_and_cache_salt(tiny_llama: TinyModel) -> None:
         assert stats.pool.num_blocks == 400
 
 
-def test_a_steps_stores_start_while_the_next_step_runs(tiny_llama: TinyModel) -> None:
-    prompt = tiny_llama.prompts[1]  # 40 tokens: 2 full blocks
+def _observe_store_submits(llm: LLM) -> list[int]:
+    """Blocks queued for the host each time the engine offers them to `submit_stores`."""
+    queued_when_offered: list[int] = []
+    submit = llm.manager.submit_stores
+
+    def observed_submit(batch: bool = False) -> None:  # the real call
+        queued_when_offered.append(llm.manager.num_stores_queued)
+        submit(batch)
+
+    llm.manager.submit_stores = observed_submit
+    return queued_when_offered
+
+
+def test_a_long_prompts_stores_start_while_the_next_step_runs(tiny_llama: TinyModel) -> None:
+    prompt = list(range(3, 3 + 16 * STORE_BATCH_BLOCKS + 8))  # STORE_BATCH_BLOCKS full blocks
     with tiny_llm(tiny_llama, host_cache=True, host_cache_gb=0.01) as llm:
-        queued_when_started = []
-        submit = llm.manager.submit_stores
-
-        def observed_submit() -> None:  # the real call, with what it found queued
-            queued_when_started.append(llm.manager.num_stores_queued)
-            submit()
-
-        llm.manager.submit_stores = observed_submit
+        offered = _observe_store_submits(llm)
         llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS))
-        llm.step()  # the prompt: its two full blocks are queued for the host, held
-        assert llm.manager.num_stores_queued == 2
+        llm.step()  # the prompt: its full blocks are queued for the host, held
+        assert llm.manager.num_stores_queued == STORE_BATCH_BLOCKS
         assert llm.stats().host_cached == 0
-        assert [block.ref_cnt for block in llm.manager.pool.blocks[:2]] == [2, 2]
+        assert {block.ref_cnt for block in llm.manager.pool.blocks[:STORE_BATCH_BLOCKS]} == {2}
         llm.step()  # a decode step: they start while it runs (before its ids are read)
-        assert queued_when_started[-2:] == [2, 0]
-        assert llm.manager.num_stores_queued == 0
+        assert offered[-2:] == [STORE_BATCH_BLOCKS, 0]
         while llm.has_unfinished():
             llm.step()
         llm.manager.drain()
+        assert llm.stats().host_cached == STORE_BATCH_BLOCKS
+
+
+def test_a_few_blocks_wait_for_more_and_start_when_nothing_is_left_to_run(
+        tiny_llama: TinyModel) -> None:
+    prompt = tiny_llama.prompts[1]  # 40 tokens: 2 full blocks
+    with tiny_llm(tiny_llama, host_cache=True, host_cache_gb=0.01) as llm:
+        offered = _observe_store_submits(llm)
+        llm.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS))
+        llm.step()
+        for _ in range(MAX_TOKENS - 2):  # decode steps: two blocks are too few to copy yet
+            llm.step()
+            assert llm.manager.num_stores_queued == 2 and llm.stats().host_cached == 0
+        assert [block.ref_cnt for block in llm.manager.pool.blocks[:2]] == [2, 2]
+        assert len(offered) < STORE_MAX_OFFERS
+        llm.step()  # the last token: with nothing left to run, the copies start
+        assert not llm.has_unfinished() and llm.manager.num_stores_queued == 0
+        llm.manager.drain()
+        assert llm.stats().host_cached == 2
+
+
+def test_queued_stores_start_after_enough_offers(tiny_llama: TinyModel) -> None:
+    prompt = tiny_llama.prompts[1]  # 40 tokens: 2 full blocks, then one per 16 decodes
+    with tiny_llm(tiny_llama, host_cache=True, host_cache_gb=0.01) as llm:
+        offered = _observe_store_submits(llm)
+        # (The engine offers once or twice a step: at most STORE_MAX_OFFERS steps.)
+        params = SamplingParams(max_tokens=STORE_MAX_OFFERS + 4, ignore_eos=True)
+        llm.add_request(prompt, params)
+        while llm.stats().host_cached == 0:
+            assert llm.has_unfinished(), "the request ended before its stores started"
+            llm.step()
+        # Offered with two blocks queued, held back until the last of STORE_MAX_OFFERS.
+        assert [n for n in offered if n][:STORE_MAX_OFFERS] == [2] * STORE_MAX_OFFERS
         assert llm.stats().host_cached == 2
 
 

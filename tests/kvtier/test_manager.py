@@ -144,7 +144,8 @@ def test_a_completion_that_raises_leaves_the_jobs_after_it_to_the_next_poll(tmp_
 
     monkeypatch.setattr(m.stores, "_finish_copy", first_raises)
     m.cache_full_blocks(blocks[:2], metas[:2])  # two write-through jobs, finished at once
-    m.cache_full_blocks(blocks[2:], metas[2:])  # on the CPU
+    m.submit_stores()  # on the CPU (stores queued together would go as one job)
+    m.cache_full_blocks(blocks[2:], metas[2:])
     m.submit_stores()
     with pytest.raises(RuntimeError, match="a bug"):
         m.poll()
