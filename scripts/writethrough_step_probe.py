@@ -7,7 +7,7 @@ host tier whose copies start every step (`kvtier.stores.STORE_BATCH_BLOCKS` set 
 before batching), in turn, and compares wall time per decode step.
 
     python3 scripts/writethrough_step_probe.py [--models llama3-1b,llama3-8b]
-        [--batch 16] [--prompt-tokens 64] [--max-tokens 512] [--pairs 3]
+        [--batch 16] [--prompt-tokens 64] [--max-tokens 512] [--pairs 3] [--lockstep]
 """
 
 from __future__ import annotations
@@ -50,7 +50,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="prompts of one length: every request fills a block on the "
+                             "same steps (the default staggers them by one token each)")
     args = parser.parse_args()
+    batch_blocks = stores.STORE_BATCH_BLOCKS
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for name in args.models.split(","):
         loaded = load_model(f"random:{name}", torch.device(args.device),
@@ -60,7 +64,6 @@ def main() -> None:
         blocks = args.batch * ((args.prompt_tokens + args.batch + args.max_tokens) // 16 + 2) + 16
         modes = ("off", "host", "host-every-step")
         results: dict[str, list[float]] = {mode: [] for mode in modes}
-        batch_blocks = stores.STORE_BATCH_BLOCKS
         for _ in range(args.pairs):
             for mode in modes:
                 stores.STORE_BATCH_BLOCKS = 1 if mode == "host-every-step" else batch_blocks
@@ -68,7 +71,8 @@ def main() -> None:
                 with LLM(loaded, gpu_blocks=blocks, max_num_seqs=args.batch, **tiers) as llm:
                     # Fresh (nothing cached), and of staggered lengths: the requests fill
                     # their blocks on different steps, as they do in serving.
-                    prompts = [rng.integers(16, vocab, args.prompt_tokens + i).tolist()
+                    prompts = [rng.integers(16, vocab, args.prompt_tokens
+                                            + (0 if args.lockstep else i)).tolist()
                                for i in range(args.batch)]
                     seconds, steps = _run(llm, prompts, params)
                     moved = llm.stats().transfers
@@ -81,6 +85,7 @@ def main() -> None:
             f"{mode} {ms:.3f} ({ms / medians['off']:.3f}x)" for mode, ms in medians.items()),
             flush=True)
         del loaded
+        stores.STORE_BATCH_BLOCKS = batch_blocks
         if args.device != "cpu":
             torch.cuda.empty_cache()
 
