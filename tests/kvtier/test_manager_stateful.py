@@ -16,7 +16,7 @@ import tempfile
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvtier.config import TierConfig
 from kvtier.free_queue import KVCacheBlock
@@ -82,10 +82,13 @@ class TierMachine(RuleBasedStateMachine):
         else:
             self.m.free(blocks)
 
-    @precondition(lambda self: self.held)
+    # (No preconditions: whether an allocation succeeded depends on when the I/O threads
+    # finished, so a precondition on it would let hypothesis draw differently when it
+    # replays an example, which it reports as a flaky strategy.)
     @rule(index=st.integers(0, 10))
     def finish_request(self, index):
-        self.m.free(self.held.pop(index % len(self.held)))
+        if self.held:
+            self.m.free(self.held.pop(index % len(self.held)))
 
     @rule()
     def gpu_pressure(self):
@@ -110,11 +113,12 @@ class TierMachine(RuleBasedStateMachine):
             if below:
                 self.durable.add(block_hash)
 
-    @precondition(lambda self: self.truth)
     @rule(picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=3), settle=st.booleans(),
           hold=st.booleans())
     def load(self, picks, settle, hold):
         """A request comes back for some blocks: GPU hits are touched, the rest loaded."""
+        if not self.truth:
+            return
         known = sorted(self.truth)
         hashes = list(dict.fromkeys(known[p % len(known)] for p in picks))
         if settle:
