@@ -140,7 +140,8 @@ class TierRates:
     `PrefillRate`. A new restore expects its slow tiers to do as well until they land."""
 
     tokens_per_s: dict[Tier, float] = field(default_factory=dict)
-    #: Seconds from a restore's first group of the tier to the end of its first read.
+    #: Seconds from a restore's lookup (the tier's index included) to the end of the
+    #: tier's first read.
     latency_s: dict[Tier, float] = field(default_factory=dict)
 
     def observe(self, tier: Tier, num_tokens: int, seconds: float,

@@ -220,6 +220,7 @@ class Scheduler:
         """Give a waiting request its cached prefix: GPU hits shared, a restore started for
         the rest."""
         num_lookup = (request.num_tokens - 1) // request.block_size
+        began = time.monotonic()
         hit = self.manager.lookup(request.block_hashes[:num_lookup],
                                   read_slow=lambda i: self._worth_reading(request, i))
         tiers = list(hit.locations)
@@ -249,7 +250,8 @@ class Scheduler:
         if load_positions:
             restore = Restore(self.manager, tiers, table,
                               request.block_meta, request.block_size,
-                              self.restore_group_bytes, self.tier_rates.expected(tiers))
+                              self.restore_group_bytes, self.tier_rates.expected(tiers),
+                              lookup_began=began)
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins.
             restore.issue(num_leading, self.prefill_rate)

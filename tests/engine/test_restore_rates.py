@@ -220,6 +220,27 @@ def test_reads_the_compute_front_overtook_still_teach_the_disks_rate(disk_dir: P
     assert rates.expected_latency([Tier.DISK]) >= 0.05
 
 
+def test_a_slow_disk_index_lookup_counts_in_the_disks_latency(disk_dir: Path,
+                                                             monkeypatch) -> None:
+    """After a dropped page cache the disk's index lookup alone took 0.2 s on a lent H100:
+    it must weigh against reading like the first read's wait does."""
+    warm(disk_dir, [PROMPT])
+    with closing(TierManager(LAYOUT, config(disk_dir))) as manager:
+        contains = manager.disk.contains
+
+        def cold_contains(block_hashes):
+            time.sleep(0.1)
+            return contains(block_hashes)
+
+        monkeypatch.setattr(manager.disk, "contains", cold_contains)
+        driver = Driver(manager)
+        driver.scheduler.min_restore_saving_s = 0.0  # ask the disk all the same
+        request = driver.add(PROMPT)
+        finish_idle(driver)
+    assert restored_blocks(request) > 0
+    assert driver.scheduler.tier_rates.expected_latency([Tier.DISK]) >= 0.1
+
+
 def test_the_threshold_is_an_engine_option() -> None:
     from kvtier.engine import LLM
 
