@@ -1,0 +1,98 @@
+"""What the compute front decides at each step of a cold disk restore: per step, the
+balanced claim (`Restore.balanced_tokens`), what `Restore.claim` allowed, the load rate
+the claim was sized with, the tokens the tiers may still deliver and the groups in flight.
+
+    python3 scripts/meeting_probe.py [--model random:llama3-1b] [--doc-tokens 32768]
+        [--num-docs 4]
+
+Round one fills a disk tier; round two asks each document again on a fresh engine over it,
+with the page cache dropped before each request (as `bench longctx --cold`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from kvtier.cli.bench.diskread import drop_page_cache
+from kvtier.cli.bench.longctx import LongctxConfig, _engine_options, make_documents
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine import restore as restore_module
+from kvtier.engine.loader import load_model
+
+LOG: list[str] = []
+
+
+def _wrap_restore() -> None:
+    cls = restore_module.Restore
+    balanced, claim = cls.balanced_tokens, cls.claim
+
+    def logged_balanced(self, compute_block, num_tokens, prefill):
+        result = balanced(self, compute_block, num_tokens, prefill)
+        rate = self._load_rate() or 0.0
+        pending = self._pending_tokens(compute_block)
+        LOG.append(f"    front {compute_block:5d} asked {num_tokens:5d} balanced {result:5d} "
+                   f"L {rate:9.0f} tok/s R {pending:6d} in flight {len(self._in_flight):3d} "
+                   f"landed {self._num_completed:3d}")
+        return result
+
+    def logged_claim(self, start_token, num_tokens):
+        result = claim(self, start_token, num_tokens)
+        LOG.append(f"    claim from {start_token:6d}: {num_tokens:5d} asked, {result:5d} allowed")
+        return result
+
+    cls.balanced_tokens, cls.claim = logged_balanced, logged_claim
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:llama3-1b")
+    parser.add_argument("--doc-tokens", type=int, default=32768)
+    parser.add_argument("--num-docs", type=int, default=4)
+    parser.add_argument("--dir", default="/tmp")
+    args = parser.parse_args()
+    _wrap_restore()
+    config = LongctxConfig(model=args.model, device="cuda", dtype="bfloat16",
+                           num_docs=args.num_docs, doc_tokens=args.doc_tokens,
+                           max_batched_tokens=8192, max_tokens=2)
+    loaded = load_model(args.model, torch.device("cuda"), "bfloat16")
+    layout = loaded.config.kv_layout(16, next(loaded.model.parameters()).dtype)
+    docs, first, second = make_documents(config, loaded.config.vocab_size)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with tempfile.TemporaryDirectory(dir=args.dir) as disk_dir:
+        options = _engine_options("disk", config, layout, Path(disk_dir))
+        with LLM(loaded, **options) as llm:
+            recompute = [llm.generate([d + q], params)[0].metrics.ttft_s
+                         for d, q in zip(docs, first)]
+        print("round 1 (computed) TTFT ms", [round(t * 1e3, 1) for t in recompute])
+        with LLM(loaded, **options) as llm:
+            for i, (d, q) in enumerate(zip(docs, second)):
+                drop_page_cache()
+                LOG.clear()
+                started = time.perf_counter()
+                llm.add_request(d + q, params)
+                while True:
+                    step_start = time.perf_counter()
+                    outputs = llm.step()
+                    fronts = [(f.compute_block, f.load_block, f.num_restored)
+                              for f in llm.scheduler.restore_fronts().values()]
+                    LOG.append(f"  t={(time.perf_counter() - started) * 1e3:7.1f} ms step "
+                               f"{(time.perf_counter() - step_start) * 1e3:6.1f} ms fronts "
+                               f"{fronts}")
+                    if outputs:
+                        break
+                metrics = outputs[0].metrics
+                print(f"document {i}: TTFT {metrics.ttft_s * 1e3:.1f} ms, disk blocks "
+                      f"{metrics.cached_tokens_disk // 16}; rates {llm.scheduler.tier_rates}")
+                compact = [line for j, line in enumerate(LOG)
+                           if not (line.startswith("  t=") and j + 1 < len(LOG)
+                                   and LOG[j + 1].startswith("  t=") and j > 0
+                                   and LOG[j - 1].startswith("  t="))]
+                print("\n".join(compact[:80]))
+
+
+if __name__ == "__main__":
+    main()
