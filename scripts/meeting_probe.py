@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -24,6 +25,43 @@ from kvtier.engine import restore as restore_module
 from kvtier.engine.loader import load_model
 
 LOG: list[str] = []
+TIMES: dict[str, float] = {}
+
+
+def _time(owner: type, name: str) -> None:
+    """Add the wall time of every `owner.name` call on the engine thread to TIMES."""
+    original = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            return original(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            key = f"{owner.__name__}.{name}"
+            TIMES[key] = TIMES.get(key, 0.0) + time.perf_counter() - start
+    setattr(owner, name, timed)
+
+
+def _time_engine() -> None:
+    from kvtier.engine.model_runner import ModelRunner
+    from kvtier.engine.scheduler import Scheduler
+
+    from kvtier.load_path import LoadPath
+    from kvtier.manager import TierManager
+    from kvtier.transfer import TransferEngine
+
+    for owner, names in ((Scheduler, ("schedule", "update", "_finish_loads", "_chunk",
+                                      "_lookup")),
+                         (ModelRunner, ("execute",)),
+                         (TierManager, ("poll", "complete_load_blocks", "cancel_load",
+                                        "prepare_load", "submit_stores")),
+                         (LoadPath, ("feed", "copy_landed_reads")),
+                         (TransferEngine, ("wait", "_reap_cuda", "submit")),
+                         (restore_module.Restore, ("collect", "issue"))):
+        for name in names:
+            _time(owner, name)
 
 
 def _wrap_restore() -> None:
@@ -53,12 +91,15 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=32768)
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--dir", default="/tmp")
+    parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
+    dtype = "bfloat16" if args.device != "cpu" else "float32"
     _wrap_restore()
-    config = LongctxConfig(model=args.model, device="cuda", dtype="bfloat16",
+    _time_engine()
+    config = LongctxConfig(model=args.model, device=args.device, dtype=dtype,
                            num_docs=args.num_docs, doc_tokens=args.doc_tokens,
                            max_batched_tokens=8192, max_tokens=2)
-    loaded = load_model(args.model, torch.device("cuda"), "bfloat16")
+    loaded = load_model(args.model, torch.device(args.device), dtype)
     layout = loaded.config.kv_layout(16, next(loaded.model.parameters()).dtype)
     docs, first, second = make_documents(config, loaded.config.vocab_size)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -75,13 +116,16 @@ def main() -> None:
                 started = time.perf_counter()
                 llm.add_request(d + q, params)
                 while True:
+                    TIMES.clear()
                     step_start = time.perf_counter()
                     outputs = llm.step()
                     fronts = [(f.compute_block, f.load_block, f.num_restored)
                               for f in llm.scheduler.restore_fronts().values()]
                     LOG.append(f"  t={(time.perf_counter() - started) * 1e3:7.1f} ms step "
                                f"{(time.perf_counter() - step_start) * 1e3:6.1f} ms fronts "
-                               f"{fronts}")
+                               f"{fronts} " + " ".join(
+                                   f"{k.split('.')[-1]}={v * 1e3:.1f}"
+                                   for k, v in TIMES.items() if v > 1e-3))
                     if outputs:
                         break
                 metrics = outputs[0].metrics
@@ -91,7 +135,7 @@ def main() -> None:
                            if not (line.startswith("  t=") and j + 1 < len(LOG)
                                    and LOG[j + 1].startswith("  t=") and j > 0
                                    and LOG[j - 1].startswith("  t="))]
-                print("\n".join(compact[:80]))
+                print("\n".join(compact[:80]), flush=True)
 
 
 if __name__ == "__main__":
