@@ -3,7 +3,7 @@ balanced claim (`Restore.balanced_tokens`), what `Restore.claim` allowed, the lo
 the claim was sized with, the tokens the tiers may still deliver and the groups in flight.
 
     python3 scripts/meeting_probe.py [--model random:llama3-1b] [--doc-tokens 32768]
-        [--num-docs 4]
+        [--num-docs 4] [--switch-interval-ms 5]
 
 Round one fills a disk tier; round two asks each document again on a fresh engine over it,
 with the page cache dropped before each request (as `bench longctx --cold`).
@@ -12,6 +12,7 @@ with the page cache dropped before each request (as `bench longctx --cold`).
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
@@ -92,6 +93,9 @@ def main() -> None:
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="set the GIL switch interval after the round-two engine starts "
+                             "(its transfer engine sets 0.5 ms)")
     args = parser.parse_args()
     dtype = "bfloat16" if args.device != "cpu" else "float32"
     _wrap_restore()
@@ -110,6 +114,8 @@ def main() -> None:
                          for d, q in zip(docs, first)]
         print("round 1 (computed) TTFT ms", [round(t * 1e3, 1) for t in recompute])
         with LLM(loaded, **options) as llm:
+            if args.switch_interval_ms is not None:
+                sys.setswitchinterval(args.switch_interval_ms / 1e3)
             for i, (d, q) in enumerate(zip(docs, second)):
                 drop_page_cache()
                 LOG.clear()
