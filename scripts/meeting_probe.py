@@ -3,7 +3,7 @@ balanced claim (`Restore.balanced_tokens`), what `Restore.claim` allowed, the lo
 the claim was sized with, the tokens the tiers may still deliver and the groups in flight.
 
     python3 scripts/meeting_probe.py [--model random:llama3-1b] [--doc-tokens 32768]
-        [--num-docs 4] [--switch-interval-ms 5]
+        [--num-docs 4] [--switch-interval-ms 5] [--profile]
 
 Round one fills a disk tier; round two asks each document again on a fresh engine over it,
 with the page cache dropped before each request (as `bench longctx --cold`).
@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--switch-interval-ms", type=float, default=None,
                         help="set the GIL switch interval after the round-two engine starts "
                              "(its transfer engine sets 0.5 ms)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the first round-two request under torch.profiler and print "
+                             "its top CUDA kernels and CPU ops")
     args = parser.parse_args()
     dtype = "bfloat16" if args.device != "cpu" else "float32"
     _wrap_restore()
@@ -119,6 +122,11 @@ def main() -> None:
             for i, (d, q) in enumerate(zip(docs, second)):
                 drop_page_cache()
                 LOG.clear()
+                profiler = None
+                if args.profile and i == 0:
+                    from torch.profiler import ProfilerActivity, profile
+                    profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                    profiler.__enter__()
                 started = time.perf_counter()
                 llm.add_request(d + q, params)
                 while True:
@@ -134,6 +142,13 @@ def main() -> None:
                                    for k, v in TIMES.items() if v > 1e-3))
                     if outputs:
                         break
+                if profiler is not None:
+                    torch.cuda.synchronize()
+                    profiler.__exit__(None, None, None)
+                    averages = profiler.key_averages()
+                    print(averages.table(sort_by="cuda_time_total", row_limit=15), flush=True)
+                    print(averages.table(sort_by="self_cpu_time_total", row_limit=15),
+                          flush=True)
                 metrics = outputs[0].metrics
                 print(f"document {i}: TTFT {metrics.ttft_s * 1e3:.1f} ms, disk blocks "
                       f"{metrics.cached_tokens_disk // 16}; rates {llm.scheduler.tier_rates}")
