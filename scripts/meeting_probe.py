@@ -143,7 +143,8 @@ def main() -> None:
                     if outputs:
                         break
                 if profiler is not None:
-                    torch.cuda.synchronize()
+                    if args.device != "cpu":
+                        torch.cuda.synchronize()
                     profiler.__exit__(None, None, None)
                     averages = profiler.key_averages()
                     print(averages.table(sort_by="cuda_time_total", row_limit=15), flush=True)
