@@ -45,6 +45,27 @@ def _time(owner: type, name: str) -> None:
     setattr(owner, name, timed)
 
 
+GPU_SPANS: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+
+def _time_execute_on_gpu() -> None:
+    """Record CUDA events around each `ModelRunner.execute` (GPU_SPANS): how long the
+    compute stream took from the step's first launch to its last, idle gaps included."""
+    from kvtier.engine.model_runner import ModelRunner
+
+    original = ModelRunner.execute
+
+    def timed(self, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            end.record()
+            GPU_SPANS.append((start, end))
+    ModelRunner.execute = timed
+
+
 def _time_engine() -> None:
     from kvtier.engine.model_runner import ModelRunner
     from kvtier.engine.scheduler import Scheduler
@@ -103,6 +124,8 @@ def main() -> None:
     dtype = "bfloat16" if args.device != "cpu" else "float32"
     _wrap_restore()
     _time_engine()
+    if args.device != "cpu":
+        _time_execute_on_gpu()
     config = LongctxConfig(model=args.model, device=args.device, dtype=dtype,
                            num_docs=args.num_docs, doc_tokens=args.doc_tokens,
                            max_batched_tokens=8192, max_tokens=2)
@@ -122,6 +145,7 @@ def main() -> None:
             for i, (d, q) in enumerate(zip(docs, second)):
                 drop_page_cache()
                 LOG.clear()
+                GPU_SPANS.clear()
                 profiler = None
                 if args.profile and i == 0:
                     from torch.profiler import ProfilerActivity, profile
@@ -150,6 +174,10 @@ def main() -> None:
                     print(averages.table(sort_by="cuda_time_total", row_limit=15), flush=True)
                     print(averages.table(sort_by="self_cpu_time_total", row_limit=15),
                           flush=True)
+                if GPU_SPANS:
+                    torch.cuda.synchronize()
+                    print("execute on the GPU, ms per step:", " ".join(
+                        f"{start.elapsed_time(end):.1f}" for start, end in GPU_SPANS))
                 metrics = outputs[0].metrics
                 print(f"document {i}: TTFT {metrics.ttft_s * 1e3:.1f} ms, disk blocks "
                       f"{metrics.cached_tokens_disk // 16}; rates {llm.scheduler.tier_rates}")
