@@ -297,18 +297,15 @@ class LLM:
             self._stopped.append(request)
         return bool(targets)
 
-    def _submit_stores(self) -> None:
-        self.manager.submit_stores(batch=True)
-
     def _run_step(self) -> tuple[list[Request], list[Request]]:
         """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
         # The stores the last update queued start while the GPU runs this step (right after
         # it when the step samples nothing, so that nothing waits), once enough are queued.
-        sampled = self.runner.execute(plan.scheduled, self._submit_stores) \
-            if plan.scheduled else []
-        self._submit_stores()
+        submit = lambda: self.manager.submit_stores(batch=True)  # noqa: E731
+        sampled = self.runner.execute(plan.scheduled, submit) if plan.scheduled else []
+        submit()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
@@ -326,8 +323,8 @@ class LLM:
             self.manager.submit_stores()  # no next step to overlap them with
         elif not plan.scheduled and not finished:
             # Only transfers can free blocks or finish loads now: wait for them a little.
-            if self.manager.num_stores_queued:
-                self.manager.submit_stores()  # their held blocks come free as copies land
+            if self.manager.num_stores_queued:  # held blocks come free as copies land
+                self.manager.submit_stores()
             elif not (self.scheduler.num_loading
                       or self.manager.stats(lower_tiers=False).num_jobs_in_flight):
                 raise RuntimeError("the scheduler could not run any request and no transfer "
@@ -435,9 +432,7 @@ class LLM:
     # ---- inspection and lifetime ---------------------------------------------------------
 
     def stats(self, lower_tiers: bool = True) -> ManagerStats:
-        """The tier manager's counters (per-tier hits and misses, bytes moved, pool state);
-        `lower_tiers=False` skips the disk and remote tiers' own stats, which read LMDB or
-        ask the server (`TierManager.stats`)."""
+        """The tier manager's counters (`TierManager.stats`; `lower_tiers` as there)."""
         return self.manager.stats(lower_tiers)
 
     def close(self) -> None:

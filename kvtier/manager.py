@@ -323,10 +323,8 @@ class TierManager:
     def submit_stores(self, batch: bool = False) -> None:
         """Start the host copies `cache_full_blocks` queued (their slots, evictions and copy
         plans). The engine calls it while the GPU runs a step, so that this host work
-        overlaps the GPU's instead of delaying the next launch, with `batch`: then the copies
-        start only once enough blocks are queued (`kvtier.stores.STORE_BATCH_BLOCKS`), so
-        that a decode step filling a block or two does not pay a copy job's host time each
-        step. `drain`, and the engine when it has nothing left to run, start them all."""
+        overlaps the GPU's instead of delaying the next launch, with `batch` (only once
+        enough are queued: `kvtier.stores.STORE_BATCH_BLOCKS`); `drain` starts them all."""
         if self.stores is not None:
             self.stores.submit_pending(batch)
 
@@ -436,12 +434,9 @@ class TierManager:
     # ---- inspection ----------------------------------------------------------------------
 
     def stats(self, lower_tiers: bool = True) -> ManagerStats:
-        """Per-tier block counters, transfers per direction, pool and host occupancy.
-
-        `lower_tiers=False` leaves out the disk and remote tiers' own stats (`disk` and
-        `remote` are None): those read LMDB or ask the server, which after a dropped page
-        cache means disk reads on the caller's thread (a few milliseconds on a lent H100's
-        disk), too dear for a caller sampling after every step."""
+        """Per-tier block counters, transfers per direction, pool and host occupancy;
+        `lower_tiers=False` leaves out `disk` and `remote` (None), which read LMDB or ask
+        the server: disk reads on the caller's thread after a dropped page cache."""
         host = self.host if self._host_caches else None
         below = lower_tiers and not self._closed
         return ManagerStats(
