@@ -3,12 +3,14 @@
     blocks  block hash -> record bytes
     access  block hash -> 8-byte big-endian access sequence number
     lru     sequence || block hash -> b""   (big-endian, so key order is age order)
-    meta    b"format_version" u16, b"next_seq" / b"bytes_used" / b"budget_bytes" u64,
-            b"layout:" + fingerprint -> the layout's describe() string
+    meta    b"format_version" u16, b"next_seq" / b"bytes_used" / b"budget_bytes" /
+            b"key_generation" u64, b"layout:" + fingerprint -> the layout's describe() string
 
 Every `LmdbIndex` method takes the caller's transaction; writes keep three invariants
 together: a hash is in `access` iff it is in `blocks`; `lru` holds exactly one key per entry
-of `access`; `bytes_used` is the sum of the lengths of the values in `blocks`. `DiskTier` and
+of `access`; `bytes_used` is the sum of the lengths of the values in `blocks`;
+`key_generation` grows in every transaction that adds or removes a block (processes keeping
+the hashes in memory compare it, see `kvtier.tiers.disk_keys`). `DiskTier` and
 the `disk_admin` functions both use this class, so the schema is written down once.
 `GuardedEnv` lets threads share the environment while its map grows.
 """
@@ -27,6 +29,7 @@ import lmdb
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk_check import check_disk_files
+from kvtier.tiers.disk_keys import KeyChanges
 from kvtier.tiers.lmdb_value import find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
@@ -116,6 +119,15 @@ class LmdbIndex:
                 return None if value is None else len(value)
         return None if spot is None else spot.size
 
+    def blocks_record(self, txn: lmdb.Transaction) -> bytes:
+        """The `blocks` database's record in the main database (root page, depth, counts):
+        where `kvtier.tiers.lmdb_keys` starts a walk of its keys."""
+        return bytes(txn.get(b"blocks"))
+
+    def key_generation(self, txn: lmdb.Transaction) -> int:
+        """A count that grows with every commit that adds or removes a block."""
+        return self.counter(txn, "key_generation")
+
     def num_blocks(self, txn: lmdb.Transaction) -> int:
         return txn.stat(self.blocks)["entries"]
 
@@ -164,22 +176,32 @@ class LmdbIndex:
     def set_layout_name(self, txn: lmdb.Transaction, fingerprint: bytes, name: str) -> None:
         txn.put(_LAYOUT_PREFIX + fingerprint, name.encode(), db=self.meta)
 
-    def insert(self, txn: lmdb.Transaction, block_hash: bytes, value) -> bool:
-        """Store a new value as the most recently used; False (nothing done) if present."""
+    def insert(self, txn: lmdb.Transaction, block_hash: bytes, value,
+               changes: KeyChanges | None = None) -> bool:
+        """Store a new value as the most recently used; False (nothing done) if present.
+        `changes` records the hash when it is added."""
         if not txn.put(block_hash, value, overwrite=False, db=self.blocks):
             return False
         self._set_seq(txn, block_hash, self._next_seqs(txn, 1))
         self._add_bytes(txn, len(memoryview(value)))
+        self._keys_changed(txn)
+        if changes is not None:
+            changes.added(block_hash)
         return True
 
-    def remove(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
-        """Delete a block and its access entries; False if it was not stored."""
+    def remove(self, txn: lmdb.Transaction, block_hash: bytes,
+               changes: KeyChanges | None = None) -> bool:
+        """Delete a block and its access entries; False if it was not stored. `changes`
+        records the hash when it is removed."""
         size = self.value_size(txn, block_hash)
         self._drop_seq(txn, block_hash)
         if size is None:
             return False
         txn.delete(block_hash, db=self.blocks)
         self._add_bytes(txn, -size)
+        self._keys_changed(txn)
+        if changes is not None:
+            changes.removed(block_hash)
         return True
 
     def touch(self, txn: lmdb.Transaction, block_hashes: Sequence[bytes]) -> None:
@@ -192,9 +214,10 @@ class LmdbIndex:
             self._set_seq(txn, block_hash, first + offset)
 
     def evict(self, txn: lmdb.Transaction, num_bytes: int,
-              keep: frozenset[bytes] = frozenset()) -> tuple[int, int]:
+              keep: frozenset[bytes] = frozenset(),
+              changes: KeyChanges | None = None) -> tuple[int, int]:
         """Remove least-recently-used blocks, except those in `keep`, until `num_bytes` are
-        freed or none is left. Returns (blocks removed, bytes freed).
+        freed or none is left (recorded in `changes`). Returns (blocks removed, bytes freed).
         """
         victims, freed = [], 0
         with txn.cursor(db=self.lru) as cursor:
@@ -206,7 +229,7 @@ class LmdbIndex:
                     continue
                 freed += self.value_size(txn, block_hash) or 0
                 victims.append(block_hash)
-        num_removed = sum(self.remove(txn, block_hash) for block_hash in victims)
+        num_removed = sum(self.remove(txn, block_hash, changes) for block_hash in victims)
         return num_removed, freed
 
     def recount_bytes(self, txn: lmdb.Transaction) -> int:
@@ -216,11 +239,14 @@ class LmdbIndex:
         self.set_counter(txn, "bytes_used", total)
         return total
 
-    def reset(self, txn: lmdb.Transaction) -> None:
+    def reset(self, txn: lmdb.Transaction, changes: KeyChanges | None = None) -> None:
         """Delete every block and access entry; keep layout names and the sequence."""
         for db in (self.blocks, self.access, self.lru):
             txn.drop(db, delete=False)
         self.set_counter(txn, "bytes_used", 0)
+        self._keys_changed(txn)
+        if changes is not None:
+            changes.clear()
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -239,6 +265,9 @@ class LmdbIndex:
         if old is not None:
             txn.delete(bytes(old) + block_hash, db=self.lru)
             txn.delete(block_hash, db=self.access)
+
+    def _keys_changed(self, txn: lmdb.Transaction) -> None:
+        self.set_counter(txn, "key_generation", self.key_generation(txn) + 1)
 
     def _add_bytes(self, txn: lmdb.Transaction, delta: int) -> None:
         total = self.counter(txn, "bytes_used") + delta
