@@ -301,11 +301,12 @@ class LLM:
         """One engine step: (requests that sampled a token, requests that finished)."""
         self._check_open()
         plan = self.scheduler.schedule()
-        # The stores the last update queued start while the GPU runs this step (right after
-        # it when the step samples nothing, so that nothing waits), once enough are queued.
-        submit = lambda: self.manager.submit_stores(batch=True)  # noqa: E731
-        sampled = self.runner.execute(plan.scheduled, submit) if plan.scheduled else []
-        submit()
+        # The restores' further loads and the stores the last update queued start while the
+        # GPU runs this step (right after it when the step samples nothing, so that nothing
+        # waits); stores once enough are queued.
+        sampled = self.runner.execute(plan.scheduled, self._while_step_runs) \
+            if plan.scheduled else []
+        self._while_step_runs()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
@@ -331,6 +332,10 @@ class LLM:
                                    "is in flight to make room")
             time.sleep(_IDLE_WAIT_S)
         return stepped, finished
+
+    def _while_step_runs(self) -> None:
+        self.scheduler.issue_loads()
+        self.manager.submit_stores(batch=True)
 
     def _complete(self, request: Request) -> RequestOutput | None:
         """Record a finished engine request; the parent's output once all its completions

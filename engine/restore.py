@@ -68,6 +68,12 @@ FIRST_LANDING_WAIT_S = 0.05
 #: disk (index and records) landed its first group after ~80 ms, while an 8K-token prefix
 #: computes in ~230 ms: a 50 ms wait then made the restore 1.1-1.4x slower than recomputing.
 FIRST_LANDING_WAIT_SHARE = 0.02
+#: Disk or remote groups issued while the request is admitted, at most; the rest are issued
+#: once the step that computes the head is queued on the GPU (`Scheduler.issue_loads`).
+#: Issuing is host work on the engine thread (0.5 ms a group: 17 ms for a 1B model's 16K
+#: prefix on an H100) that would otherwise keep the GPU idle before the first step; these
+#: few keep the disk busy and tell when it answers.
+FIRST_SLOW_GROUPS = 4
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
@@ -169,6 +175,8 @@ class Restore:
         #: cache, 0.2 s of LMDB reads for a 32K-token prefix on a lent H100's disk).
         self._lookup_began = lookup_began
         self._busy_s: float | None = 0.0
+        #: The last `issue` stopped at `max_slow_groups`: slow groups are still to come.
+        self._issue_capped = False
 
     @property
     def num_blocks(self) -> int:
@@ -187,13 +195,17 @@ class Restore:
 
     # ---- the load front ------------------------------------------------------------------
 
-    def issue(self, floor: int, prefill: PrefillRate | None = None) -> None:
+    def issue(self, floor: int, prefill: PrefillRate | None = None,
+              max_slow_groups: int | None = None) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
-        while the window has room; groups whose bytes are queued on the GPU at once (host
+        while the window has room (and, given `max_slow_groups`, until that many disk or
+        remote groups are issued); groups whose bytes are queued on the GPU at once (host
         hits on CUDA) land right away. With the prefill rate and the slow tiers' rate known,
         disk and remote groups stay above the head the compute front will compute anyway
         (`reserved_head`): a read there would only make the front wait for it."""
         reserve = self.reserved_head(floor, prefill)
+        slow_left = max_slow_groups
+        self._issue_capped = False
         while len(self._in_flight) < self._max_groups:
             while self._top >= floor and self.states[self._top] is not BlockState.PENDING:
                 self._top -= 1
@@ -204,6 +216,11 @@ class Restore:
             low = max(floor, reserve) if tier in SLOW_TIERS else floor
             if self._top < low:
                 return  # the reserved head: the compute front's
+            if tier in SLOW_TIERS and slow_left is not None:
+                if slow_left == 0:
+                    self._issue_capped = True
+                    return
+                slow_left -= 1
             start = stop
             while (start > low and stop - start < self._group_blocks[tier]
                    and self.states[start - 1] is BlockState.PENDING
@@ -344,13 +361,13 @@ class Restore:
         while the tiers deliver the rest, whole blocks: 0
         (wait this step) when the tiers would deliver everything before one block is
         computed. While the prefill rate is unknown the front claims `PROBE_TOKENS` to
-        measure it; while the load rate is unknown, or nothing is in flight, it claims all
-        of `num_tokens` (the plain meeting point)."""
+        measure it; while the load rate is unknown, or nothing is in flight or about to be
+        issued, it claims all of `num_tokens` (the plain meeting point)."""
         bs = self.block_size
         if prefill is None or prefill.tokens_per_s is None:
             return min(num_tokens, PROBE_TOKENS)
         load_rate = self._load_rate()
-        if not self._in_flight or load_rate is None:
+        if not (self._in_flight or self._issue_capped) or load_rate is None:
             return num_tokens
         share = prefill.head_tokens(self._pending_tokens(compute_block), compute_block * bs,
                                     load_rate)

@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.restore import DISK_GROUP_BYTES, Restore, RestoreFronts
+from kvtier.engine.restore import (
+    DISK_GROUP_BYTES,
+    FIRST_SLOW_GROUPS,
+    Restore,
+    RestoreFronts,
+)
 from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
 
 from kvtier.free_queue import KVCacheBlock
@@ -113,6 +118,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._restores: dict[RequestId, Restore] = {}
+        #: Restores whose next groups are issued once the step is queued (`issue_loads`),
+        #: and the block each issues from.
+        self._issue_after_launch: dict[RequestId, int] = {}
         #: Restores that ended with loads whose I/O has not ended (they hold host slots);
         #: their rates are learnt once it has.
         self._ending: list[Restore] = []
@@ -153,6 +161,7 @@ class Scheduler:
         """Plan the next step. It blocks on a transfer only where that spares a preemption:
         when the host copies in flight will free the blocks a request is short of."""
         out = SchedulerOutput()
+        self.issue_loads()  # a caller that skipped it after the last step
         self._finish_loads()
         budget = self.max_num_batched_tokens
 
@@ -253,8 +262,12 @@ class Scheduler:
                               self.restore_group_bytes, self.tier_rates.expected(tiers),
                               lookup_began=began)
             self._restores[request.request_id] = restore
-            # Before the compute front claims anything: a tier that lands at once wins.
-            restore.issue(num_leading, self.prefill_rate)
+            # Before the compute front claims anything: a tier that lands at once wins. Of
+            # the slow tiers' groups only a few once the model's speed is known: the rest
+            # are issued once the step with the front's first claim is launched.
+            known = self.prefill_rate.tokens_per_s is not None
+            restore.issue(num_leading, self.prefill_rate,
+                          max_slow_groups=FIRST_SLOW_GROUPS if known else None)
 
     def _worth_reading(self, request: Request, first_block: int) -> bool:
         """Whether `request`'s tokens from block `first_block` on (the first block neither
@@ -309,8 +322,19 @@ class Scheduler:
             restore.issue(front, rate)  # including the head, if it was left to the front
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
-        restore.issue(-(-(request.num_computed_tokens + num_new) // request.block_size), rate)
+        self._issue_after_launch[request.request_id] = \
+            -(-(request.num_computed_tokens + num_new) // request.block_size)
         return num_new
+
+    def issue_loads(self) -> None:
+        """Issue the groups that this step's claims left to the tiers. Call it once the
+        step is queued on the GPU (the engine does, before `update`): issuing is host work
+        that the step's compute then hides."""
+        pending, self._issue_after_launch = self._issue_after_launch, {}
+        for request_id, floor in pending.items():
+            restore = self._restores.get(request_id)
+            if restore is not None:
+                restore.issue(floor, self.prefill_rate)
 
     def _end_restore(self, request: Request) -> None:
         """Count what a restore restored, complete its loads given up; forget it."""

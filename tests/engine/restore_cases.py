@@ -86,6 +86,18 @@ class Driver:
 
     def step(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
+        self.compute(plan)
+        # The restores' further loads and the last update's stores start with the step, as
+        # in LLM.
+        self.scheduler.issue_loads()
+        self.manager.submit_stores()
+        self.scheduler.update(plan, [SAMPLED if p.samples else None for p in plan.scheduled])
+        self.manager.pool.check_invariants()
+        return plan
+
+    def compute(self, plan: SchedulerOutput) -> None:
+        """The model's part of a step: check the context each chunk attends to, write the
+        chunk's values."""
         kv = self.manager.kv_cache  # [num_blocks, num_layers, 2, BS, kv_heads, head_dim]
         for planned in plan.scheduled:
             request = planned.request
@@ -97,10 +109,6 @@ class Driver:
             for pos in range(planned.start, planned.start + planned.num_new_tokens):
                 block = request.block_table[pos // BS]
                 kv[block.block_id, :, :, pos % BS] = kv_value(request.token_ids[pos], pos)
-        self.manager.submit_stores()  # the last update's stores start with the step, as in LLM
-        self.scheduler.update(plan, [SAMPLED if p.samples else None for p in plan.scheduled])
-        self.manager.pool.check_invariants()
-        return plan
 
     def run_until_done(self, max_steps: int = 2000) -> None:
         for _ in range(max_steps):

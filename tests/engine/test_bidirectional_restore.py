@@ -21,7 +21,7 @@ import torch
 from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.restore import FIRST_LANDING_WAIT_SHARE
+from kvtier.engine.restore import FIRST_LANDING_WAIT_SHARE, FIRST_SLOW_GROUPS
 from kvtier.engine.scheduler import Scheduler
 from restore_cases import (
     BS,
@@ -108,6 +108,38 @@ def test_the_first_landing_wait_is_a_small_share_of_computing_the_prefix(
     assert request.status is RequestStatus.FINISHED
 
 
+def test_with_the_models_speed_known_the_reads_are_issued_around_the_first_launch(
+        disk_dir: Path) -> None:
+    """Issuing a read is host work on the engine thread (0.5 ms a group on an H100), and
+    before the request's first step nothing hides it: the admitting step issues only
+    FIRST_SLOW_GROUPS groups, the rest go once the step with the front's first claim is
+    queued (`Scheduler.issue_loads`, where `LLM` calls it), and the fronts still meet."""
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # nothing lands: the front claims once its wait is over
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(8, 0.1)  # known: 32 tokens take 0.4 s
+        request = driver.add(PROMPT)
+        rid = request.request_id
+        try:
+            assert not driver.step().scheduled  # admitted, the front holds
+            assert driver.scheduler.restore_fronts()[rid].load_block == 8 - FIRST_SLOW_GROUPS
+            time.sleep(FIRST_LANDING_WAIT_SHARE * 0.4 * 2.5)  # past the wait
+            plan = driver.scheduler.schedule()
+            assert [(p.start, p.num_new_tokens) for p in plan.scheduled] == [(0, 8)]
+            driver.compute(plan)
+            # Claimed blocks 0 and 1; blocks 2 and 3 are issued with the step, not before.
+            assert driver.scheduler.restore_fronts()[rid].load_block == 8 - FIRST_SLOW_GROUPS
+            driver.scheduler.issue_loads()
+            assert driver.scheduler.restore_fronts()[rid].load_block == 2
+            driver.scheduler.update(plan, [None])
+        finally:
+            hook.release()
+        finish_idle(driver)
+    assert request.status is RequestStatus.FINISHED
+    assert set(hook.read) <= set(hashes[2:8])  # the claimed head was never read
+
+
 def test_a_broken_tier_meets_at_the_end(disk_dir: Path) -> None:
     hashes = warm(disk_dir, [PROMPT])
     hook = ReadHook(fail=frozenset(hashes))
@@ -192,6 +224,10 @@ class ModelDriver:
                                   lambda logits, requests: logits.argmax(dim=-1))
         self.namespace = namespace_hash("tiny", self.layout)
 
+    def _while_step_runs(self) -> None:
+        self.scheduler.issue_loads()
+        self.manager.submit_stores()
+
     def generate(self, prompts: list[list[int]], max_tokens: int = 5,
                  settle: bool = False) -> list[Request]:
         """Run `prompts` to the end; `settle`: let every load land after the first step."""
@@ -203,9 +239,9 @@ class ModelDriver:
             self.scheduler.add_request(request)
         while self.scheduler.has_unfinished():
             plan = self.scheduler.schedule()
-            sampled = self.runner.execute(plan.scheduled, self.manager.submit_stores) \
+            sampled = self.runner.execute(plan.scheduled, self._while_step_runs) \
                 if plan.scheduled else []
-            self.manager.submit_stores()  # as the engine does (`LLM._run_step`)
+            self._while_step_runs()  # as the engine does (`LLM._run_step`)
             self.scheduler.update(plan, sampled)
             if settle:
                 self.manager.flush()

@@ -60,7 +60,10 @@ class Driver:
                 assert block.block_hash is None or block.ref_cnt >= 1
                 kv[block.block_id, :, :, pos % BS] = kv_value(request.token_ids[pos], pos)
         sampled = [SAMPLED if p.samples else None for p in plan.scheduled]
-        self.manager.submit_stores()  # the last update's stores start with the step, as in LLM
+        # The restores' further loads and the last update's stores start with the step, as
+        # in LLM.
+        self.scheduler.issue_loads()
+        self.manager.submit_stores()
         return plan, self.scheduler.update(plan, sampled)
 
     def run_until_done(self, max_steps: int = 500) -> list[Request]:
