@@ -24,9 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -42,9 +40,8 @@ from kvtier.tiers.disk_index import (
     LmdbIndex,
     is_disk_full,
 )
-from kvtier.tiers.disk_keys import DiskKeySet, KeyChanges
+from kvtier.tiers.disk_keys import StoredKeys
 from kvtier.tiers.disk_read import RecordSource, read_records_into
-from kvtier.tiers.lmdb_keys import read_keys
 from kvtier.tiers.record import (
     BlockBuffer,
     BlockMeta,
@@ -60,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _INITIAL_MAP_BYTES = 64 * _MiB
-# Leaf pages (about 120 hashes each) read per transaction when loading the in-memory copy.
-_KEY_SCAN_LEAVES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +123,12 @@ class DiskTier:
         self._map = GuardedEnv(self._index.env, self._map_limit)
         self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
-        # Held across each write transaction of this process and the update of the copy of
-        # the stored hashes that follows it, so that updates reach the copy in commit order.
-        self._write_lock = threading.Lock()
-        self._keys = DiskKeySet()
-        self._key_loader: threading.Thread | None = None
-        self._closing = threading.Event()
         self._scratch = threading.local()
         self._touches = PendingTouches(touch_flush_every)
         self._read_hook = read_hook
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
+        self._keys = StoredKeys(self._map, self._index, self._data_file, self._page_size,
+                                self.path)
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
         self.format_reset = False
@@ -147,7 +138,8 @@ class DiskTier:
         except BaseException:
             self._index.env.close()
             raise
-        self._start_key_load()
+        if not self._stale:
+            self._keys.start_load()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -176,10 +168,7 @@ class DiskTier:
         """Flush pending access-order updates and close LMDB. Safe to call twice."""
         if self._map.closed:
             return
-        self._closing.set()
-        loader = self._key_loader
-        if loader is not None:
-            loader.join()
+        self._keys.close()
         try:
             if not self.readonly:
                 self._flush_touches()
@@ -205,36 +194,13 @@ class DiskTier:
         LMDB's tree (and the copy is loaded again in the background)."""
         if self._stale:
             return [False] * len(block_hashes)
-        with self._map.txn() as txn:
-            found = self._keys.lookup(self._index.key_generation(txn), block_hashes)
-            if found is not None:
-                return found
-            found = self._index.has_many(txn, block_hashes)
-        # While this process commits, the copy lags LMDB until the commit's changes reach it.
-        if not self._write_lock.locked():
-            self._start_key_load()
-        return found
+        return self._keys.contains(block_hashes)
 
     def keys_in_memory(self, wait: float = 0.0) -> bool:
         """Whether lookups are answered from memory now: the copy of the stored hashes is at
         the stored key generation. Waits up to `wait` seconds for it to load (a load starts
         when it is behind)."""
-        deadline = time.monotonic() + wait
-        while True:
-            if self._stale or self._map.closed:
-                return False
-            with self._map.txn() as txn:
-                if self._keys.generation == self._index.key_generation(txn):
-                    return True
-            self._start_key_load()
-            loader = self._key_loader
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if loader is not None:
-                loader.join(min(left, 0.05))
-            else:
-                time.sleep(min(left, 0.01))
+        return not self._stale and self._keys.in_memory(wait)
 
     def stats(self) -> DiskStats:
         with self._map.txn() as txn:
@@ -292,57 +258,6 @@ class DiskTier:
             self.touch(hit_hashes)
         return results
 
-    # ---- the in-memory copy of the stored hashes --------------------------------------------
-
-    def _start_key_load(self) -> None:
-        if self._stale or self._closing.is_set() or not self._keys.start_load():
-            return
-        loader = threading.Thread(target=self._load_keys, name="kvtier-disk-keys", daemon=True)
-        self._key_loader = loader
-        loader.start()
-
-    def _load_keys(self) -> None:
-        """Read every stored hash and install them with the key generation read before the
-        first (`DiskKeySet.install` replays this process's commits made meanwhile; another
-        process's commits leave the copy unloaded). The tree is read with pread, never
-        through the map (`kvtier.tiers.lmdb_keys`), a chunk of leaf pages per transaction:
-        a map resize, which waits for every open transaction, waits for one chunk."""
-        began = time.perf_counter()
-        generation: int | None = None
-        block_hashes: list[BlockHash] = []
-        try:
-            fd = self._data_file()
-            done = False
-            while not done and not self._closing.is_set():
-                with self._map.txn() as txn:
-                    if generation is None:
-                        generation = self._index.key_generation(txn)
-                    after = block_hashes[-1] if block_hashes else None
-                    chunk, done = read_keys(fd, self._page_size,
-                                            self._index.blocks_record(txn), after,
-                                            _KEY_SCAN_LEAVES)
-                block_hashes += map(BlockHash, chunk)
-        except (lmdb.Error, OSError, ValueError) as exc:  # closed, or the file misread
-            logger.info("disk cache %s: lookups stay on LMDB (%s)", self.path, exc)
-            generation = None
-        if generation is None or self._closing.is_set():
-            self._keys.abandon_load()
-        elif self._keys.install(generation, block_hashes):
-            logger.debug("disk cache %s: %d block hashes in memory after %.3f s", self.path,
-                         len(block_hashes), time.perf_counter() - began)
-
-    @contextmanager
-    def _write(self) -> Iterator[tuple[lmdb.Transaction, KeyChanges]]:
-        """A write transaction, and the record of the blocks it adds and removes, which
-        reaches the in-memory copy of the stored hashes once it commits."""
-        changes = KeyChanges()
-        with self._write_lock:
-            with self._map.txn(write=True) as txn:
-                before = self._index.key_generation(txn)
-                yield txn, changes
-                after = self._index.key_generation(txn)
-            self._keys.committed(before, after, changes)
-
     def _data_file(self) -> int:
         with self._lock:
             if self._data_fd is None:
@@ -353,7 +268,7 @@ class DiskTier:
         self._count(rejected=len(metas))
         if self.readonly:
             return
-        with self._write() as (txn, changes):
+        with self._keys.write() as (txn, changes):
             for meta in metas:
                 value = self._index.get(txn, meta.block_hash)
                 # Another process may have replaced it with a good value meanwhile.
@@ -445,7 +360,7 @@ class DiskTier:
     def _write_batch(self, new: list[tuple[BlockMeta, memoryview, int]],
                      touched: list[BlockHash], keep: frozenset[BlockHash],
                      pressure: int) -> int:
-        with self._write() as (txn, changes):
+        with self._keys.write() as (txn, changes):
             # Earlier reads first, then this batch: the batch is the most recent use.
             touch_in(self._index, txn, self._touches.take() + touched)
             absent = [item for item in new if not self._index.has(txn, item[0].block_hash)]
@@ -483,7 +398,7 @@ class DiskTier:
     def _prune_committed(self, num_bytes: int, keep: frozenset[BlockHash]) -> bool:
         """Prune in a commit of its own; False if nothing could be pruned or written."""
         try:
-            with self._write() as (txn, changes):
+            with self._keys.write() as (txn, changes):
                 num_pruned, _ = self._index.evict(txn, num_bytes, keep, changes)
             # LMDB reuses the pages freed by commit N from commit N + 2 on (one reader may
             # still hold snapshot N - 1); a second small commit makes them usable right away.
@@ -508,7 +423,7 @@ class DiskTier:
         """Remove blocks; how many were present. Raises ValueError when read-only."""
         if self.readonly:
             raise ValueError(f"disk cache {self.path} is open read-only; cannot delete")
-        with self._write() as (txn, changes):
+        with self._keys.write() as (txn, changes):
             touch_in(self._index, txn, self._touches.take())
             return sum(self._index.remove(txn, h, changes) for h in block_hashes)
 

@@ -23,13 +23,12 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lmdb
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk_check import check_disk_files
-from kvtier.tiers.disk_keys import KeyChanges
 from kvtier.tiers.lmdb_value import find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
@@ -42,6 +41,35 @@ _U16 = struct.Struct("<H")
 _LAYOUT_PREFIX = b"layout:"
 # LMDB reports a short write at commit (what a full disk often gives) as EIO.
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
+
+
+@dataclass(slots=True)
+class KeyChanges:
+    """What one write transaction did to the set of stored hashes, in order: `cleared`, it
+    first removed every block; then each `(hash, stored)` in `steps` added (True) or removed
+    (False) one."""
+
+    steps: list[tuple[BlockHash, bool]] = field(default_factory=list)
+    cleared: bool = False
+
+    def added(self, block_hash: bytes) -> None:
+        self.steps.append((BlockHash(bytes(block_hash)), True))
+
+    def removed(self, block_hash: bytes) -> None:
+        self.steps.append((BlockHash(bytes(block_hash)), False))
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.cleared = True
+
+    def apply_to(self, keys: set[BlockHash]) -> None:
+        if self.cleared:
+            keys.clear()
+        for block_hash, stored in self.steps:
+            if stored:
+                keys.add(block_hash)
+            else:
+                keys.discard(block_hash)
 
 
 @dataclass(slots=True)

@@ -16,40 +16,23 @@ costs a block computed instead of read, never a wrong block. Memory: about 100 b
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import lmdb
 
 from kvtier.hashing import BlockHash
+from kvtier.tiers.disk_index import GuardedEnv, KeyChanges, LmdbIndex
+from kvtier.tiers.lmdb_keys import read_keys
 
+logger = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class KeyChanges:
-    """What one write transaction did to the set of stored hashes, in order: `cleared`, it
-    first removed every block; then each `(hash, stored)` in `steps` added (True) or removed
-    (False) one."""
-
-    steps: list[tuple[BlockHash, bool]] = field(default_factory=list)
-    cleared: bool = False
-
-    def added(self, block_hash: bytes) -> None:
-        self.steps.append((BlockHash(bytes(block_hash)), True))
-
-    def removed(self, block_hash: bytes) -> None:
-        self.steps.append((BlockHash(bytes(block_hash)), False))
-
-    def clear(self) -> None:
-        self.steps.clear()
-        self.cleared = True
-
-    def apply_to(self, keys: set[BlockHash]) -> None:
-        if self.cleared:
-            keys.clear()
-        for block_hash, stored in self.steps:
-            if stored:
-                keys.add(block_hash)
-            else:
-                keys.discard(block_hash)
+# Leaf pages (about 120 hashes each) read per transaction when loading the copy.
+_SCAN_LEAVES = 64
 
 
 class DiskKeySet:
@@ -134,3 +117,114 @@ class DiskKeySet:
 
     def _drop(self) -> None:
         self._keys, self._generation = set(), None
+
+
+class StoredKeys:
+    """A disk tier's lookups, answered from a `DiskKeySet` while it is current, and its
+    write transactions, whose changes reach the copy in commit order.
+
+    `data_fd()` opens (once) the data file the copy is loaded from with `pread`; `path`
+    names the directory in log lines. `start_load` loads the copy in a background thread;
+    `close` stops a load and waits for it.
+    """
+
+    def __init__(self, env: GuardedEnv, index: LmdbIndex, data_fd: Callable[[], int],
+                 page_size: int, path: str | os.PathLike[str]) -> None:
+        self._env, self._index, self._data_fd = env, index, data_fd
+        self._page_size, self._path = page_size, path
+        self._keys = DiskKeySet()
+        # Held across each write transaction of this process and the update of the copy
+        # that follows it, so that updates reach the copy in commit order.
+        self._write_lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether each hash is stored: from the copy when it is at the stored generation,
+        else from LMDB's tree (and the copy is loaded again in the background)."""
+        with self._env.txn() as txn:
+            found = self._keys.lookup(self._index.key_generation(txn), block_hashes)
+            if found is not None:
+                return found
+            found = self._index.has_many(txn, block_hashes)
+        # While this process commits, the copy lags LMDB until the commit's changes reach it.
+        if not self._write_lock.locked():
+            self.start_load()
+        return found
+
+    def in_memory(self, wait: float = 0.0) -> bool:
+        """Whether the copy is at the stored key generation, waiting up to `wait` seconds for
+        it to load (a load starts when it is behind)."""
+        deadline = time.monotonic() + wait
+        while True:
+            if self._env.closed:
+                return False
+            with self._env.txn() as txn:
+                if self._keys.generation == self._index.key_generation(txn):
+                    return True
+            self.start_load()
+            loader = self._loader
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if loader is not None:
+                loader.join(min(left, 0.05))
+            else:
+                time.sleep(min(left, 0.01))
+
+    @contextmanager
+    def write(self) -> Iterator[tuple[lmdb.Transaction, KeyChanges]]:
+        """A write transaction, and the record of the blocks it adds and removes (pass it to
+        `LmdbIndex`), which reaches the copy once the transaction commits."""
+        changes = KeyChanges()
+        with self._write_lock:
+            with self._env.txn(write=True) as txn:
+                before = self._index.key_generation(txn)
+                yield txn, changes
+                after = self._index.key_generation(txn)
+            self._keys.committed(before, after, changes)
+
+    def start_load(self) -> None:
+        """Load the copy in a background thread, unless a load runs or the keys close."""
+        if self._closing.is_set() or not self._keys.start_load():
+            return
+        loader = threading.Thread(target=self._load, name="kvtier-disk-keys", daemon=True)
+        self._loader = loader
+        loader.start()
+
+    def close(self) -> None:
+        """Stop a load under way and wait for it; no load starts afterwards."""
+        self._closing.set()
+        loader = self._loader
+        if loader is not None:
+            loader.join()
+
+    def _load(self) -> None:
+        """Read every stored hash and install them with the key generation read before the
+        first (`DiskKeySet.install` replays this process's commits made meanwhile; another
+        process's commits leave the copy unloaded). The tree is read with pread, never
+        through the map (`kvtier.tiers.lmdb_keys`), a chunk of leaf pages per transaction:
+        a map resize, which waits for every open transaction, waits for one chunk."""
+        began = time.perf_counter()
+        generation: int | None = None
+        block_hashes: list[BlockHash] = []
+        try:
+            fd = self._data_fd()
+            done = False
+            while not done and not self._closing.is_set():
+                with self._env.txn() as txn:
+                    if generation is None:
+                        generation = self._index.key_generation(txn)
+                    after = block_hashes[-1] if block_hashes else None
+                    chunk, done = read_keys(fd, self._page_size,
+                                            self._index.blocks_record(txn), after,
+                                            _SCAN_LEAVES)
+                block_hashes += map(BlockHash, chunk)
+        except (lmdb.Error, OSError, ValueError) as exc:  # closed, or the file misread
+            logger.info("disk cache %s: lookups stay on LMDB (%s)", self._path, exc)
+            generation = None
+        if generation is None or self._closing.is_set():
+            self._keys.abandon_load()
+        elif self._keys.install(generation, block_hashes):
+            logger.debug("disk cache %s: %d block hashes in memory after %.3f s", self._path,
+                         len(block_hashes), time.perf_counter() - began)

@@ -17,7 +17,8 @@ from disk_cases import LARGE, SMALL, make_blocks, read_back, record_size
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_keys import DiskKeySet, KeyChanges
+from kvtier.tiers.disk_index import KeyChanges
+from kvtier.tiers.disk_keys import DiskKeySet
 from kvtier.tiers.lmdb_keys import read_keys
 from kvtier.tiers.record import BlockMeta
 
