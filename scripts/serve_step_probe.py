@@ -8,7 +8,8 @@ time and tokens, so that the throughput a tier can win is bounded by measurement
 Runs one timed run per mode of the same workload as `bench serve` (16 conversations,
 3 rounds, 512 + 512 tokens by default) and prints, per mode: elapsed, steps and seconds
 per kind, prefill tokens computed, and the share of the elapsed time in decode-only steps
-(what no tier can shorten).
+(what no tier can shorten), and on CUDA each kind's `execute` spans on the GPU (events
+read after the run, so nothing waits for them).
 """
 
 from __future__ import annotations
@@ -17,13 +18,18 @@ import argparse
 import time
 from collections import defaultdict
 
+import torch
 from kvtier.cli.bench import serve
 from kvtier.engine.llm import LLM
+from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler
 
 CURRENT: dict[str, str | None] = {"mode": None, "timed": None}
 STEPS: dict[str, list[tuple[str, float, int, int]]] = defaultdict(list)
 LAST_PLAN: list = []
+#: CUDA events around each timed step's `ModelRunner.execute`: its span on the GPU (from the
+#: step's first kernel to its last, waits on copies and launch gaps included).
+SPANS: list = []
 
 
 def _instrument() -> None:
@@ -53,10 +59,25 @@ def _instrument() -> None:
         return plan
     Scheduler.schedule = remembering
 
+    execute = ModelRunner.execute
+
+    def spanned(self, *args, **kwargs):
+        if not torch.cuda.is_available():
+            return execute(self, *args, **kwargs)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            end.record()
+            SPANS[:] = [(begin, end)]
+    ModelRunner.execute = spanned
+
     run_step = LLM._run_step
 
     def timed(self):
         start = time.perf_counter()
+        SPANS.clear()
         result = run_step(self)
         seconds = time.perf_counter() - start
         plan = LAST_PLAN[0] if LAST_PLAN else None
@@ -65,7 +86,8 @@ def _instrument() -> None:
         decode = sum(1 for s in scheduled if s.num_new_tokens == 1)
         kind = "prefill" if prefill else "decode" if decode else "empty"
         if CURRENT["timed"] is not None:
-            STEPS[CURRENT["timed"]].append((kind, seconds, prefill, decode))
+            span = SPANS[0] if SPANS else None  # read once the run is over: no sync here
+            STEPS[CURRENT["timed"]].append((kind, seconds, prefill, decode, span))
         return result
     LLM._run_step = timed
 
@@ -95,8 +117,9 @@ def main() -> None:
         for kind in ("prefill", "decode", "empty"):
             chosen = [s for s in steps if s[0] == kind]
             seconds = sum(s[1] for s in chosen)
+            gpu_s = sum(s[4][0].elapsed_time(s[4][1]) / 1e3 for s in chosen if s[4])
             line.append(f"{kind} {len(chosen)} steps {seconds:.3f} s "
-                        f"({seconds / elapsed:.0%})")
+                        f"({seconds / elapsed:.0%}; execute on the GPU {gpu_s:.3f} s)")
         tokens = sum(s[2] for s in steps)
         decode_rows = sum(s[3] for s in steps)
         line.append(f"prefill tokens {tokens}, decode rows {decode_rows}, "
