@@ -244,8 +244,9 @@ class DiskTier:
             if self._read_hook is not None:
                 for meta in metas:
                     self._read_hook(meta)
+            hints = self._keys.spots([meta.block_hash for meta in metas])
             for meta, (ok, rejected) in zip(metas, read_records_into(source, txn, cursor,
-                                                                     metas, arrays)):
+                                                                     metas, arrays, hints)):
                 results.append(ok)
                 if rejected:
                     rejects.append(meta)

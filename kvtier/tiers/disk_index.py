@@ -29,7 +29,7 @@ import lmdb
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.disk_check import check_disk_files
-from kvtier.tiers.lmdb_value import find_value
+from kvtier.tiers.lmdb_value import ValueSpot, find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -45,31 +45,44 @@ _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO)
 
 @dataclass(slots=True)
 class KeyChanges:
-    """What one write transaction did to the set of stored hashes, in order: `cleared`, it
-    first removed every block; then each `(hash, stored)` in `steps` added (True) or removed
-    (False) one."""
+    """What one write transaction did to the stored hashes, in order: `cleared`, it first
+    removed every block; then each `(hash, spot)` in `steps` added a block whose value lies
+    at `spot` (`pack_spot`; 0: not known) or, with `spot` None, removed one."""
 
-    steps: list[tuple[BlockHash, bool]] = field(default_factory=list)
+    steps: list[tuple[BlockHash, int | None]] = field(default_factory=list)
     cleared: bool = False
 
-    def added(self, block_hash: bytes) -> None:
-        self.steps.append((BlockHash(bytes(block_hash)), True))
+    def added(self, block_hash: bytes, spot: ValueSpot | None = None) -> None:
+        self.steps.append((BlockHash(bytes(block_hash)),
+                           0 if spot is None or spot.page is None else
+                           pack_spot(spot.page, spot.size)))
 
     def removed(self, block_hash: bytes) -> None:
-        self.steps.append((BlockHash(bytes(block_hash)), False))
+        self.steps.append((BlockHash(bytes(block_hash)), None))
 
     def clear(self) -> None:
         self.steps.clear()
         self.cleared = True
 
-    def apply_to(self, keys: set[BlockHash]) -> None:
+    def apply_to(self, keys: dict[BlockHash, int]) -> None:
+        """Apply the changes to hash -> packed spot."""
         if self.cleared:
             keys.clear()
-        for block_hash, stored in self.steps:
-            if stored:
-                keys.add(block_hash)
+        for block_hash, spot in self.steps:
+            if spot is None:
+                keys.pop(block_hash, None)
             else:
-                keys.discard(block_hash)
+                keys[block_hash] = spot
+
+
+def pack_spot(page: int, size: int) -> int:
+    """A value's first overflow page and length as one int (0 stands for "not known")."""
+    assert 0 < page and 0 <= size < 1 << 32, "an overflow value's page and length"
+    return page << 32 | size
+
+
+def unpack_spot(packed: int) -> ValueSpot | None:
+    return None if not packed else ValueSpot(packed & 0xFFFFFFFF, packed >> 32)
 
 
 @dataclass(slots=True)
@@ -214,7 +227,7 @@ class LmdbIndex:
         self._add_bytes(txn, len(memoryview(value)))
         self._keys_changed(txn)
         if changes is not None:
-            changes.added(block_hash)
+            changes.added(block_hash, self._spot(txn, block_hash))
         return True
 
     def remove(self, txn: lmdb.Transaction, block_hash: bytes,
@@ -293,6 +306,15 @@ class LmdbIndex:
         if old is not None:
             txn.delete(bytes(old) + block_hash, db=self.lru)
             txn.delete(block_hash, db=self.access)
+
+    def _spot(self, txn: lmdb.Transaction, block_hash: bytes) -> ValueSpot | None:
+        """Where a value just put lies (its overflow pages are numbered at the put); None
+        when the node is not LMDB's layout."""
+        with txn.cursor(db=self.blocks) as cursor:
+            try:
+                return find_value(cursor, block_hash)
+            except ValueError:
+                return None
 
     def _keys_changed(self, txn: lmdb.Transaction) -> None:
         self.set_counter(txn, "key_generation", self.key_generation(txn) + 1)

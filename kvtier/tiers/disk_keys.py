@@ -10,8 +10,14 @@ equals the copy's, answers from the copy. When another process has written since
 copy is still loading, LMDB answers and the copy is loaded again in the background.
 
 The copy is a hint like every lookup: a read validates the value it finds, so a stale answer
-costs a block computed instead of read, never a wrong block. Memory: about 100 bytes a block
-(a million blocks, 2 TB of an 8B model's KV, take about 100 MB).
+costs a block computed instead of read, never a wrong block.
+
+The copy also keeps where each value lay (its first overflow page and length, read from the
+leaf node), so that a read goes there without a tree lookup: after a dropped page cache each
+lookup is a page read from the disk, made holding the GIL. A place is a hint as well: the
+read checks the page and the record, and looks the block up afresh when they are not it
+(`kvtier.tiers.disk_read`). Memory: about 135 bytes a block (a million blocks, 2 TB of an
+8B model's KV, take about 135 MB).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from contextlib import contextmanager
 import lmdb
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.disk_index import GuardedEnv, KeyChanges, LmdbIndex
+from kvtier.tiers.disk_index import GuardedEnv, KeyChanges, LmdbIndex, pack_spot, unpack_spot
 from kvtier.tiers.lmdb_keys import read_keys
+from kvtier.tiers.lmdb_value import ValueSpot
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ class DiskKeySet:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._keys: set[BlockHash] = set()
+        self._keys: dict[BlockHash, int] = {}  # hash -> packed spot of its value (0: unknown)
         self._generation: int | None = None
         self._replay: list[tuple[int, int, KeyChanges]] | None = None  # while loading
 
@@ -65,6 +72,13 @@ class DiskKeySet:
                 return None
             keys = self._keys
             return [h in keys for h in block_hashes]
+
+    def spots(self, block_hashes: Sequence[BlockHash]) -> list[ValueSpot | None]:
+        """Where each block's value lay when last seen (None: not known), at any generation:
+        a hint for a read, which checks what it finds there."""
+        with self._lock:
+            keys = self._keys
+            return [unpack_spot(keys.get(h, 0)) for h in block_hashes]
 
     def committed(self, before: int, after: int, changes: KeyChanges) -> None:
         """Record this process's commit that moved the generation from `before` to `after`.
@@ -92,13 +106,13 @@ class DiskKeySet:
             self._replay = []
             return True
 
-    def install(self, generation: int, keys: Iterable[BlockHash]) -> bool:
-        """Adopt the snapshot `keys` read at `generation`, with the commits made since it
-        began replayed; False (copy left unloaded) when another process's commit came in
-        between."""
+    def install(self, generation: int, keys: Iterable[tuple[BlockHash, int]]) -> bool:
+        """Adopt the snapshot `keys` (hash, packed spot) read at `generation`, with the
+        commits made since it began replayed; False (copy left unloaded) when another
+        process's commit came in between."""
         with self._lock:
             replay, self._replay = self._replay or [], None
-            loaded = set(keys)
+            loaded = dict(keys)
             for before, after, changes in replay:
                 if after <= generation:
                     continue  # in the snapshot already
@@ -116,7 +130,7 @@ class DiskKeySet:
             self._replay = None
 
     def _drop(self) -> None:
-        self._keys, self._generation = set(), None
+        self._keys, self._generation = {}, None
 
 
 class StoredKeys:
@@ -172,6 +186,10 @@ class StoredKeys:
             else:
                 time.sleep(min(left, 0.01))
 
+    def spots(self, block_hashes: Sequence[BlockHash]) -> list[ValueSpot | None]:
+        """Where each block's value lay when the copy last saw it (`DiskKeySet.spots`)."""
+        return self._keys.spots(block_hashes)
+
     @contextmanager
     def write(self) -> Iterator[tuple[lmdb.Transaction, KeyChanges]]:
         """A write transaction, and the record of the blocks it adds and removes (pass it to
@@ -207,7 +225,7 @@ class StoredKeys:
         a map resize, which waits for every open transaction, waits for one chunk."""
         began = time.perf_counter()
         generation: int | None = None
-        block_hashes: list[BlockHash] = []
+        entries: list[tuple[BlockHash, int]] = []
         try:
             fd = self._data_fd()
             done = False
@@ -215,16 +233,17 @@ class StoredKeys:
                 with self._env.txn() as txn:
                     if generation is None:
                         generation = self._index.key_generation(txn)
-                    after = block_hashes[-1] if block_hashes else None
+                    after = entries[-1][0] if entries else None
                     chunk, done = read_keys(fd, self._page_size,
                                             self._index.blocks_record(txn), after,
                                             _SCAN_LEAVES)
-                block_hashes += map(BlockHash, chunk)
+                entries += [(BlockHash(key), pack_spot(page, size) if page else 0)
+                            for key, page, size in chunk]
         except (lmdb.Error, OSError, ValueError) as exc:  # closed, or the file misread
             logger.info("disk cache %s: lookups stay on LMDB (%s)", self._path, exc)
             generation = None
         if generation is None or self._closing.is_set():
             self._keys.abandon_load()
-        elif self._keys.install(generation, block_hashes):
+        elif self._keys.install(generation, entries):
             logger.debug("disk cache %s: %d block hashes in memory after %.3f s", self._path,
-                         len(block_hashes), time.perf_counter() - began)
+                         len(entries), time.perf_counter() - began)

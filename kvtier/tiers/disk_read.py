@@ -1,7 +1,9 @@
 """Reading disk-tier records into the caller's buffers, checked.
 
-A record is found from its key's leaf node (`kvtier.tiers.lmdb_value.find_value`) and read
-from `data.mdb` at its overflow page: the header into a small buffer, the payload straight
+A record is found from its key's leaf node (`kvtier.tiers.lmdb_value.find_value`), or where
+the tier's in-memory copy last saw it (`kvtier.tiers.disk_keys`: no tree page read, which
+after a dropped page cache is a disk read made holding the GIL), and read from `data.mdb`
+at its overflow page: the header into a small buffer, the payload straight
 into the destination, with one `preadv` for each run of records that lie one after the
 other. A value too short for overflow pages, or a read that does not land where the tree
 says, is read through LMDB instead. Either way the header must name this layout and block,
@@ -44,18 +46,37 @@ class RecordSource:
 
 
 def read_records_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.Cursor,
-                      metas: Sequence[BlockMeta],
-                      arrays: Sequence[np.ndarray]) -> list[tuple[bool, bool]]:
+                      metas: Sequence[BlockMeta], arrays: Sequence[np.ndarray],
+                      hints: Sequence[ValueSpot | None] | None = None
+                      ) -> list[tuple[bool, bool]]:
     """Copy the payload of each `metas[i]`'s record into `arrays[i]` (uint8, the block's
     bytes) inside the read transaction `txn` (buffers=True) whose `cursor` is on the blocks
     database. Records lying one after the other in data.mdb are read with one preadv
-    (`lmdb_value.pread_values`). Per block: (whether it is a verified hit, whether the
-    value failed a check and should be deleted); on (False, _) the contents of its array
-    are unspecified."""
+    (`lmdb_value.pread_values`). `hints[i]`, where given, is where the record lay when last
+    seen: it is read there without a tree lookup, and looked up afresh if what lies there
+    is not it (a hint may be stale: the page checks and the record's own checks catch
+    that, and a stale hint never marks a value for deletion). Per block: (whether it is a
+    verified hit, whether the value failed a check and should be deleted); on (False, _)
+    the contents of its array are unspecified."""
+    hints = hints if hints is not None else [None] * len(metas)
+    results = _read(source, txn, cursor, metas, arrays, hints)
+    again = [i for i, (hint, (ok, _)) in enumerate(zip(hints, results))
+             if hint is not None and not ok]
+    if again:
+        retried = _read(source, txn, cursor, [metas[i] for i in again],
+                        [arrays[i] for i in again], [None] * len(again))
+        for i, result in zip(again, retried):
+            results[i] = result
+    return results
+
+
+def _read(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.Cursor,
+          metas: Sequence[BlockMeta], arrays: Sequence[np.ndarray],
+          hints: Sequence[ValueSpot | None]) -> list[tuple[bool, bool]]:
     spots: list[ValueSpot | None] = []
-    for meta, array in zip(metas, arrays):
+    for meta, array, hint in zip(metas, arrays, hints):
         try:
-            spot = find_value(cursor, meta.block_hash)
+            spot = hint if hint is not None else find_value(cursor, meta.block_hash)
         except ValueError:  # not LMDB's node layout: read through LMDB
             spot = None
         # A value in its leaf page, or one too short for the payload, goes through LMDB.
@@ -68,7 +89,11 @@ def read_records_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.
                            for i in direct])
     read = {i for i, ok in zip(direct, landed) if ok}
     results = []
-    for i, (meta, array) in enumerate(zip(metas, arrays)):
+    for i, (meta, array, hint) in enumerate(zip(metas, arrays, hints)):
+        if hint is not None:  # looked up afresh by the caller unless it checks out here
+            results.append((i in read and _verify(source, meta, array, bytes(heads[i]),
+                                                  spots[i].size, quiet=True)[0], False))
+            continue
         if i in read:
             results.append(_verify(source, meta, array, bytes(heads[i]), spots[i].size))
             continue
@@ -79,10 +104,11 @@ def read_records_into(source: RecordSource, txn: lmdb.Transaction, cursor: lmdb.
 
 
 def _verify(source: RecordSource, meta: BlockMeta, array: np.ndarray, record_head,
-            size: int, copy: bool = False) -> tuple[bool, bool]:
+            size: int, copy: bool = False, quiet: bool = False) -> tuple[bool, bool]:
     """Check a record of `size` bytes whose start is `record_head`: with `copy`, the whole
     record, whose payload is copied into `array`; else its header alone, its payload already
-    in `array`. Returns (verified hit, should be deleted)."""
+    in `array`. Returns (verified hit, should be deleted); `quiet`: a failure is not
+    logged (a stale hint's)."""
     try:
         header, offset = decode_header(record_head, source.fingerprint)
         # Without `copy`, this also pins the payload to start right after the header.
@@ -94,6 +120,7 @@ def _verify(source: RecordSource, meta: BlockMeta, array: np.ndarray, record_hea
         if checksum != header.payload_checksum:
             raise CorruptRecord("bad checksum")
     except CorruptRecord as exc:
-        logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
+        if not quiet:
+            logger.info("disk cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
         return False, True
     return True, False

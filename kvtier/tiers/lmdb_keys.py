@@ -22,6 +22,8 @@ _HEADER_BYTES = 16
 _NODE = struct.Struct("<HHHH")  # lo, hi, flags, key size
 _OFFSET = struct.Struct("<H")
 _P_BRANCH, _P_LEAF = 0x01, 0x02
+_F_BIGDATA = 0x01
+_PGNO = struct.Struct("<Q")
 _P_TRANSIENT = 0x10 | 0x4000 | 0x8000
 _INVALID_PAGE = (1 << 64) - 1
 _MAX_DEPTH = 32
@@ -33,12 +35,13 @@ class KeyWalkError(ValueError):
 
 
 def read_keys(fd: int, page_size: int, db_record: bytes, after: bytes | None,
-              max_leaves: int) -> tuple[list[bytes], bool]:
+              max_leaves: int) -> tuple[list[tuple[bytes, int | None, int]], bool]:
     """The keys greater than `after` (all, if None), in order, from at most `max_leaves`
     leaf pages of the database whose record is `db_record` (its value in the main database,
     as `Transaction.get(name)` returns it), read from `fd` (the data file, `page_size`-byte
-    pages); and whether no key follows them. Raises KeyWalkError for pages that do not fit
-    the record, OSError when a read fails."""
+    pages), each as (key, first overflow page of its value or None for a value stored in
+    the leaf, the value's length); and whether no key follows them. Raises KeyWalkError for
+    pages that do not fit the record, OSError when a read fails."""
     if len(db_record) != _DB.size:
         raise KeyWalkError(f"a database record is {_DB.size} bytes, got {len(db_record)}")
     _, _, depth, _, _, _, num_entries, root = _DB.unpack(db_record)
@@ -56,17 +59,18 @@ class _Walk:
                  max_leaves: int) -> None:
         self.fd, self.page_size, self.depth = fd, page_size, depth
         self.after, self.leaves_left = after, max_leaves
-        self.keys: list[bytes] = []
+        self.keys: list[tuple[bytes, int | None, int]] = []
 
     def visit(self, page: int, level: int) -> bool:
         """Collect the keys of `page`'s subtree; False once the leaf budget is spent."""
         is_leaf = level == self.depth
         nodes = self._nodes(page, _P_LEAF if is_leaf else _P_BRANCH)
         if is_leaf:
-            self.keys += [key for _, key in nodes if self.after is None or key > self.after]
+            self.keys += [(key, page, size) for page, key, size in nodes
+                          if self.after is None or key > self.after]
             self.leaves_left -= 1
             return self.leaves_left > 0
-        for i, (child, _) in enumerate(nodes):
+        for i, (child, _, _) in enumerate(nodes):
             # Child i holds the keys below child i + 1's first key.
             if self.after is not None and i + 1 < len(nodes) \
                     and nodes[i + 1][1] <= self.after:
@@ -75,8 +79,10 @@ class _Walk:
                 return False
         return True
 
-    def _nodes(self, page: int, kind: int) -> list[tuple[int, bytes]]:
-        """(child page number, key) of each node of `page` (child 0 for leaves)."""
+    def _nodes(self, page: int, kind: int) -> list[tuple[int | None, bytes, int]]:
+        """(page, key, size) of each node of `page`: in a branch page the child's page
+        number (size 0); in a leaf the value's first overflow page (None: the value sits in
+        the leaf) and its length."""
         raw = os.pread(self.fd, self.page_size, page * self.page_size)
         if len(raw) != self.page_size:
             raise KeyWalkError(f"page {page} lies past the end of the file")
@@ -94,6 +100,11 @@ class _Walk:
             start = offset + _NODE.size
             if start + key_size > self.page_size:
                 raise KeyWalkError(f"page {page}: node {i}'s key runs past the page")
-            child = lo | hi << 16 | node_flags << 32 if kind == _P_BRANCH else 0
-            nodes.append((child, raw[start:start + key_size]))
+            key = raw[start:start + key_size]
+            if kind == _P_BRANCH:
+                nodes.append((lo | hi << 16 | node_flags << 32, key, 0))
+            elif node_flags & _F_BIGDATA and start + key_size + _PGNO.size <= self.page_size:
+                nodes.append((_PGNO.unpack_from(raw, start + key_size)[0], key, lo | hi << 16))
+            else:
+                nodes.append((None, key, lo | hi << 16))
         return nodes

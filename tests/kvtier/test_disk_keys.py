@@ -13,13 +13,15 @@ from pathlib import Path
 
 import lmdb
 import pytest
-from disk_cases import LARGE, SMALL, make_blocks, read_back, record_size
+from disk_cases import LARGE, SMALL, make_blocks, read_back, record_size, same_bytes
 
 from kvtier.hashing import BlockHash
+from kvtier.tiers import disk_read, lmdb_value
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_index import KeyChanges
 from kvtier.tiers.disk_keys import DiskKeySet
 from kvtier.tiers.lmdb_keys import read_keys
+from kvtier.tiers.lmdb_value import find_value
 from kvtier.tiers.record import BlockMeta
 
 
@@ -136,14 +138,14 @@ def test_closing_while_the_copy_loads_returns(tmp_path):
 
 
 def _changes(*steps: tuple[bytes, bool], cleared: bool = False) -> KeyChanges:
-    return KeyChanges([(BlockHash(h), stored) for h, stored in steps], cleared)
+    return KeyChanges([(BlockHash(h), 0 if stored else None) for h, stored in steps], cleared)
 
 
 def test_a_copy_follows_its_own_commits_and_drops_at_a_gap():
     keys = DiskKeySet()
     assert keys.lookup(0, [b"a"]) is None  # not loaded
     assert keys.start_load() and not keys.start_load()  # one load at a time
-    assert keys.install(0, [BlockHash(b"a")])
+    assert keys.install(0, [(BlockHash(b"a"), 0)])
     assert keys.lookup(0, [b"a", b"b"]) == [True, False]
     keys.committed(0, 2, _changes((b"b", True), (b"a", False)))
     assert keys.lookup(2, [b"a", b"b"]) == [False, True]
@@ -158,7 +160,7 @@ def test_a_load_replays_commits_after_its_snapshot_and_refuses_a_gap():
     keys.committed(4, 5, _changes((b"old", True)))  # before the snapshot (at 5) was read
     keys.committed(5, 7, _changes((b"x", True), (b"y", True)))
     keys.committed(7, 8, _changes((b"x", False)))
-    assert keys.install(5, [BlockHash(b"old")])
+    assert keys.install(5, [(BlockHash(b"old"), 0)])
     assert keys.lookup(8, [b"old", b"x", b"y"]) == [True, False, True]
     keys.committed(8, 9, _changes(cleared=True))
     assert keys.lookup(9, [b"old", b"y"]) == [False, False]
@@ -186,10 +188,86 @@ def test_the_walk_reads_every_key_in_order(tmp_path, layout):
             while not done:
                 chunk, done = read_keys(fd, page_size, record, after, 2)
                 found += chunk
-                after = found[-1] if found else None
+                after = found[-1][0] if found else None
                 num_calls += 1
+        blocks = env.open_db(b"blocks", create=False)
+        with env.begin(buffers=True) as txn, txn.cursor(db=blocks) as cursor:
+            spots = [find_value(cursor, key) for key, _, _ in found]
     finally:
         os.close(fd)
         env.close()
-    assert found == sorted(m.block_hash for m in metas)
+    assert [key for key, _, _ in found] == sorted(m.block_hash for m in metas)
     assert num_calls > 3  # resumed after a key, more than once
+    # Each value's place as LMDB's own cursor finds it: overflow pages, or in the leaf.
+    assert [(page, size) for _, page, size in found] == [(s.page, s.size) for s in spots]
+    assert all(page is not None for _, page, _ in found) == (layout is LARGE)
+
+
+# ---- reads where the copy saw the values ------------------------------------------------
+
+
+def _count_tree_lookups(monkeypatch) -> list[bytes]:
+    """Record the keys the read path looks up in LMDB's tree (the real lookup still runs)."""
+    looked_up: list[bytes] = []
+
+    def recording(cursor, key):
+        looked_up.append(bytes(key))
+        return lmdb_value.find_value(cursor, key)
+    monkeypatch.setattr(disk_read, "find_value", recording)
+    return looked_up
+
+
+def test_reads_go_where_the_copy_saw_each_value(tmp_path, monkeypatch):
+    """After a load, a read takes each record's place from the copy: no tree lookup (after
+    a dropped page cache, each is a disk read made holding the GIL)."""
+    metas, payloads = make_blocks(LARGE, seed=7, num_blocks=20)
+    with DiskTier(tmp_path, LARGE, 1 << 30) as tier:
+        tier.put(metas[:12], payloads[:12])
+    with DiskTier(tmp_path, LARGE, 1 << 30) as tier:
+        assert tier.keys_in_memory(wait=10)
+        tier.put(metas[12:], payloads[12:])  # this process's puts note their places too
+        looked_up = _count_tree_lookups(monkeypatch)
+        for meta, payload in zip(metas, payloads):
+            assert same_bytes(read_back(tier, meta), payload)
+        assert looked_up == []
+
+
+_FOREIGN_WRITER = """
+import sys
+sys.path[:0] = {paths!r}
+from disk_cases import LARGE, make_blocks
+from kvtier.tiers.disk import DiskTier
+old, _ = make_blocks(LARGE, seed=8, num_blocks=20)
+new, payloads = make_blocks(LARGE, seed=9, num_blocks=30)
+with DiskTier({path!r}, LARGE, 1 << 30) as tier:
+    assert tier.delete([m.block_hash for m in old[:10]]) == 10
+    # Commits of their own, three times the blocks freed: LMDB takes freed pages before
+    # growing the file, so the deleted blocks' pages hold other records afterwards.
+    for meta, payload in zip(new, payloads):
+        assert tier.put([meta], [payload]) == 1
+"""
+
+
+def test_a_place_another_process_changed_is_looked_up_again(tmp_path, monkeypatch):
+    """Another process deletes blocks and writes others, likely into the freed pages: the
+    copy's places for the deleted ones are stale. Reads there find other records, look the
+    block up afresh and miss; nothing is counted as rejected or deleted, and the new blocks
+    read back exactly."""
+    old, old_payloads = make_blocks(LARGE, seed=8, num_blocks=20)
+    new, new_payloads = make_blocks(LARGE, seed=9, num_blocks=30)
+    with DiskTier(tmp_path, LARGE, 1 << 30) as tier:
+        tier.put(old, old_payloads)
+    with DiskTier(tmp_path, LARGE, 1 << 30) as tier:
+        assert tier.keys_in_memory(wait=10)
+        here = Path(__file__).parent
+        paths = [str(here), str(here.parent.parent)]
+        subprocess.run([sys.executable, "-c", _FOREIGN_WRITER.format(paths=paths,
+                                                                      path=str(tmp_path))],
+                       check=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+        looked_up = _count_tree_lookups(monkeypatch)
+        assert [read_back(tier, meta) for meta in old[:10]] == [None] * 10
+        assert looked_up == [m.block_hash for m in old[:10]]  # each stale place, again
+        for meta, payload in zip(old[10:] + new, old_payloads[10:] + new_payloads):
+            assert same_bytes(read_back(tier, meta), payload)
+        assert tier.stats().rejected == 0
+        assert tier.stats().num_blocks == 40
