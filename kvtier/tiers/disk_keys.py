@@ -32,7 +32,8 @@ from contextlib import contextmanager
 import lmdb
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.disk_index import GuardedEnv, KeyChanges, LmdbIndex, pack_spot, unpack_spot
+from kvtier.tiers.disk_index import GuardedEnv, LmdbIndex
+from kvtier.tiers.key_changes import KeyChanges, pack_spot, unpack_spot
 from kvtier.tiers.lmdb_keys import read_keys
 from kvtier.tiers.lmdb_value import ValueSpot
 

@@ -18,8 +18,8 @@ from disk_cases import LARGE, SMALL, make_blocks, read_back, record_size, same_b
 from kvtier.hashing import BlockHash
 from kvtier.tiers import disk_read, lmdb_value
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_index import KeyChanges
 from kvtier.tiers.disk_keys import DiskKeySet
+from kvtier.tiers.key_changes import KeyChanges
 from kvtier.tiers.lmdb_keys import read_keys
 from kvtier.tiers.lmdb_value import find_value
 from kvtier.tiers.record import BlockMeta
