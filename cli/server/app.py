@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -206,10 +206,15 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.get("/metrics")
     async def metrics_text() -> Response:
         try:
-            snapshot = await engine.call(lambda llm: EngineSnapshot(
-                llm.stats(), len(llm.scheduler.running), len(llm.scheduler.waiting)))
+            snapshot, manager = await engine.call(lambda llm: (EngineSnapshot(
+                llm.stats(lower_tiers=False), len(llm.scheduler.running),
+                len(llm.scheduler.waiting)), llm.manager))
         except EngineClosedError as exc:
             raise APIError(503, str(exc), type_="server_unavailable") from None
+        # The disk tier's figures read LMDB (disk reads when its pages are cold): on a worker
+        # thread, so that a scrape never stalls an engine step.
+        disk, remote = await asyncio.to_thread(manager.lower_tier_stats)
+        snapshot = replace(snapshot, stats=replace(snapshot.stats, disk=disk, remote=remote))
         return Response(server.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])

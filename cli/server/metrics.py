@@ -4,8 +4,9 @@ Two sources: the server counts what it hands to clients (requests by endpoint an
 reason, prompt / generated / cached tokens, preemptions, TTFT, time per output token, end
 to end latency) as requests finish; the engine's own counters (per-tier hits and misses,
 bytes moved per direction, pool / host / disk occupancy) are read from a `ManagerStats`
-snapshot taken on the engine thread at each scrape. Every metric lives in the server's own
-registry, so two servers in one process never share counters.
+snapshot taken at each scrape: on the engine thread, except the disk and remote tiers'
+figures, which read LMDB and are taken on a worker thread. Every metric lives in the
+server's own registry, so two servers in one process never share counters.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """What a scrape reads from the engine thread: tier counters and queue lengths."""
+    """What a scrape reads: tier counters and queue lengths (all from the engine thread but
+    `stats.disk` and `stats.remote`)."""
 
     stats: ManagerStats
     num_running: int

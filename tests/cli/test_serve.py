@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -332,3 +333,36 @@ def test_cache_salts_keep_tenants_apart(served, model) -> None:
     assert metrics['kvtier_transfer_bytes_total{direction="gpu->host"}'] > 0
     assert metrics['kvtier_prompt_tokens_cached_total{tier="gpu"}'] >= full_blocks
 
+
+
+def test_a_scrape_reads_the_disk_tier_off_the_engine_thread(served) -> None:
+    # The disk tier's figures read LMDB: here a slow read (held until released) is under
+    # way in a scrape, and the engine must go on serving meanwhile.
+    disk = served.on_engine(lambda llm: llm.manager.disk)
+    release, entered, readers = threading.Event(), threading.Event(), []
+    real_stats = disk.stats
+
+    def slow_stats():
+        readers.append(threading.current_thread())
+        entered.set()
+        assert release.wait(60), "the test never released the disk read"
+        return real_stats()
+
+    disk.stats = slow_stats
+    scrape: dict = {}
+    scraper = threading.Thread(target=lambda: scrape.update(served.metrics()))
+    try:
+        scraper.start()
+        assert entered.wait(60), "the scrape did not read the disk tier's stats"
+        body = {"model": MODEL_NAME, "prompt": "While a scrape waits:", "max_tokens": 4,
+                "ignore_eos": True}
+        answer = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert scraper.is_alive()  # still reading the disk when the request was served
+    finally:
+        release.set()
+        scraper.join(60)
+        del disk.stats
+    engine_thread = served.on_engine(lambda llm: threading.current_thread())
+    assert readers and engine_thread not in readers
+    assert "kvtier_disk_blocks" in scrape and 'kvtier_gpu_blocks{state="total"}' in scrape

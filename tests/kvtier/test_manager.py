@@ -12,6 +12,7 @@ test_manager_cuda.py, the shared builders in manager_cases.py.
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -103,6 +104,35 @@ def test_stats_without_lower_tiers_leave_lmdb_alone(tmp_path, managers, monkeypa
     assert light.host_cached == full.host_cached
     with pytest.raises(AssertionError, match="were read"):
         m.stats()
+
+
+def test_a_close_waits_for_a_lower_tier_read_on_another_thread(tmp_path, managers,
+                                                                monkeypatch):
+    layout = small_layout()
+    m, _ = disk_only(tmp_path, managers, layout, {"a": 2})
+    entered, release, results = threading.Event(), threading.Event(), []
+    real_stats = m.disk.stats
+
+    def slow_stats():  # an LMDB read that takes a while (cold pages)
+        entered.set()
+        assert release.wait(30)
+        return real_stats()
+
+    monkeypatch.setattr(m.disk, "stats", slow_stats)
+    reader = threading.Thread(target=lambda: results.append(m.lower_tier_stats()))
+    reader.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=m.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # the disk stays open while its stats are read
+    release.set()
+    reader.join(30)
+    closer.join(30)
+    [(disk, remote)] = results
+    assert disk.num_blocks == 2 and remote is None
+    assert m.lower_tier_stats() == (None, None)  # closed: nothing below to read
+    assert m.stats().disk is None
 
 
 def test_blocks_persist_across_a_process_restart(tmp_path, managers):
