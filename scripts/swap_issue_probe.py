@@ -4,9 +4,8 @@ engines running them. On the lent GPU:
     python scripts/swap_issue_probe.py [--total-mib 256] [--block-kib 32,64,128,256,2048]
 
 For each block size, 256 MiB of blocks in random order on both sides (random GPU blocks,
-random host slots), each direction and both at once, timed four ways (both at once: the
-first) against one
-contiguous pinned copy of the same bytes (the ceiling):
+random host slots), each direction timed four ways (both directions at once: the first way)
+against one contiguous pinned copy of the same bytes (the ceiling):
 
   * "as issued": `kernels.swap_blocks(method="dma")`;
   * "side streams": the copies on 4 side streams (8 under 128 KiB), one batched call each
