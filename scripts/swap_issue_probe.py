@@ -78,19 +78,28 @@ def addresses(src: torch.Tensor, dst: torch.Tensor, rows: np.ndarray):
             np.full(rows.shape[0], bb, dtype=np.uint64))
 
 
+def on_side_streams(num: int, issue) -> None:
+    """Fork `num` side streams from the current one, `issue(sides)`, and join them back."""
+    main = torch.cuda.current_stream()
+    ready = torch.cuda.Event()
+    ready.record(main)
+    sides = [torch.cuda.Stream() for _ in range(num)]
+    for side in sides:
+        side.wait_event(ready)
+    issue(sides)
+    for side in sides:
+        done = torch.cuda.Event()
+        done.record(side)
+        main.wait_event(done)
+
+
 def by_threads(binding, src, dst, rows, num_threads: int = 4):
     """A run() enqueuing `rows` from `num_threads` threads, one stream and one call each,
     joined back into the current stream."""
     dsts, srcs, sizes = addresses(src, dst, rows)
     parts = np.array_split(np.arange(rows.shape[0]), num_threads)
 
-    def run() -> None:
-        main = torch.cuda.current_stream()
-        ready = torch.cuda.Event()
-        ready.record(main)
-        sides = [torch.cuda.Stream() for _ in parts]
-        for side in sides:
-            side.wait_event(ready)
+    def issue(sides) -> None:
         workers = [threading.Thread(target=binding.copy, args=(dsts[p], srcs[p], sizes[p],
                                                                side.cuda_stream))
                    for side, p in zip(sides, parts)]
@@ -98,11 +107,7 @@ def by_threads(binding, src, dst, rows, num_threads: int = 4):
             worker.start()
         for worker in workers:
             worker.join()
-        for side in sides:
-            done = torch.cuda.Event()
-            done.record(side)
-            main.wait_event(done)
-    return run
+    return lambda: on_side_streams(len(parts), issue)
 
 
 def four_streams(binding, src, dst, rows):
@@ -111,19 +116,10 @@ def four_streams(binding, src, dst, rows):
     num = 8 if src[0].numel() < (128 << 10) else 4
     parts = np.array_split(np.arange(rows.shape[0]), num)
 
-    def run() -> None:
-        main = torch.cuda.current_stream()
-        ready = torch.cuda.Event()
-        ready.record(main)
-        sides = [torch.cuda.Stream() for _ in parts]
+    def issue(sides) -> None:
         for side, part in zip(sides, parts):
-            side.wait_event(ready)
             binding.copy(dsts[part], srcs[part], sizes[part], side.cuda_stream)
-        for side in sides:
-            done = torch.cuda.Event()
-            done.record(side)
-            main.wait_event(done)
-    return run
+    return lambda: on_side_streams(len(parts), issue)
 
 
 def one_stream(binding, src, dst, rows):
