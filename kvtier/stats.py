@@ -119,7 +119,7 @@ class ManagerStats:
     host_slots / host_free_slots / host_cached / host_dirty: the host tier in slots (all 0
     when it is off). disk: the disk tier's own stats (None when it is off or closed).
     num_loads_in_flight / num_jobs_in_flight: work not completed yet.
-    remote: the remote tier's own stats (None when it is off).
+    remote: the remote tier's own stats (None when it is off or closed).
     """
 
     tiers: dict[Tier, TierStats]
