@@ -24,9 +24,7 @@ miss; pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,18 +36,16 @@ from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.load_path import LoadPath
 from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
+from kvtier.lower_tiers import LowerTiers
 from kvtier.prefix_lookup import find_prefix
 from kvtier.remote_io import RemoteWrites
 from kvtier.stats import ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath
-from kvtier.tiers.disk import DiskStats, DiskTier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
-
-if TYPE_CHECKING:
-    from kvtier.tiers.remote import RemoteStats
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
@@ -117,10 +113,9 @@ class TierManager:
             self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
                                     self.disk, self._remote_writes, layout.bytes_per_block,
                                     self._submit, self._tiers)
+        #: The disk and remote tiers' own stats, readable from any thread.
+        self.lower_tiers = LowerTiers(self.disk, self.remote)
         self._closed = False
-        # Orders reads of the disk and remote tiers' own stats (from any thread: a metrics
-        # scrape's worker) before their close.
-        self._lower_stats_lock = threading.Lock()
 
     # ---- lookups and GPU blocks ----------------------------------------------------------
 
@@ -433,22 +428,17 @@ class TierManager:
             return
         self.flush()
         self.transfers.close()
-        with self._lower_stats_lock:
-            if self.disk is not None:
-                self.disk.close()
-            if self.remote is not None:
-                self.remote.close()
-            self._closed = True
+        self.lower_tiers.close()
+        self._closed = True
 
     # ---- inspection ----------------------------------------------------------------------
 
     def stats(self, lower_tiers: bool = True) -> ManagerStats:
         """Per-tier block counters, transfers per direction, pool and host occupancy;
-        `lower_tiers=False` leaves out `disk` and `remote` (None), which read LMDB: disk
-        reads on the caller's thread after a dropped page cache (`lower_tier_stats` reads
-        them from any thread)."""
+        `lower_tiers=False` leaves out `disk` and `remote` (None), which read LMDB: they can
+        be read from any thread with `lower_tiers.stats()`."""
         host = self.host if self._host_caches else None
-        disk, remote = self.lower_tier_stats() if lower_tiers else (None, None)
+        disk, remote = self.lower_tiers.stats() if lower_tiers else (None, None)
         return ManagerStats(
             tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},
             transfers=self.transfers.stats(), pool=self.pool.stats(),
@@ -457,13 +447,3 @@ class TierManager:
             host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
             disk=disk, num_loads_in_flight=len(self._loads),
             num_jobs_in_flight=len(self._on_done), remote=remote)
-
-    def lower_tier_stats(self) -> tuple[DiskStats | None, RemoteStats | None]:
-        """(the disk tier's stats, the remote tier's), each None when that tier is off, both
-        None once the manager is closed. Safe on any thread, so that the LMDB reads behind
-        them need not stall the engine's (a close waits for a read under way)."""
-        with self._lower_stats_lock:
-            if self._closed:
-                return None, None
-            return (self.disk.stats() if self.disk is not None else None,
-                    self.remote.stats() if self.remote is not None else None)

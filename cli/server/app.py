@@ -213,7 +213,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
             raise APIError(503, str(exc), type_="server_unavailable") from None
         # The disk tier's figures read LMDB (disk reads when its pages are cold): on a worker
         # thread, so that a scrape never stalls an engine step.
-        disk, remote = await asyncio.to_thread(manager.lower_tier_stats)
+        disk, remote = await asyncio.to_thread(manager.lower_tiers.stats)
         snapshot = replace(snapshot, stats=replace(snapshot.stats, disk=disk, remote=remote))
         return Response(server.metrics.render(snapshot), media_type=CONTENT_TYPE_LATEST)
 

@@ -119,7 +119,7 @@ def test_a_close_waits_for_a_lower_tier_read_on_another_thread(tmp_path, manager
         return real_stats()
 
     monkeypatch.setattr(m.disk, "stats", slow_stats)
-    reader = threading.Thread(target=lambda: results.append(m.lower_tier_stats()))
+    reader = threading.Thread(target=lambda: results.append(m.lower_tiers.stats()))
     reader.start()
     assert entered.wait(30)
     closer = threading.Thread(target=m.close)
@@ -131,7 +131,7 @@ def test_a_close_waits_for_a_lower_tier_read_on_another_thread(tmp_path, manager
     closer.join(30)
     [(disk, remote)] = results
     assert disk.num_blocks == 2 and remote is None
-    assert m.lower_tier_stats() == (None, None)  # closed: nothing below to read
+    assert m.lower_tiers.stats() == (None, None)  # closed: nothing below to read
     assert m.stats().disk is None
 
 
