@@ -334,8 +334,7 @@ def test_cache_salts_keep_tenants_apart(served, model) -> None:
     assert metrics['kvtier_prompt_tokens_cached_total{tier="gpu"}'] >= full_blocks
 
 
-
-def test_a_scrape_reads_the_disk_tier_off_the_engine_thread(served) -> None:
+def test_a_scrape_reads_the_disk_tier_off_the_engine_thread(served, monkeypatch) -> None:
     # The disk tier's figures read LMDB: here a slow read (held until released) is under
     # way in a scrape, and the engine must go on serving meanwhile.
     disk = served.on_engine(lambda llm: llm.manager.disk)
@@ -348,7 +347,7 @@ def test_a_scrape_reads_the_disk_tier_off_the_engine_thread(served) -> None:
         assert release.wait(60), "the test never released the disk read"
         return real_stats()
 
-    disk.stats = slow_stats
+    monkeypatch.setattr(disk, "stats", slow_stats)
     scrape: dict = {}
     scraper = threading.Thread(target=lambda: scrape.update(served.metrics()))
     try:
@@ -362,7 +361,7 @@ def test_a_scrape_reads_the_disk_tier_off_the_engine_thread(served) -> None:
     finally:
         release.set()
         scraper.join(60)
-        del disk.stats
+        monkeypatch.undo()
     engine_thread = served.on_engine(lambda llm: threading.current_thread())
     assert readers and engine_thread not in readers
     assert "kvtier_disk_blocks" in scrape and 'kvtier_gpu_blocks{state="total"}' in scrape
