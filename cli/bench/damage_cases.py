@@ -90,13 +90,24 @@ def _length(directory: Path, rng: random.Random, how: str) -> str:
         os.truncate(data_file, size // 2)
     elif how == "zero":
         os.truncate(data_file, 0)
-    elif how == "bytes":
+    else:  # bytes that are not a whole page
         with open(data_file, "ab") as file:
             file.write(rng.randbytes(1000))
-    else:  # whole pages of garbage
-        with open(data_file, "ab") as file:
-            file.write(rng.randbytes(3 * page_size(data_file)))
     return f"data.mdb length: {how}"
+
+
+def _stale_tail(directory: Path, rng: random.Random) -> str:
+    """Pages past the last one, as interrupted commits leave them after several kills: an
+    overflow run's first page whose run a later commit's pages cut into, then bytes that
+    are no page header."""
+    data_file = directory / "data.mdb"
+    size = page_size(data_file)
+    first = data_file.stat().st_size // size
+    header = struct.pack("<QHHI", first, 0, P_OVERFLOW, 4)  # pgno, pad, flags, 4 pages
+    with open(data_file, "ab") as file:
+        file.write(header + rng.randbytes(size - len(header)))
+        file.write(rng.randbytes(5 * size))
+    return f"pages {first}..{first + 5} past the end: a cut overflow run and random bytes"
 
 
 def _replace(directory: Path, rng: random.Random, name: str, kind: str) -> str:
@@ -123,7 +134,6 @@ DAMAGES: dict[str, Damage] = {
     "half length": lambda d, rng: _length(d, rng, "half"),
     "zero length": lambda d, rng: _length(d, rng, "zero"),
     "extended by bytes": lambda d, rng: _length(d, rng, "bytes"),
-    "extended by pages": lambda d, rng: _length(d, rng, "pages"),
     "data a directory": lambda d, rng: _replace(d, rng, "data.mdb", "directory"),
     "data a fifo": lambda d, rng: _replace(d, rng, "data.mdb", "fifo"),
     "data a link to /dev/zero": lambda d, rng: _replace(d, rng, "data.mdb", "/dev/zero"),
@@ -131,6 +141,12 @@ DAMAGES: dict[str, Damage] = {
                                                              "/nonexistent/data.mdb"),
     "lock garbage": lambda d, rng: _replace(d, rng, "lock.mdb", "garbage"),
     "lock a directory": lambda d, rng: _replace(d, rng, "lock.mdb", "directory"),
+}
+
+
+#: Changes that leave every block readable: the tier must open as it is, nothing moved aside.
+HARMLESS: dict[str, Damage] = {
+    "stale pages past the end": _stale_tail,
 }
 
 

@@ -21,6 +21,7 @@ import pytest
 from disk_cases import SMALL, make_blocks, read_back, run_in_children, same_bytes
 from kvtier.cli.bench.damage_cases import (
     DAMAGES,
+    HARMLESS,
     P_BRANCH,
     P_LEAF,
     copy_cache,
@@ -84,6 +85,21 @@ def test_the_undamaged_cache_passes_and_serves_every_block(pristine, tmp_path):
     assert report.checked and report.num_values >= 3 * NUM_BLOCKS  # blocks, access, lru
     (result,) = run_in_children((open_and_use, str(directory)))
     assert result == {"num_hits": NUM_BLOCKS, "moved_to": None, "message": None}
+
+
+@pytest.mark.parametrize("case", list(HARMLESS))
+def test_what_interrupted_commits_leave_past_the_end_is_not_damage(pristine, tmp_path, case):
+    """LMDB never reads past its last page; leftovers there, however they overlap, keep the
+    tier as it is."""
+    directory = tmp_path / "kv"
+    copy_cache(pristine, directory)
+    size = (directory / "data.mdb").stat().st_size
+    HARMLESS[case](directory, random.Random(case))
+    assert (directory / "data.mdb").stat().st_size > size
+    check_disk_files(directory)
+    (result,) = run_in_children((open_and_use, str(directory)))
+    assert result == {"num_hits": NUM_BLOCKS, "moved_to": None, "message": None}
+    check_disk_files(directory)  # and after LMDB wrote over some of them
 
 
 @pytest.mark.parametrize("case", list(DAMAGES))
