@@ -2,13 +2,14 @@
 
 Three methods move the same bytes:
 
-* "dma": the copy engines. Mapping rows are coalesced into runs of blocks adjacent on both
-  sides (numpy, no Python step per block), and all runs go to the runtime in one
-  cudaMemcpyBatchAsync call (one `copy_` per run without it). When the copies are small
-  (under `SMALL_COPY_BYTES` on average) the runs are split over `DMA_STREAMS` streams, which
-  the driver feeds to several copy engines. The SMs stay free for the model. A plan that
-  fits one call is enqueued on the caller's stream by its handle, without making the
-  device and stream current (a few-block write-through is mostly such host work).
+* "dma": the copy engines. Consecutive mapping rows are coalesced into runs of blocks
+  adjacent on both sides (numpy, no sort and no Python step per block), and all runs go
+  to the runtime in one cudaMemcpyBatchAsync call (one `copy_` per run without it). When
+  the copies are small (under `SMALL_COPY_BYTES` on average) the runs are split over
+  `DMA_STREAMS` streams, which the driver feeds to several copy engines. The SMs stay free
+  for the model. A plan that fits one call is enqueued on the caller's stream by its
+  handle, without making the device and stream current (a few-block write-through is
+  mostly such host work).
 * "staged": for small blocks scattered on the GPU but in runs in host memory (a host slab
   whose slots were handed out in order). The GPU blocks are gathered by a device index copy
   into a contiguous device staging buffer and each host run then moves as one DMA (and the
@@ -59,7 +60,8 @@ _SWAP_PROGRAMS_PER_SM = 1
 
 
 def coalesce_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
-    """Rows (src, dst) -> runs (src_start, dst_start, num_blocks), sorted by source."""
+    """Rows (src, dst) -> runs (src_start, dst_start, num_blocks) of rows adjacent on both
+    sides, in the given order (see `_swap_plan.coalesce`)."""
     rows = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     runs = coalesce(rows[:, 0], rows[:, 1])
     return list(zip(runs.src_starts.tolist(), runs.dst_starts.tolist(),
@@ -305,7 +307,8 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         contiguous span. One on a GPU and the other in pinned host memory, both on the same
         GPU, or both on the CPU.
     block_mapping: [n, 2] int64 CPU tensor of (src_index, dst_index) rows; destinations
-        must be distinct.
+        must be distinct. Rows listed in order along runs of blocks adjacent on both sides
+        (as block tables and slots handed out in order are) move as one copy per run.
     method: "dma", "staged", "triton" or "auto" (see the module docstring).
     stream: where the copies are enqueued (side streams fork from and join back into it);
         None means the current stream. The caller keeps src, dst and the host memory alive

@@ -23,9 +23,11 @@ def random_blocks(num_blocks: int, block_shape: tuple[int, ...], dtype: torch.dt
     return blocks.pin_memory() if pin else blocks.to(device)
 
 
-def test_coalesce_runs_merges_consecutive_pairs() -> None:
-    pairs = [[7, 4], [5, 1], [1, 7], [2, 8], [3, 9], [6, 2], [9, 0]]
-    assert coalesce_runs(pairs) == [(1, 7, 3), (5, 1, 2), (7, 4, 1), (9, 0, 1)]
+def test_coalesce_runs_merges_consecutive_pairs_in_the_given_order() -> None:
+    pairs = [[7, 4], [5, 1], [6, 2], [1, 7], [2, 8], [3, 9], [9, 0]]
+    assert coalesce_runs(pairs) == [(7, 4, 1), (5, 1, 2), (1, 7, 3), (9, 0, 1)]
+    # Rows are not sorted: a run listed out of order is copied in pieces.
+    assert coalesce_runs([[6, 2], [5, 1], [1, 7]]) == [(6, 2, 1), (5, 1, 1), (1, 7, 1)]
     assert coalesce_runs([]) == []
 
 
@@ -66,7 +68,7 @@ def test_coalesce_matches_a_loop() -> None:
         rows = rows[np.unique(rows[:, 1], return_index=True)[1]]  # distinct destinations
         runs = coalesce(rows[:, 0].copy(), rows[:, 1].copy())
         expected: list[list[int]] = []
-        for src, dst in sorted(rows.tolist()):
+        for src, dst in rows.tolist():
             if expected and src == sum(expected[-1][::2]) and dst == sum(expected[-1][1:]):
                 expected[-1][2] += 1
             else:
@@ -75,7 +77,7 @@ def test_coalesce_matches_a_loop() -> None:
                                      runs.lengths.tolist())] == expected
     assert run_starts(np.array([4, 5, 6, 9, 2, 3])).tolist() == [0, 3, 4]
     spread = coalesce(np.array([3, 1, 2]), np.array([5, 7, 8]), dst_dense=False)
-    assert spread.lengths.tolist() == [1, 1, 1] and spread.src_starts.tolist() == [1, 2, 3]
+    assert spread.lengths.tolist() == [1, 1, 1] and spread.src_starts.tolist() == [3, 1, 2]
 
 
 def test_split_even_covers_every_run_once() -> None:

@@ -70,11 +70,11 @@ def writer_main(path: str, budget: int, first_batch: int) -> None:
                 print(batch, num_present, *(m.block_hash.hex() for m in metas), flush=True)
             batch += NUM_WRITER_THREADS
 
+    print("ready", flush=True)  # before any batch line: the parent reads it first
     threads = [threading.Thread(target=write, args=(first_batch + t,))
                for t in range(NUM_WRITER_THREADS)]
     for thread in threads:
         thread.start()
-    print("ready", flush=True)
     for thread in threads:
         thread.join()
 
@@ -89,7 +89,10 @@ def run_and_kill(disk_dir: Path, budget: int, first_batch: int,
     reported: list[tuple[int, list[str]]] = []
     try:
         assert proc.stdout is not None and proc.stderr is not None
-        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-3000:]
+        first = proc.stdout.readline().strip()
+        if first != "ready":
+            proc.kill()  # so that its stderr ends and can be read whole
+            pytest.fail(f"the writer said {first!r} first:\n{proc.stderr.read()[-3000:]}")
         wanted = rng.randint(2, 8)
         while len(reported) < wanted:
             line = proc.stdout.readline()
