@@ -34,6 +34,7 @@ except "triton", which needs TRITON_INTERPRET=1 there.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
@@ -68,13 +69,17 @@ def coalesce_runs(pairs: list[list[int]]) -> list[tuple[int, int, int]]:
                     runs.lengths.tolist()))
 
 
+def _block_numel(blocks: torch.Tensor) -> int:
+    return math.prod(blocks.shape[1:])
+
+
 def _dense(blocks: torch.Tensor) -> bool:
     """Consecutive blocks touch, so a run of them is one contiguous span."""
-    return blocks.shape[0] <= 1 or blocks.stride(0) == blocks[0].numel()
+    return blocks.shape[0] <= 1 or blocks.stride(0) == _block_numel(blocks)
 
 
 def _block_bytes(blocks: torch.Tensor) -> int:
-    return blocks[0].numel() * blocks.element_size()
+    return _block_numel(blocks) * blocks.element_size()
 
 
 def _stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
@@ -84,12 +89,11 @@ def _stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
 def _addresses(src: torch.Tensor, dst: torch.Tensor,
                runs: Runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst addresses, src addresses, byte sizes) of `runs`, [num_runs] uint64 each."""
-    block_bytes = _block_bytes(src)
-    src_stride = src.stride(0) * src.element_size()
-    dst_stride = dst.stride(0) * dst.element_size()
-    return (dst.data_ptr() + runs.dst_starts.astype(np.uint64) * dst_stride,
-            src.data_ptr() + runs.src_starts.astype(np.uint64) * src_stride,
-            runs.lengths.astype(np.uint64) * block_bytes)
+    # int64 arithmetic (addresses are far below 2**63), then the same bits as uint64.
+    dsts = runs.dst_starts * (dst.stride(0) * dst.element_size()) + dst.data_ptr()
+    srcs = runs.src_starts * (src.stride(0) * src.element_size()) + src.data_ptr()
+    sizes = runs.lengths * _block_bytes(src)
+    return dsts.view(np.uint64), srcs.view(np.uint64), sizes.view(np.uint64)
 
 
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs,
@@ -113,8 +117,9 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs,
 
 def _needs_side_streams(src: torch.Tensor, runs: Runs) -> bool:
     """Whether a dma plan's copies are many and small enough to spread over side streams."""
-    total = int(runs.lengths.sum()) * _block_bytes(src)
-    return runs.num_runs >= 2 * DMA_STREAMS and total < SMALL_COPY_BYTES * runs.num_runs
+    if runs.num_runs < 2 * DMA_STREAMS:
+        return False
+    return int(runs.lengths.sum()) * _block_bytes(src) < SMALL_COPY_BYTES * runs.num_runs
 
 
 def _one_batch(src: torch.Tensor, dst: torch.Tensor, runs: Runs, gpu: torch.Tensor,
@@ -320,7 +325,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     OSError when the CUDA runtime rejects a batched copy.
     """
     _check_swap_args(src, dst, block_mapping, method, staging_bytes)
-    if block_mapping.shape[0] == 0 or src[0].numel() == 0:
+    if block_mapping.shape[0] == 0 or _block_numel(src) == 0:
         return
     rows = block_mapping.numpy()  # [n, 2] int64, a view
     src_ids, dst_ids = rows[:, 0].copy(), rows[:, 1].copy()
