@@ -72,3 +72,14 @@ def split_even(lengths: np.ndarray, num_parts: int) -> list[slice]:
     cuts = cuts[(cuts > 0) & (cuts < lengths.shape[0])]
     bounds = [0, *cuts.tolist(), int(lengths.shape[0])]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def growing_slices(num_items: int, first: int, largest: int) -> list[slice]:
+    """Consecutive slices covering `num_items` items: `first` items, then twice as many each
+    time, never more than `largest` (nor fewer than 1); [] for no items."""
+    slices, start, size = [], 0, max(1, min(first, largest))
+    while start < num_items:
+        slices.append(slice(start, min(start + size, num_items)))
+        start += size
+        size = min(2 * size, max(1, largest))
+    return slices

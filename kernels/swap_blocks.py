@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from kvtier.kernels import _checks
 from kvtier.kernels._memcpy_batch import memcpy_batch
-from kvtier.kernels._swap_plan import Runs, coalesce, run_starts, split_even
+from kvtier.kernels._swap_plan import Runs, coalesce, growing_slices, run_starts, split_even
 from kvtier.kernels.copy_blocks import as_words, launch_block_copy, word_bytes_for
 
 SWAP_METHODS = ("auto", "dma", "staged", "triton")
@@ -51,6 +51,10 @@ SMALL_COPY_BYTES = 1 << 20
 #: Streams a "dma" swap of small copies is spread over (twice as many for tiny copies).
 DMA_STREAMS = 4
 _TINY_COPY_BYTES = 128 << 10
+#: Copies in the first batched call of a swap spread over side streams; each later call
+#: takes twice as many, up to an even share per stream (0: one call per stream). A copy
+#: starts only once the call that enqueued it returns.
+FIRST_CALL_COPIES = 32
 #: "auto" stages when the DMA copies average under this many bytes and the host runs are at
 #: least `_STAGE_GAIN` times longer than them (measured: below, staging gained up to 0.2x of
 #: the ceiling; above, or with shorter host runs, it cost host time and gained nothing).
@@ -169,10 +173,17 @@ def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     sides = _fork(stream, len(parts))
     binding = memcpy_batch()
     if binding is not None:
-        # Addresses once for all runs; each side stream gets its slice by handle, without
+        # Addresses once for all runs; each call goes to a side stream by handle, without
         # making it current (the host time of a 1,000-block swap is mostly such calls).
         dsts, srcs, sizes = _addresses(src, dst, runs)
-        for side, part in zip(sides, parts):
+        if FIRST_CALL_COPIES > 0:  # the copy engines start after a short first call
+            largest = -(-runs.num_runs // len(sides))
+            calls = growing_slices(runs.num_runs, FIRST_CALL_COPIES, largest)
+            parts = calls
+            targets = [sides[i % len(sides)] for i in range(len(calls))]
+        else:
+            targets = sides
+        for side, part in zip(targets, parts):
             binding.copy(dsts[part], srcs[part], sizes[part], side.cuda_stream)
     else:
         for side, part in zip(sides, parts):

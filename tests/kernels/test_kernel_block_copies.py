@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from kvtier.kernels import SWAP_METHODS, copy_blocks, reference, swap_blocks
-from kvtier.kernels._swap_plan import coalesce, run_starts, split_even
+from kvtier.kernels._swap_plan import coalesce, growing_slices, run_starts, split_even
 from kvtier.kernels.copy_blocks import launch_block_copy
 from kvtier.kernels.swap_blocks import _addresses, _swap_staged, choose_method, coalesce_runs
 
@@ -87,6 +87,15 @@ def test_split_even_covers_every_run_once() -> None:
         assert 1 <= len(slices) <= parts
         assert [i for part in slices for i in range(part.start, part.stop)] == list(range(8))
     assert split_even(np.zeros(0, dtype=np.int64), 4) == []
+
+
+def test_growing_slices_double_up_to_the_largest_and_cover_every_item_once() -> None:
+    slices = growing_slices(1000, 32, 125)
+    assert [p.stop - p.start for p in slices] == [32, 64, 125, 125, 125, 125, 125, 125, 125,
+                                                  29]
+    assert [i for part in slices for i in range(part.start, part.stop)] == list(range(1000))
+    assert [p.stop - p.start for p in growing_slices(5, 32, 0)] == [1] * 5
+    assert growing_slices(0, 32, 4) == []
 
 
 def test_copy_addresses_follow_each_side_s_stride() -> None:
