@@ -18,19 +18,10 @@ import statistics
 
 import numpy as np
 import torch
+from probe_timing import gpu_ms, swap_buffers
 
 swap_module = importlib.import_module("kvtier.kernels.swap_blocks")
 REPEATS = 9
-
-
-def gpu_ms(run) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 def swapper(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor):
@@ -44,10 +35,7 @@ def main() -> None:
     parser.add_argument("--first", default="0,32")
     args = parser.parse_args()
     total = args.total_mib << 20
-    gpu_a = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
-    host_a = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
-    gpu_b = torch.empty(total, dtype=torch.uint8, device="cuda")
-    host_b = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    gpu_a, host_a, gpu_b, host_b = swap_buffers(total)
     main_stream, side = torch.cuda.current_stream(), torch.cuda.Stream()
 
     def both(d2h, h2d):

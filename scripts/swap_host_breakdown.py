@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from kvtier.kernels import _memcpy_batch
 from kvtier.kernels.swap_blocks import swap_blocks
+from probe_timing import gpu_ms, swap_buffers
 
 REPEATS = 7
 swap_module = importlib.import_module("kvtier.kernels.swap_blocks")
@@ -53,26 +54,13 @@ def instrument() -> None:
     cls.copy = timed("runtime batched call", cls.copy)
 
 
-def gpu_ms(run) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--block-kib", default="32,64,256,2048")
     args = parser.parse_args()
     total = args.total_mib << 20
-    gpu_all = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
-    host_all = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
-    gpu_out = torch.empty(total, dtype=torch.uint8, device="cuda")
-    host_out = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    gpu_all, host_all, gpu_out, host_out = swap_buffers(total)
     side = torch.cuda.Stream()
     main_stream = torch.cuda.current_stream()
     pinned_ms = []

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from kvtier.kernels import swap_blocks
 from kvtier.kernels._memcpy_batch import memcpy_batch
+from probe_timing import gpu_ms
 
 REPEATS = 5
 SLEEP_CYCLES = 100_000_000  # ~60 ms at ~1.7 GHz
@@ -41,16 +42,7 @@ SLEEP_CYCLES = 100_000_000  # ~60 ms at ~1.7 GHz
 
 def median_gpu_ms(run, repeats: int = REPEATS) -> float:
     """Median GPU ms of `run()` on the current stream, the GPU idle before each."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(gpu_ms(run) for _ in range(repeats))
 
 
 def pre_issued_ms(run, repeats: int = REPEATS) -> tuple[float, float]:
