@@ -93,10 +93,13 @@ def _stream_of(tensor: torch.Tensor) -> torch.cuda.Stream | None:
 def _addresses(src: torch.Tensor, dst: torch.Tensor,
                runs: Runs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dst addresses, src addresses, byte sizes) of `runs`, [num_runs] uint64 each."""
-    # int64 arithmetic (addresses are far below 2**63), then the same bits as uint64.
-    dsts = runs.dst_starts * (dst.stride(0) * dst.element_size()) + dst.data_ptr()
-    srcs = runs.src_starts * (src.stride(0) * src.element_size()) + src.data_ptr()
-    sizes = runs.lengths * _block_bytes(src)
+    # int64 arithmetic (addresses are far below 2**63), then the same bits as uint64; the
+    # casts cost nothing for the int64 arrays plans hold, and keep the bits right otherwise.
+    dst_starts, src_starts, lengths = (a.astype(np.int64, copy=False) for a in (
+        runs.dst_starts, runs.src_starts, runs.lengths))
+    dsts = dst_starts * (dst.stride(0) * dst.element_size()) + dst.data_ptr()
+    srcs = src_starts * (src.stride(0) * src.element_size()) + src.data_ptr()
+    sizes = lengths * _block_bytes(src)
     return dsts.view(np.uint64), srcs.view(np.uint64), sizes.view(np.uint64)
 
 

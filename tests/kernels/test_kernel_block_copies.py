@@ -109,6 +109,12 @@ def test_copy_addresses_follow_each_side_s_stride() -> None:
     assert dsts.tolist() == [dst[d].data_ptr() for d in runs.dst_starts.tolist()]
     assert srcs.tolist() == [src[i].data_ptr() for i in runs.src_starts.tolist()]
     assert sizes.tolist() == [24 * n for n in runs.lengths.tolist()]
+    # Plans of 32-bit ids give the same addresses (the uint64 view is of int64 values).
+    narrow = coalesce(np.array([7, 2, 3, 4], dtype=np.int32),
+                      np.array([0, 5, 6, 7], dtype=np.int32), True, False)
+    assert [a.tolist() for a in _addresses(src, dst, narrow)] == [dsts.tolist(),
+                                                                  srcs.tolist(),
+                                                                  sizes.tolist()]
 
 
 def test_auto_stages_small_blocks_only_when_host_runs_are_longer() -> None:
