@@ -11,6 +11,7 @@ copy, median of 5. Bytes are checked after each variant.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -21,6 +22,33 @@ from kvtier.kernels._memcpy_batch import _MemcpyAttributes, _MemLocation, memcpy
 SLEEP_CYCLES = 100_000_000
 ORDER_STREAM, ORDER_DURING_CALL, ORDER_ANY = 1, 2, 3
 LOC_DEVICE, LOC_HOST = 1, 2
+
+
+def driver_batch(attrs: _MemcpyAttributes):
+    """The driver's cuMemcpyBatchAsync (the runtime call's own entry point below it), as a
+    `copy(dsts, srcs, sizes, stream)` like the runtime binding's; None without it."""
+    library = ctypes.CDLL("libcuda.so.1")
+    function = getattr(library, "cuMemcpyBatchAsync_v2", None)
+    with_fail_index = function is None
+    if function is None:
+        function = getattr(library, "cuMemcpyBatchAsync", None)
+    if function is None:
+        return None
+    function.restype = ctypes.c_int
+
+    def copy(dsts, srcs, sizes, stream: int) -> None:
+        d, s, z = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        index = ctypes.c_size_t(0)
+        args = [ctypes.c_void_p(d.ctypes.data), ctypes.c_void_p(s.ctypes.data),
+                ctypes.c_void_p(z.ctypes.data), ctypes.c_size_t(len(z)), ctypes.byref(attrs),
+                ctypes.byref(index), ctypes.c_size_t(1)]
+        if with_fail_index:
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        args.append(ctypes.c_void_p(stream))
+        status = function(*args)
+        if status != 0:
+            raise OSError(f"cuMemcpyBatchAsync failed with CUDA error {status}")
+    return copy
 
 
 def per_copy_us(call, num_copies: int, busy: bool = True) -> float:
@@ -83,6 +111,12 @@ def main() -> None:
         "64 calls of n/64": lambda: [binding.copy(d, s, z, stream) for d, s, z in zip(
             np.array_split(dsts, 64), np.array_split(srcs, 64), np.array_split(sizes, 64))],
     }
+    driver_copy = driver_batch(default_attrs)
+    if driver_copy is not None:
+        variants["driver API call (cuMemcpyBatchAsync)"] = (
+            lambda: driver_copy(dsts, srcs, sizes, stream))
+        variants["runtime call again"] = variants[
+            "as kvtier calls it (stream order, prefer overlap)"]
     for label, call in variants.items():
         host.zero_()
         try:
