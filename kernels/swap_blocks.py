@@ -181,13 +181,9 @@ def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
         dsts, srcs, sizes = _addresses(src, dst, runs)
         if FIRST_CALL_COPIES > 0:  # the copy engines start after a short first call
             largest = -(-runs.num_runs // len(sides))
-            calls = growing_slices(runs.num_runs, FIRST_CALL_COPIES, largest)
-            parts = calls
-            targets = [sides[i % len(sides)] for i in range(len(calls))]
-        else:
-            targets = sides
-        for side, part in zip(targets, parts):
-            binding.copy(dsts[part], srcs[part], sizes[part], side.cuda_stream)
+            parts = growing_slices(runs.num_runs, FIRST_CALL_COPIES, largest)
+        for i, part in enumerate(parts):  # round robin over the side streams
+            binding.copy(dsts[part], srcs[part], sizes[part], sides[i % len(sides)].cuda_stream)
     else:
         for side, part in zip(sides, parts):
             with torch.cuda.stream(side):
