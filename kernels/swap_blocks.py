@@ -122,11 +122,14 @@ def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Runs,
         dst[d:d + n].copy_(src[s:s + n], non_blocking=non_blocking)
 
 
-def _needs_side_streams(src: torch.Tensor, runs: Runs) -> bool:
-    """Whether a dma plan's copies are many and small enough to spread over side streams."""
-    if runs.num_runs < 2 * DMA_STREAMS:
-        return False
-    return int(runs.lengths.sum()) * _block_bytes(src) < SMALL_COPY_BYTES * runs.num_runs
+def _total_bytes(src: torch.Tensor, runs: Runs) -> int:
+    return int(runs.lengths.sum()) * _block_bytes(src)
+
+
+def _needs_side_streams(total_bytes: int, num_runs: int) -> bool:
+    """Whether a dma plan's copies (`num_runs` copies of `total_bytes` in all) are many and
+    small enough to spread over side streams."""
+    return num_runs >= 2 * DMA_STREAMS and total_bytes < SMALL_COPY_BYTES * num_runs
 
 
 def _one_batch(src: torch.Tensor, dst: torch.Tensor, runs: Runs, gpu: torch.Tensor,
@@ -135,7 +138,7 @@ def _one_batch(src: torch.Tensor, dst: torch.Tensor, runs: Runs, gpu: torch.Tens
     `stream` (None: the current one) straight by its handle, without making the device
     and stream current: a write-through of a few blocks is mostly such host work. False,
     enqueuing nothing, when the plan needs side streams or the batched call is missing."""
-    if _needs_side_streams(src, runs) or memcpy_batch() is None \
+    if _needs_side_streams(_total_bytes(src, runs), runs.num_runs) or memcpy_batch() is None \
             or gpu.device.index != torch.cuda.current_device():
         return False
     target = stream if stream is not None else torch.cuda.current_stream()
@@ -166,23 +169,26 @@ def _join(stream: torch.cuda.Stream, sides: list[torch.cuda.Stream]) -> None:
 def _swap_dma(src: torch.Tensor, dst: torch.Tensor, runs: Runs) -> None:
     """Copy engines on the current stream (spread over side streams for small copies)."""
     gpu = src if src.is_cuda else dst if dst.is_cuda else None
-    if gpu is None or not _needs_side_streams(src, runs):
+    total = _total_bytes(src, runs)
+    if gpu is None or not _needs_side_streams(total, runs.num_runs):
         _copy_runs(src, dst, runs)
         return
-    total = int(runs.lengths.sum()) * _block_bytes(src)
     stream = torch.cuda.current_stream(gpu.device)
     num_streams = DMA_STREAMS * (2 if total < _TINY_COPY_BYTES * runs.num_runs else 1)
-    parts = split_even(runs.lengths, num_streams)
-    sides = _fork(stream, len(parts))
     binding = memcpy_batch()
+    if binding is not None and FIRST_CALL_COPIES > 0:
+        # The copy engines start after a short first call; calls go round robin over the
+        # side streams.
+        largest = -(-runs.num_runs // num_streams)
+        parts = growing_slices(runs.num_runs, FIRST_CALL_COPIES, largest)
+    else:  # one call (or one stretch of `copy_`s) per side stream
+        parts = split_even(runs.lengths, num_streams)
+    sides = _fork(stream, min(num_streams, len(parts)))
     if binding is not None:
         # Addresses once for all runs; each call goes to a side stream by handle, without
         # making it current (the host time of a 1,000-block swap is mostly such calls).
         dsts, srcs, sizes = _addresses(src, dst, runs)
-        if FIRST_CALL_COPIES > 0:  # the copy engines start after a short first call
-            largest = -(-runs.num_runs // len(sides))
-            parts = growing_slices(runs.num_runs, FIRST_CALL_COPIES, largest)
-        for i, part in enumerate(parts):  # round robin over the side streams
+        for i, part in enumerate(parts):
             binding.copy(dsts[part], srcs[part], sizes[part], sides[i % len(sides)].cuda_stream)
     else:
         for side, part in zip(sides, parts):
