@@ -1,7 +1,7 @@
 """`kvtier cache ...`: look after a disk tier directory (stats, inspect, verify, prune, clear,
 export, import).
 
-Thin wrappers over `kvtier.tiers.disk_admin`; every command takes `--dir` (default: the
+Thin wrappers over `kvtier.tiers.disk.admin`; every command takes `--dir` (default: the
 engine's disk cache directory) and reports problems as one line through the root group's
 error handling. Do not run them on a directory that a kvtier engine in the same process has
 open; other processes are fine (LMDB's locks coordinate them).
@@ -16,7 +16,7 @@ from kvtier.cli import cache_remote
 from kvtier.cli.common import print_json, print_table
 from kvtier.engine.engine_config import default_disk_cache_dir
 
-from kvtier.tiers import disk_admin
+from kvtier.tiers.disk import admin as disk_admin
 
 GIB = 1 << 30
 

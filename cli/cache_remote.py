@@ -1,12 +1,12 @@
 """`kvtier cache stats|inspect|verify|clear --remote URL`: the same commands for the blocks a
-remote tier (Redis / Redis Cluster) holds, over `kvtier.tiers.remote_admin`."""
+remote tier (Redis / Redis Cluster) holds, over `kvtier.tiers.remote.admin`."""
 
 from __future__ import annotations
 
 import typer
 from kvtier.cli.common import print_json, print_table
 
-from kvtier.remote_config import RemoteConfig
+from kvtier.tiers.remote.config import RemoteConfig
 
 REMOTE_HELP = ("Work on a remote tier instead of a disk directory: a Redis URL "
                "(redis://, rediss://, redis+cluster://; user and password in the URL).")
@@ -18,7 +18,7 @@ def _mib(num_bytes: int | None) -> str:
 
 
 def stats(url: str, key_prefix: str, json_output: bool) -> None:
-    from kvtier.tiers.remote_admin import remote_stats
+    from kvtier.tiers.remote.admin import remote_stats
     result = remote_stats(RemoteConfig(url, key_prefix=key_prefix))
     if json_output:
         print_json(result)
@@ -37,7 +37,7 @@ def stats(url: str, key_prefix: str, json_output: bool) -> None:
 
 
 def inspect(url: str, key_prefix: str, limit: int, json_output: bool) -> None:
-    from kvtier.tiers.remote_admin import remote_inspect
+    from kvtier.tiers.remote.admin import remote_inspect
     rows = remote_inspect(RemoteConfig(url, key_prefix=key_prefix), limit)
     if json_output:
         print_json(rows)
@@ -50,7 +50,7 @@ def inspect(url: str, key_prefix: str, limit: int, json_output: bool) -> None:
 
 
 def verify(url: str, key_prefix: str, repair: bool, json_output: bool) -> None:
-    from kvtier.tiers.remote_admin import remote_verify
+    from kvtier.tiers.remote.admin import remote_verify
     report = remote_verify(RemoteConfig(url, key_prefix=key_prefix), repair=repair)
     if json_output:
         print_json({"num_checked": report.num_checked, "ok": report.ok,
@@ -71,7 +71,7 @@ def verify(url: str, key_prefix: str, repair: bool, json_output: bool) -> None:
 
 
 def clear(url: str, key_prefix: str, yes: bool, json_output: bool) -> None:
-    from kvtier.tiers.remote_admin import remote_clear
+    from kvtier.tiers.remote.admin import remote_clear
     config = RemoteConfig(url, key_prefix=key_prefix)
     if not yes:
         typer.confirm(f"Delete every block under {key_prefix}:* in the remote cache?",

@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtier.remote_config import redact
 from kvtier.stats import Direction, ManagerStats, Tier
-from kvtier.tiers import disk_admin
+from kvtier.tiers.disk import admin as disk_admin
+from kvtier.tiers.remote.config import redact
 
 GIB = 1 << 30
 

@@ -27,7 +27,7 @@ from kvtier.engine import paths
 from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
-from kvtier.remote_config import RemoteConfig
+from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
 AttnBackend = Literal["auto", "torch", "triton", "cudnn", "flash"]

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kvtier.layout import KVLayout
-from kvtier.remote_config import RemoteConfig
+from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
 SWAP_METHODS = ("auto", "dma", "staged", "triton")

@@ -3,11 +3,10 @@
 Reads go before writes, each kind in submission order: a read has a request waiting on it,
 a write-back runs ahead of demand. And writes never take every thread: one (of two or more)
 is always left to reads, so a read waits for no write to finish. When the engine
-produces KV faster than the disk can write it (an 8B model on an H100 makes ~2.7 GB/s of it
-while serving, against ~0.7 GB/s of LMDB writes on its disk), write-backs are always queued;
-with every thread inside a write transaction (LMDB runs one at a time, the others wait for
-its lock), reads used to wait ~100 ms for a thread, and the compute front of their
-restore computed the blocks instead.
+produces KV faster than the disk can write it (a large model serving does, see
+docs/ARCHITECTURE.md), write-backs are always queued; with every thread inside a write
+transaction (LMDB runs one at a time, the others wait for its lock), reads used to wait for
+a thread long enough that the compute front of their restore computed the blocks instead.
 
 `put` blocks while `capacity` jobs wait (backpressure on the submitter); `get` blocks until a
 job the calling thread may run is queued, or until `close` once nothing is left.

@@ -1,8 +1,10 @@
-"""The way up for hit blocks: disk and remote reads into host slots, and host -> GPU copies.
+"""The way up for hit blocks: reads from the tiers below into host slots, and host -> GPU
+copies.
 
   * `feed`: a load's blocks waiting for a host slot get one (in order, while slots can be
-    had) and are read into it on the I/O threads, split over them or as one job.
-  * A read that landed commits its slots (the host tier caches the blocks) and waits for
+    had) and are read into it on the I/O threads by their tier's own read jobs, split over
+    the threads or as one job per tier.
+  * A read that landed commits its slots (a caching host keeps the blocks) and waits for
     `copy_landed_reads`, which the manager calls once per `poll`: one host -> GPU copy job
     for every read that landed since (a restore lands a read every few milliseconds, and a
     job each cost the engine thread a launch, its events and a plan per read).
@@ -10,67 +12,48 @@
     queued before the loads took their blocks (`Load.blocks_free`).
 
 `LoadPath` is driven by the `TierManager` from the engine thread; its jobs run on the
-manager's `TransferEngine` through the `submit` callable it is given (as `kvtier.stores`
-does for the way down).
+manager's `TransferEngine` through the `TierStack`'s `submit` (as `kvtier.stores` does for
+the way down).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import threading
+from collections.abc import Sequence
 
 import torch
 
-from kvtier.config import TierConfig
-from kvtier.layout import KVLayout
-from kvtier.loads import Load, LoadBlock
-from kvtier.remote_io import RemoteWrites, remote_read_job
-from kvtier.stats import Direction, Tier, TierCounters
-from kvtier.stores import chunks
-from kvtier.tiers.disk import DiskTier
+from kvtier.loads import Load, LoadBlock, LoadState
+from kvtier.stats import Direction, Tier
+from kvtier.tier_stack import TierStack
+from kvtier.tiers.base import LowerTier
 from kvtier.tiers.host import HostTier
-from kvtier.transfer import JobId, SwapJob, disk_read_job, timed_job
-
-if TYPE_CHECKING:
-    from kvtier.tiers.remote import RemoteTier
-
-Submit = Callable[..., JobId]
+from kvtier.tiers.record import BlockBuffer, BlockMeta
+from kvtier.transfer import IOJob, SwapJob, chunks, timed_job
 
 
 class LoadPath:
     """Reads into host slots and copies to the GPU for one manager's loads.
 
-    kv_cache: [num_gpu_blocks, *layout.block_shape]. host: the host tier, or (`host_caches`
-    False) the staging slab in front of the disk and remote tiers. disk, remote,
-    remote_writes: the tiers below, None when off. submit(job, on_done, *loads): runs a job
-    for `loads`. counters: the manager's per-tier counters.
+    tiers: the manager's tiers (its host slab must exist to load anything from below).
+    io_threads: how many read jobs a split load's blocks of one tier are spread over.
     """
 
-    def __init__(self, kv_cache: torch.Tensor, host: HostTier | None, host_caches: bool,
-                 disk: DiskTier | None, remote: RemoteTier | None,
-                 remote_writes: RemoteWrites | None, config: TierConfig, layout: KVLayout,
-                 submit: Submit, counters: dict[Tier, TierCounters]) -> None:
-        self.kv_cache, self._host, self.host_caches = kv_cache, host, host_caches
-        self.disk, self.remote, self._remote_writes = disk, remote, remote_writes
-        self.io_threads = config.io_threads
-        self.bytes_per_block = layout.bytes_per_block
-        #: Remote hits are kept on the local disk too (through the host tier's write-back).
-        self.remote_keeps_on_disk = (disk is not None and config.remote is not None
-                                     and config.remote.write_to_disk)
-        self._submit = submit
-        self._counters = counters
+    def __init__(self, tiers: TierStack, io_threads: int) -> None:
+        self.tiers = tiers
+        self.io_threads = io_threads
         # Reads landed in host slots, waiting for their host -> GPU copy.
         self._landed_reads: list[tuple[Load, list[LoadBlock]]] = []
 
     @property
     def host(self) -> HostTier:
-        assert self._host is not None, "loads below the GPU need the host tier or its slab"
-        return self._host
+        assert self.tiers.host is not None, "loads below the GPU need the host tier or its slab"
+        return self.tiers.host
 
     def feed(self, load: Load) -> None:
-        """Give host slots to the load's waiting disk hits, in order, and start reading them
-        (split over the I/O threads)."""
+        """Give host slots to the load's waiting hits below the host, in order, and start
+        reading them (split over the I/O threads)."""
         ready: list[LoadBlock] = []
         while load.waiting:
             slot = self.host.allocate_slot(load.waiting[0].meta)
@@ -79,63 +62,63 @@ class LoadPath:
             load.waiting[0].slot = slot
             ready.append(load.waiting.popleft())
         num_jobs = self.io_threads if load.split_reads else 1
-        for from_remote in (False, True):
-            sources = [lb for lb in ready if lb.from_remote is from_remote]
+        for tier in self.tiers.lower:
+            sources = [lb for lb in ready if lb.source is tier]
             for chunk in chunks(sources, max(1, -(-len(sources) // num_jobs))):
-                dests = [self.host.slot_array(lb.slot) for lb in chunk]  # uint8 [block bytes]
-                metas = [lb.meta for lb in chunk]
-                if from_remote:
-                    # Without host caching, a copy for the local disk is made in the job.
-                    keep = self.disk if self.remote_keeps_on_disk and not self.host_caches \
-                        else None
-                    job, results = remote_read_job(self.remote, metas, dests,
-                                                   self.bytes_per_block, keep)
-                    self._remote_writes.offers.remember([meta.block_hash for meta in metas])
-                else:
-                    job, results = disk_read_job(self.disk, metas, dests,
-                                                 self.bytes_per_block, load.cancelled)
-                self._submit(timed_job(job, load.read_spans), lambda ok, c=chunk, r=results:
-                             self._finish_read(load, c, r), load)
+                self._read(load, tier, chunk)
+
+    def _read(self, load: Load, tier: LowerTier, items: list[LoadBlock]) -> None:
+        dests = [self.host.slot_array(lb.slot) for lb in items]  # uint8 [bytes_per_block]
+        metas = [lb.meta for lb in items]
+        job, results = tier.read_job(metas, dests)
+        keeper = self.tiers.lower.keeper_of(tier)
+        if keeper is not None and not self.host.caches:
+            # A caching host writes the copy back itself; a staging slab forgets the block
+            # once copied, so the copy is made in the job.
+            job = _also_into(job, results, keeper, metas, dests)
+        offers = self.tiers.offers_to(tier)
+        if offers is not None:  # read from the store: no need to offer it back
+            offers.remember([meta.block_hash for meta in metas])
+        self.tiers.submit(timed_job(_unless_cancelled(job, load.cancelled), load.read_spans),
+                          lambda ok: self._finish_read(load, items, results), load)
 
     def _finish_read(self, load: Load, items: list[LoadBlock],
                      results: list[bool]) -> None:
-        """Disk or remote reads landed in host slots: copy the good ones to the GPU."""
+        """Reads landed in host slots: copy the good ones to the GPU."""
         landed = []
         cancelled = load.cancelled.is_set()
         # A job cancelled before it started read nothing (no result): no failure. One that
         # ran and missed a block (pruned meanwhile) failed that block, cancelled or not.
         ran = bool(results) or not cancelled
         for lb, ok in itertools.zip_longest(items, results, fillvalue=False):
-            assert lb.slot is not None
+            assert lb.slot is not None and lb.source is not None
             if ok:
-                if self.host_caches:  # a duplicate stays reserved and is freed after the copy
-                    # A remote block kept on disk goes there by the host tier's write-back.
-                    self.host.commit(lb.slot, dirty=lb.from_remote
-                                      and self.remote_keeps_on_disk)
+                # A duplicate (or any block on a staging slab) stays reserved and is freed
+                # after the copy. A block to keep in the write-back tier goes there dirty.
+                self.host.commit(lb.slot, dirty=self.tiers.lower.keeper_of(lb.source)
+                                 is not None)
                 landed.append(lb)
             else:
                 self.host.free_slot(lb.slot)
-                lb.slot, lb.done = None, True
-                self._counters[Tier.REMOTE if lb.from_remote else Tier.DISK].failures += ran
+                lb.slot, lb.state = None, LoadState.FAILED
+                self.tiers.counters[lb.source.kind].failures += ran
         load.read_blocks += len(landed)
         if cancelled:  # the bytes stay in the host tier; the GPU blocks are the caller's now
             for lb in landed:
                 assert lb.slot is not None
                 self.host.release(lb.slot)
-                lb.slot, lb.done = None, True
+                lb.slot, lb.state = None, LoadState.FAILED
             return
         if landed:  # copied with the other reads that landed by the end of this poll
             self._landed_reads.append((load, landed))
 
     def copy_landed_reads(self) -> None:
-        """One host -> GPU copy for every disk or remote read that landed since the last
-        call: a restore lands a read every few milliseconds, and one copy job each would
-        cost the engine thread a launch, its events and a plan per read."""
+        """One host -> GPU copy for every read from below that landed since the last call."""
         if not self._landed_reads:
             return
         reads, self._landed_reads = self._landed_reads, []
         self.copy_to_gpu([load for load, _ in reads],
-                          [lb for _, items in reads for lb in items])
+                         [lb for _, items in reads for lb in items])
 
     def copy_to_gpu(self, loads: list[Load], items: list[LoadBlock]) -> None:
         """Copy `items` (of `loads`) from their host slots to their GPU blocks, one job."""
@@ -146,12 +129,36 @@ class LoadPath:
             for lb in items:
                 assert lb.slot is not None
                 self.host.release(lb.slot)  # freed if it only staged the bytes
-                lb.slot, lb.done, lb.ok = None, True, ok
-            self._counters[Tier.HOST].failures += 0 if ok else len(items)
+                lb.slot, lb.state = None, LoadState.ARRIVED if ok else LoadState.FAILED
+            self.tiers.counters[Tier.HOST].failures += 0 if ok else len(items)
 
+        kv_cache = self.tiers.kv_cache
         # The blocks were the loads' since their events: no later step of the model uses them.
-        after = tuple(load.blocks_free for load in loads) if self.kv_cache.is_cuda else None
-        job_id = self._submit(SwapJob(Direction.HOST_TO_GPU, self.host.slab, self.kv_cache,
-                                      mapping, after), finish, *loads)
+        after = tuple(load.blocks_free for load in loads) if kv_cache.is_cuda else None
+        job_id = self.tiers.submit(SwapJob(Direction.HOST_TO_GPU, self.host.slab, kv_cache,
+                                           mapping, after), finish, *loads)
         for lb in items:
-            lb.copy_job = job_id
+            lb.copy_job, lb.state = job_id, LoadState.COPYING
+
+
+def _unless_cancelled(job: IOJob, cancelled: threading.Event) -> IOJob:
+    """`job`, reading nothing (its results stay empty) when `cancelled` is set before it
+    starts."""
+    def run() -> int:
+        return 0 if cancelled.is_set() else job.run()
+
+    return IOJob(job.direction, run)
+
+
+def _also_into(job: IOJob, results: list[bool], keeper: LowerTier,
+               metas: Sequence[BlockMeta], dests: Sequence[BlockBuffer]) -> IOJob:
+    """`job`, then storing the blocks it read intact (`results`) in `keeper` too, before it
+    finishes."""
+    def run() -> int:
+        num_bytes = job.run()
+        hits = [i for i, ok in enumerate(results) if ok]
+        if hits:
+            keeper.put([metas[i] for i in hits], [dests[i] for i in hits])
+        return num_bytes
+
+    return IOJob(job.direction, run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from typing import NewType
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
+from kvtier.tiers.base import LowerTier
 from kvtier.tiers.host import SlotId
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import JobId
@@ -32,17 +34,28 @@ class PrefixHit:
         return len(self.locations)
 
 
+class LoadState(enum.Enum):
+    """Where one block of a load stands."""
+
+    #: On its way to the GPU copy: waiting for a host slot, being read into one, or landed
+    #: in the host and waiting for its copy job.
+    PENDING = "pending"
+    COPYING = "copying"  # its host -> GPU copy is submitted (`LoadBlock.copy_job`)
+    ARRIVED = "arrived"  # the copy finished: the GPU block holds the bytes
+    FAILED = "failed"  # a miss: no tier held it, its read or copy failed, or it was cancelled
+
+
 @dataclass(slots=True)
 class LoadBlock:
-    """One block of a load: where it goes, the host slot carrying it, and how it fared."""
+    """One block of a load: where it goes, where it comes from, the host slot carrying it and
+    how far it got."""
 
     meta: BlockMeta
     gpu_block: KVCacheBlock
+    state: LoadState = LoadState.PENDING
     slot: SlotId | None = None
-    done: bool = False
-    ok: bool = False
     copy_job: JobId | None = None  # its host -> GPU copy, once submitted
-    from_remote: bool = False  # read from the remote tier (else from disk) when waiting
+    source: LowerTier | None = None  # the tier below the host it is read from (None: host)
 
 
 @dataclass(slots=True)
@@ -56,7 +69,7 @@ class Load:
 
     blocks: list[LoadBlock]
     split_reads: bool = True
-    waiting: deque[LoadBlock] = field(default_factory=deque)  # disk/remote hits, no slot
+    waiting: deque[LoadBlock] = field(default_factory=deque)  # hits below, no slot yet
     job_ids: set[JobId] = field(default_factory=set)
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: (start, end) on `time.monotonic` of each disk or remote read job of this load that

@@ -1,24 +1,22 @@
-"""The tier manager: who holds which block hash, and the moves between GPU, host and disk.
-It owns the GPU cache, its `BlockPool`, the `HostTier`, the `DiskTier` and the
-`TransferEngine`, and is driven from one engine thread.
+"""The tier manager: who holds which block hash, and the moves between GPU, host and the
+tiers below. It owns the GPU cache, its `BlockPool`, the `HostTier`, the tiers below the host
+(`kvtier.tiers.base.LowerTier`: disk, remote, ...) and the `TransferEngine`, and is driven from
+one engine thread. Its lookup, load and store paths all work on one `TierStack`.
 
+  * Lookups (`kvtier.prefix_lookup`): the GPU pool, the host, then each lower tier in turn.
   * Stores (`kvtier.stores`): newly cached full blocks are written through to host slots
     asynchronously (queued by `cache_full_blocks`, started by `submit_stores` while the GPU
-    computes; deferred, never waited for, when no slot can be had then), and dirty host
-    blocks written back to disk ahead of demand.
-  * Loads (`kvtier.load_path`): host hits are pinned and copied to the GPU; disk hits are
-    read into host slots (in waves when slots are short), then copied. `poll` advances the
-    chains. A load whose copies are all queued on the GPU can complete at once: the compute
-    stream then waits for them, so the request runs while its bytes are still crossing the
-    bus.
+    computes; deferred, never waited for, when no slot can be had then), dirty host blocks
+    written back to the write-back tier (the disk) ahead of demand, and every block offered
+    once to the tiers that take every block (the shared remote store).
+  * Loads (`kvtier.load_path`): host hits are pinned and copied to the GPU; hits below are
+    read into host slots by their tier's jobs (in waves when slots are short), then copied.
+    `poll` advances the chains. A load whose copies are all queued on the GPU can complete
+    at once: the compute stream then waits for them, so the request runs while its bytes
+    are still crossing the bus.
 
-  * Remote tier (optional, below the disk): a lookup asks it, in one pipelined round trip,
-    for the blocks no local tier holds; its hits load remote -> host -> GPU like disk hits.
-    Blocks landing in the host tier are offered to it once each, in batches per step, from
-    the I/O pool (`kvtier.remote_io`).
-
-Fail closed (DESIGN decision 3): a failed transfer or an invalid record makes its block a
-miss; pins and slots are released and the failure is counted.
+Fail closed: a failed transfer or an invalid record makes its block a miss (a wrong KV block
+is never served); pins and slots are released and the failure is counted.
 """
 
 from __future__ import annotations
@@ -35,29 +33,50 @@ from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.load_path import LoadPath
-from kvtier.loads import Load, LoadBlock, LoadId, PrefixHit
-from kvtier.lower_tiers import LowerTiers
+from kvtier.loads import Load, LoadBlock, LoadId, LoadState, PrefixHit
 from kvtier.prefix_lookup import find_prefix
-from kvtier.remote_io import RemoteWrites
 from kvtier.stats import ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_recovery import DiskRecovery, open_disk_tier
-from kvtier.tiers.host import HostTier
+from kvtier.tier_stack import LowerTiers, TierStack
+from kvtier.tiers.base import LowerTier, WritePolicy
+from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.host import HostRole, HostTier
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
+from kvtier.write_once import WriteOnce
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
 _LOAD_COPY_CHUNK = 256
 
 
+def open_lower_tiers(config: TierConfig, layout: KVLayout,
+                     disk_read_hook: Callable[[BlockMeta], None] | None = None
+                     ) -> tuple[list[LowerTier], DiskRecovery | None]:
+    """The tiers below the host that `config` turns on, fastest first, and what was done
+    about damaged disk files (moved aside, or the disk tier turned off, with a warning).
+    Raises as each tier's constructor does."""
+    tiers: list[LowerTier | None] = []
+    recovery = None
+    if config.disk_path is not None:
+        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
+        disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
+                                        tier_class=DiskTier, read_hook=disk_read_hook)
+        tiers.append(disk)
+    if config.remote is not None:
+        from kvtier.tiers.remote.tier import RemoteTier  # imports redis: only when asked for
+        tiers.append(RemoteTier(config.remote, layout))
+    return [tier for tier in tiers if tier is not None], recovery
+
+
 class TierManager:
-    """GPU block pool plus host and disk tiers for one KV layout (see the module docstring).
+    """GPU block pool plus the host tier and the tiers below it, for one KV layout (see the
+    module docstring).
 
     `kv_cache: [num_gpu_blocks, *layout.block_shape]` lives on `device`; on a CPU device the
     "GPU" is a CPU tensor and copies run synchronously. Not thread-safe. Raises ValueError
-    for a config that does not fit the layout or the machine, and the disk tier's errors.
+    for a config that does not fit the layout or the machine, and the lower tiers' errors.
     `disk_read_hook` is passed to the disk tier (`DiskTier` read_hook: tests slow its reads).
     """
 
@@ -65,64 +84,55 @@ class TierManager:
                  device: torch.device | str = "cpu",
                  disk_read_hook: Callable[[BlockMeta], None] | None = None) -> None:
         self.layout, self.config, self.device = layout, config, torch.device(device)
-        num_host_slots = config.num_host_slots(layout)
         # [num_gpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(layout, config.num_gpu_blocks, self.device)
         self.pool = BlockPool(config.num_gpu_blocks)
-        self._host_caches = num_host_slots > 0
+        num_host_slots = config.num_host_slots(layout)
+        lower, self.disk_recovery = open_lower_tiers(config, layout, disk_read_hook)
+        #: The tiers below the host, fastest first; their stats are readable from any thread.
+        self.lower_tiers = LowerTiers(lower)
+        #: The host tier, or the staging slab the lower tiers' bytes pass through when it
+        #: is off; None when nothing sits below the GPU.
         self.host: HostTier | None = None
-        if self._host_caches or config.disk_enabled or config.remote is not None:
-            self.host = HostTier(layout, num_host_slots or config.staging_slots,
-                                 pin_memory=self.device.type == "cuda")
-        self.disk: DiskTier | None = None
-        # Damaged disk files are moved aside (or the disk tier turned off) with a warning.
-        self.disk_recovery: DiskRecovery | None = None
-        if config.disk_path is not None:
-            assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-            self.disk, self.disk_recovery = open_disk_tier(
-                config.disk_path, layout, config.disk_budget_bytes, tier_class=DiskTier,
-                read_hook=disk_read_hook)
-            if self.disk is None and not self._host_caches:
-                self.host = None  # the staging slab only serves the disk tier
-        self.remote = None
-        if config.remote is not None:
-            from kvtier.tiers.remote import RemoteTier  # imports redis: only when asked for
-            self.remote = RemoteTier(config.remote, layout)
+        if num_host_slots or lower:
+            try:
+                self.host = HostTier(layout, num_host_slots or config.staging_slots,
+                                     pin_memory=self.device.type == "cuda",
+                                     role=HostRole.CACHE if num_host_slots else HostRole.STAGING)
+            except BaseException:
+                self.lower_tiers.close()  # no half-built manager keeps files open
+                raise
         self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
-        self._search_order = [Tier.GPU] + [Tier.HOST] * self._host_caches \
-            + [Tier.DISK] * (self.disk is not None) + [Tier.REMOTE] * (self.remote is not None)
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
         # Finished jobs whose completion has not run yet (one before them raised).
         self._unhandled: list[tuple[JobId, bool]] = []
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._tiers = new_tier_counters()
-        self._remote_writes: RemoteWrites | None = None
-        if self.remote is not None:
-            assert self.host is not None and config.remote is not None
-            self._remote_writes = RemoteWrites(self.remote, self.host, layout.bytes_per_block,
-                                               config.remote.write_batch, self._submit,
-                                               self._tiers[Tier.REMOTE])
-        #: The way up: disk and remote reads into host slots, host -> GPU copies.
-        self.load_path = LoadPath(self.kv_cache, self.host, self._host_caches, self.disk,
-                                  self.remote, self._remote_writes, config, layout,
-                                  self._submit, self._tiers)
-        self.stores: StorePath | None = None  # the way down (None: no tier below the GPU)
-        if self.host is not None:
-            self.stores = StorePath(self.pool, self.kv_cache, self.host, self._host_caches,
-                                    self.disk, self._remote_writes, layout.bytes_per_block,
-                                    self._submit, self._tiers)
-        #: The disk and remote tiers' own stats, readable from any thread.
-        self.lower_tiers = LowerTiers(self.disk, self.remote)
+        self.tiers = TierStack(self.pool, self.kv_cache, self.host, self.lower_tiers,
+                               self._tiers, self._submit,
+                               [WriteOnce(tier) for tier in self.lower_tiers
+                                if tier.write_policy is WritePolicy.EVERY_BLOCK])
+        #: The way up: reads from below into host slots, host -> GPU copies.
+        self.load_path = LoadPath(self.tiers, config.io_threads)
+        #: The way down (None: no tier below the GPU).
+        self.stores = StorePath(self.tiers) if self.host is not None else None
         self._closed = False
 
-    # ---- lookups and GPU blocks ----------------------------------------------------------
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk tier, or None when it is off."""
+        disk = self.lower_tiers.named("disk")
+        assert disk is None or isinstance(disk, DiskTier)
+        return disk
 
     @property
-    def _host(self) -> HostTier:
-        assert self.host is not None, "no host slab: the host and disk tiers are both off"
-        return self.host
+    def remote(self) -> LowerTier | None:
+        """The remote tier, or None when it is off."""
+        return self.lower_tiers.named("remote")
+
+    # ---- lookups and GPU blocks ----------------------------------------------------------
 
     def lookup(self, block_hashes: Sequence[BlockHash],
                read_slow: Callable[[int], bool] | None = None) -> PrefixHit:
@@ -131,10 +141,9 @@ class TierManager:
         hits, `prepare_load` for the rest); counts hits and misses per tier.
 
         `read_slow(i)`, asked once at the first block `i` that neither the GPU nor the host
-        tier holds, says whether to look in the disk and remote tiers (False: the prefix
+        tier holds, says whether to look in the tiers below the host (False: the prefix
         ends there, and those tiers are not asked at all)."""
-        return find_prefix(block_hashes, self.pool, self.host if self._host_caches else None,
-                           self.disk, self.remote, self._tiers, self._search_order, read_slow)
+        return find_prefix(block_hashes, self.tiers, read_slow)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few
@@ -146,7 +155,8 @@ class TierManager:
     def any_on_host(self, hashes: Sequence[BlockHash]) -> bool:
         """Whether the host tier caches any of `hashes` now (False without host caching);
         stops at the first it finds."""
-        return self.host is not None and any(map(self.host.contains, hashes))
+        host = self.tiers.caching_host
+        return host is not None and any(map(host.contains, hashes))
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """One more reference on each block (e.g. GPU prefix hits a request will use)."""
@@ -162,13 +172,14 @@ class TierManager:
                      gpu_blocks: Sequence[KVCacheBlock], split_reads: bool = True,
                      known_on_disk: bool = False) -> LoadId:
         """Start loading the blocks `metas` names into `gpu_blocks` (allocated by the caller,
-        held, not cached) from the host, else from disk, else from the remote tier (not
-        asked again: a block it lost meanwhile fails its read). From the first block no
-        tier holds onwards, all are misses at once. `split_reads` spreads the disk reads over
-        the I/O threads; without it they go as one job (a small load among many in flight,
-        which `cancel_load` can then stop as a whole). `known_on_disk`: a lookup just found
-        the blocks that are not on the host on disk; they are not looked up again (a block
-        gone meanwhile is a failed read, and computed).
+        held, not cached) from the host, else from the fastest tier below holding them (a
+        tier whose lookup is a round trip is not asked again: a block it lost meanwhile
+        fails its read). From the first block no tier holds onwards, all are misses at once.
+        `split_reads` spreads the reads over the I/O threads; without it they go as one job
+        per tier (a small load among many in flight, which `cancel_load` can then stop as a
+        whole). `known_on_disk`: a lookup just found the blocks that are not on the host in
+        a local disk tier; they are not looked up again (a block gone meanwhile is a failed
+        read, and computed).
 
         The manager holds a reference on every block until `complete_load`, which must be
         called once per load (also when its request went away). Raises ValueError unless
@@ -190,35 +201,44 @@ class TierManager:
         self._loads[load_id] = load
         self.pool.touch(gpu_blocks)
         from_host: list[LoadBlock] = []
-        on_disk: list[bool] = []
+        # Per lower tier, once asked: per block, whether it holds it.
+        below: list[list[bool] | None] = [None] * len(self.lower_tiers)
+        host = self.tiers.caching_host
         for i, lb in enumerate(load.blocks):
-            lb.slot = self._host.lookup(lb.meta.block_hash) if self._host_caches else None
+            lb.slot = host.lookup(lb.meta.block_hash) if host is not None else None
             if lb.slot is not None:
-                self._host.pin(lb.slot)
+                host.pin(lb.slot)
                 from_host.append(lb)
                 if len(from_host) == _LOAD_COPY_CHUNK:
                     self.load_path.copy_to_gpu([load], from_host)
                     from_host = []
                 continue
-            if self.disk is not None:
-                if not on_disk:
-                    rest = [b.meta.block_hash for b in load.blocks[i:]]
-                    on_disk = [False] * i + ([True] * len(rest) if known_on_disk
-                                             else self.disk.contains(rest))
-                if on_disk[i]:
-                    load.waiting.append(lb)
-                    continue
-            if self.remote is not None:
-                lb.from_remote = True
-                load.waiting.append(lb)
-                continue
-            for missing in load.blocks[i:]:
-                missing.done = True
-            break
+            lb.source = self._source(load.blocks, i, below, known_on_disk)
+            if lb.source is None:
+                for missing in load.blocks[i:]:
+                    missing.state = LoadState.FAILED
+                break
+            load.waiting.append(lb)
         if from_host:
             self.load_path.copy_to_gpu([load], from_host)
         self.load_path.feed(load)
         return load_id
+
+    def _source(self, blocks: list[LoadBlock], i: int, below: list[list[bool] | None],
+                known_on_disk: bool) -> LowerTier | None:
+        """The fastest lower tier holding `blocks[i]` (None: none does). A tier with a local
+        lookup is asked once, for block `i` onwards (`below` keeps its answers); a remote
+        one is trusted: the lookup found the block there."""
+        for k, tier in enumerate(self.lower_tiers):
+            if not tier.lookup_is_local:
+                return tier
+            if below[k] is None:
+                rest = [b.meta.block_hash for b in blocks[i:]]
+                known = known_on_disk and tier.kind is Tier.DISK
+                below[k] = [False] * i + ([True] * len(rest) if known else tier.contains(rest))
+            if below[k][i]:
+                return tier
+        return None
 
     def is_load_ready(self, load_id: LoadId, advance: bool = True) -> bool:
         """Whether `complete_load` would not wait: every block arrived or failed, or is
@@ -230,8 +250,14 @@ class TierManager:
         return self._is_usable(load)
 
     def _is_usable(self, load: Load) -> bool:
-        copies = {lb.copy_job for lb in load.blocks if not lb.done}  # one job, many blocks
-        return None not in copies and all(self.transfers.is_on_stream(j) for j in copies)
+        """Every block arrived, failed, or is being copied on a GPU copy stream."""
+        copies = set()  # one job, many blocks
+        for lb in load.blocks:
+            if lb.state is LoadState.PENDING:
+                return False
+            if lb.state is LoadState.COPYING:
+                copies.add(lb.copy_job)
+        return all(self.transfers.is_on_stream(j) for j in copies)
 
     def _get_load(self, load_id: LoadId) -> Load:
         if load_id not in self._loads:
@@ -249,9 +275,9 @@ class TierManager:
         load = self._get_load(load_id)
         load.cancelled.set()
         for lb in load.waiting:
-            lb.done = True
+            lb.state = LoadState.FAILED
         load.waiting.clear()
-        return [lb.copy_job is not None and not (lb.done and not lb.ok) for lb in load.blocks]
+        return [lb.state in (LoadState.COPYING, LoadState.ARRIVED) for lb in load.blocks]
 
     def complete_load(self, load_id: LoadId) -> int:
         """Finish a load, waiting for it if needed; returns how many LEADING blocks arrived
@@ -264,7 +290,7 @@ class TierManager:
         return next((i for i, ok in enumerate(arrived) if not ok), len(arrived))
 
     def load_reads(self, load_id: LoadId) -> tuple[int, list[tuple[float, float]]]:
-        """What the load's disk or remote reads have done so far (call before completing
+        """What the load's reads from the tiers below have done so far (call before completing
         it): the blocks read intact, whether or not they reach the GPU (a cancelled load's
         reads count), and the (start, end) on `time.monotonic` of each read job that ran.
         Raises ValueError for an unknown or completed load."""
@@ -288,8 +314,9 @@ class TierManager:
             self.transfers.wait(pending)
             self.poll()
         del self._loads[load_id]
-        self.transfers.order_after({lb.copy_job for lb in load.blocks if not lb.done})
-        arrived = [not (lb.done and not lb.ok) for lb in load.blocks]
+        self.transfers.order_after({lb.copy_job for lb in load.blocks
+                                    if lb.state is LoadState.COPYING})
+        arrived = [lb.state is not LoadState.FAILED for lb in load.blocks]
         if leading_only and not all(arrived):
             arrived[arrived.index(False):] = [False] * (len(arrived) - arrived.index(False))
         # ref_cnt 1 is our own reference alone: the caller freed the block, so it is not
@@ -369,7 +396,7 @@ class TierManager:
 
     def poll(self) -> None:
         """Advance transfers without blocking: run the next step of every finished job
-        (disk -> host -> GPU chains, stores landing, write-backs committing), start
+        (reads -> host -> GPU chains, stores landing, write-backs committing), start
         write-backs where the host runs short of evictable slots, and give freed slots to
         waiting loads. Call it once per engine step."""
         while finished := self._unhandled + self.transfers.get_finished():
@@ -386,13 +413,13 @@ class TierManager:
                     self._unhandled = finished[index + 1:]
                     raise
             self.load_path.copy_landed_reads()
-        if self._remote_writes is not None:
-            self._remote_writes.send()  # this step's newly cached blocks, in batches
+        if self.stores is not None:
+            self.stores.send_offers()  # this step's newly cached blocks, in batches
         # Only loads with blocks waiting for a host slot: a restore keeps hundreds of loads
         # in flight, and `_complete` polls once per load it completes. They take the slots
         # that write-backs just cleaned before deferred write-throughs do: a read serves a
-        # request now, a store only may later (under serving load on an H100, deferred
-        # stores took every cleaned slot and no disk read ever started).
+        # request now, a store only may later (under serving load, deferred stores took
+        # every cleaned slot and no disk read ever started).
         starved = [load for load in self._loads.values() if load.waiting]
         for load in starved:
             self.load_path.feed(load)
@@ -403,7 +430,7 @@ class TierManager:
             for load in starved:
                 self._tiers[Tier.HOST].rejected += len(load.waiting)
                 for lb in load.waiting:
-                    lb.done = True
+                    lb.state = LoadState.FAILED
                 load.waiting.clear()
 
     def drain(self) -> None:
@@ -416,14 +443,14 @@ class TierManager:
             self.poll()
 
     def flush(self) -> None:
-        """Block until nothing is in flight and every dirty host block is written to disk."""
+        """Block until nothing is in flight and every dirty host block is written back."""
         self.drain()
         while self.stores is not None and self.stores.write_back_all():
             self.drain()  # (a deferred write-through may follow the write-backs)
 
     def close(self) -> None:
-        """Wait for in-flight work, flush write-backs to disk, stop the I/O threads and close
-        the disk tier. Idempotent. Loads not completed keep their GPU references."""
+        """Wait for in-flight work, flush write-backs, stop the I/O threads and close the
+        tiers below the host. Idempotent. Loads not completed keep their GPU references."""
         if self._closed:
             return
         self.flush()
@@ -437,7 +464,7 @@ class TierManager:
         """Per-tier block counters, transfers per direction, pool and host occupancy;
         `lower_tiers=False` leaves out `disk` and `remote` (None), which read LMDB: they can
         be read from any thread with `lower_tiers.stats()`."""
-        host = self.host if self._host_caches else None
+        host = self.tiers.caching_host
         disk, remote = self.lower_tiers.stats() if lower_tiers else (None, None)
         return ManagerStats(
             tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},

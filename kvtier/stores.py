@@ -1,23 +1,27 @@
-"""The way down for computed blocks: GPU -> host -> disk (and the remote tier).
+"""The way down for computed blocks: GPU -> host -> the tiers below.
 
   * Write-through: a newly cached full GPU block is copied to a host slot asynchronously,
     in two phases. `write_through` takes an extra pool reference on the block (its GPU
     memory stays as computed) and records where the compute stream stands; `submit_pending`
     later finds the slots and starts the copy, ordered after that point only. The engine
     submits while the GPU runs its next step, so that the host work of the stores (slots,
-    evictions, the copy plan: ~0.5-1 ms a step on an H100 host) is not spent between
-    steps, when the GPU waits; under memory pressure the scheduler starts them sooner, when
-    an allocation fails, before it preempts anyone. The slot is pinned during the copy and
-    indexed once the bytes landed. With the host tier off and a disk tier on, a small
-    staging slab carries the bytes on to disk.
+    evictions, the copy plan) is not spent between steps, when the GPU waits; under memory
+    pressure the scheduler starts them sooner, when an allocation fails, before it preempts
+    anyone. The slot is pinned during the copy and indexed once the bytes landed. With the
+    host tier off, a small staging slab carries the bytes on to every tier below, then
+    forgets them.
   * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
     reserved), the block is not waited for. It is remembered, without a reference, and
     copied once write-backs free a slot, if the GPU still caches it then.
-  * Write-back: the least recently used dirty host blocks are written to disk ahead of
-    demand; a slot is evicted only once its block is clean (its disk write committed).
+  * Write-back: the least recently used dirty host blocks are written to the write-back
+    tier (the disk) ahead of demand; a slot is evicted only once its block is clean (its
+    write committed).
+  * Every block once: a block that landed in the host is offered to each tier that takes
+    every block (the shared remote store), and written in batches once per step.
 
-`StorePath` is driven by the `TierManager` from the engine thread; its jobs run on the
-manager's `TransferEngine` through the `submit` callable it is given.
+Each tier's writes are the jobs it builds itself (`LowerTier.write_job`), counted under its
+kind. `StorePath` is driven by the `TierManager` from the engine thread; its jobs run on the
+manager's `TransferEngine` through the `TierStack`'s `submit`.
 """
 
 from __future__ import annotations
@@ -27,52 +31,35 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvtier.block_pool import BlockPool
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
-from kvtier.remote_io import RemoteWrites
-from kvtier.stats import Direction, Tier, TierCounters
-from kvtier.tiers.disk import DiskTier
+from kvtier.stats import Direction, Tier
+from kvtier.tier_stack import TierStack
+from kvtier.tiers.base import LowerTier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import IOJob, JobId, SwapJob, disk_write_job
+from kvtier.transfer import JobId, SwapJob, chunks
 
-#: Blocks per LMDB write transaction.
-DISK_WRITE_BATCH = 32
 #: A batched `submit_pending` starts the queued write-throughs once this many blocks wait,
 #: or once they were offered `STORE_MAX_OFFERS` times (the engine offers twice a step), or
-#: when the GPU pool runs low. Each copy job costs ~0.2-0.4 ms of host time whatever its
-#: size: on an H100 a decode step of a 0.5B / 1B model (1.8 / 2.3 ms) took 1.15x / 1.09x as
-#: long when every step started one for the block or two it filled.
+#: when the GPU pool runs low. Each copy job costs host time whatever its size, enough to
+#: slow the decode steps of a small model when every step started one for the block or two
+#: it filled (docs/ARCHITECTURE.md).
 STORE_BATCH_BLOCKS = 8
 STORE_MAX_OFFERS = 16
 
-Submit = Callable[[SwapJob | IOJob, Callable[[bool], None]], JobId]
-
-
-def chunks(items: list, size: int) -> list[list]:
-    """`items` cut into consecutive lists of at most `size`."""
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
 
 class StorePath:
-    """Write-through, deferred write-through and write-back over one manager's tiers.
+    """Write-through, deferred write-through, write-back and every-block writes over one
+    manager's tiers (`tiers.host` must exist: the host tier, or the staging slab in front of
+    the tiers below)."""
 
-    kv_cache: [num_gpu_blocks, *layout.block_shape], the GPU blocks `pool` hands out.
-    host: the host tier, or (`host_caches` False) the staging slab in front of the disk.
-    disk, remote_writes: the tiers below, None when off. submit: runs a job and calls its
-    completion with whether it succeeded. counters: the manager's per-tier counters.
-    """
-
-    def __init__(self, pool: BlockPool, kv_cache: torch.Tensor, host: HostTier,
-                 host_caches: bool, disk: DiskTier | None, remote_writes: RemoteWrites | None,
-                 bytes_per_block: int, submit: Submit,
-                 counters: dict[Tier, TierCounters]) -> None:
-        self.pool, self.kv_cache, self.host = pool, kv_cache, host
-        self.host_caches, self.disk, self.remote_writes = host_caches, disk, remote_writes
-        self.bytes_per_block = bytes_per_block
-        self._submit = submit
-        self._counters = counters
+    def __init__(self, tiers: TierStack) -> None:
+        assert tiers.host is not None, "stores need the host tier or its staging slab"
+        self.tiers, self.pool, self.kv_cache = tiers, tiers.pool, tiers.kv_cache
+        self.host: HostTier = tiers.host
+        self.write_back = tiers.lower.write_back
+        self._counters = tiers.counters
         self._storing: set[BlockHash] = set()  # write-through in flight
         # Write-through copies in flight, oldest first: job id -> the GPU blocks it holds.
         self._copying: dict[JobId, list[KVCacheBlock]] = {}
@@ -84,11 +71,12 @@ class StorePath:
         # Write-throughs that found no host slot, oldest first (see `_defer`).
         self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
         self._num_writing_back = 0
-        self._writeback_reserve = max(1, host.num_slots // 8) if host_caches else 0
+        num_slots, caches = self.host.num_slots, self.host.caches
+        self._writeback_reserve = max(1, num_slots // 8) if caches else 0
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
         #: out of evictable ones (writes outpacing the disk): without them, every slot a
         #: write-back cleaned went to the next store, and no disk read ever started.
-        self._read_reserve = host.num_slots // 16 if host_caches and disk is not None else 0
+        self._read_reserve = num_slots // 16 if caches and self.write_back is not None else 0
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta]) -> None:
         """Queue newly cached GPU blocks (`metas[i]` names `blocks[i]`) for copying to host
@@ -142,14 +130,23 @@ class StorePath:
         self.schedule_writebacks(num_slots_wanted + len(self._deferred))
 
     def write_back_all(self) -> bool:
-        """Start writing every dirty, unpinned host block to disk; False when there is none
-        (or no disk). The caller waits for the jobs (a deferred store may follow them)."""
-        if not self.host_caches or self.disk is None:
+        """Start writing every dirty, unpinned host block back; False when there is none
+        (or no write-back tier). The caller waits for the jobs (a deferred store may follow
+        them)."""
+        if self.write_back is None:
             return False
         dirty = [s for s in self.host.dirty_slots() if self.host.num_pins(s) == 0]
-        for chunk in chunks(dirty, DISK_WRITE_BATCH):
-            self._write_to_disk(chunk, staged=False)
+        for chunk in chunks(dirty, self.write_back.write_batch):
+            self._write_back(chunk)
         return bool(dirty)
+
+    def send_offers(self) -> None:
+        """Write the blocks offered to the tiers that take every block since the last call,
+        in batches; each slot is unpinned once its batch is done, whatever the outcome (a
+        refused or lost block is counted and dropped, never retried)."""
+        for offers in self.tiers.offers:
+            for chunk in offers.take():
+                self._write(offers.tier, chunk, lambda c=chunk: [self.host.unpin(s) for s in c])
 
     # ---- write-through -------------------------------------------------------------------
 
@@ -187,9 +184,8 @@ class StorePath:
         no_slot: list[tuple[KVCacheBlock, BlockMeta]] = []
         room = self._store_room()
         for block, meta in pairs:
-            # (Staging: the disk write itself skips blocks already on disk.)
-            if meta.block_hash in self._storing or (
-                    self.host_caches and self.host.contains(meta.block_hash)):
+            # (A staging slab caches nothing: the tiers' writes skip blocks they hold.)
+            if meta.block_hash in self._storing or self.host.contains(meta.block_hash):
                 continue
             slot = None if no_slot or len(items) >= room else self.host.allocate_slot(meta)
             if slot is None:  # not waited for
@@ -208,7 +204,7 @@ class StorePath:
             job = SwapJob(Direction.GPU_TO_HOST, self.kv_cache, self.host.slab, mapping,
                           after=after)
             # (`job_id` is bound before the completion runs: that is in a later poll.)
-            job_id = self._submit(job, lambda ok: self._finish_copy(job_id, items, ok))
+            job_id = self.tiers.submit(job, lambda ok: self._finish_copy(job_id, items, ok))
             self._copying[job_id] = [block for block, _, _ in items]
         return no_slot
 
@@ -237,63 +233,77 @@ class StorePath:
         self._storing.difference_update(meta.block_hash for _, meta, _ in items)
         slots = [slot for _, _, slot in items]
         self._counters[Tier.HOST].failures += 0 if ok else len(items)
-        if ok and not self.host_caches:
-            for chunk in chunks(slots, DISK_WRITE_BATCH):
-                if self.remote_writes is not None:  # to the remote tier first, then to disk
-                    self.remote_writes.write(chunk, lambda c=chunk: self._after_staged_remote(c))
-                else:
-                    self._write_to_disk(chunk, staged=True)
-            return
+        staged = []
         for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
-            if ok and self.host.commit(slot, dirty=self.disk is not None):
+            if ok and self.host.commit(slot, dirty=self.write_back is not None):
                 self.host.unpin(slot)
-                if self.remote_writes is not None:  # pinned until its batch is written
-                    self.remote_writes.offer(slot)
+                for offers in self.tiers.offers:  # pinned until its batch is written
+                    if offers.is_new(self.host.meta(slot).block_hash):
+                        self.host.pin(slot)
+                        offers.pending.append(slot)
+            elif ok and not self.host.caches:
+                staged.append(slot)
             else:
                 self.host.free_slot(slot)
+        # A staging slab carries its blocks to every tier below (those taking every block
+        # first), then forgets them.
+        below = [offers.tier for offers in self.tiers.offers] + [self.write_back] * (
+            self.write_back is not None)
+        for chunk in chunks(staged, below[0].write_batch if below else 1):
+            self._write_staged(chunk, below)
 
-    def _after_staged_remote(self, slots: list[SlotId]) -> None:
-        if self.disk is not None:
-            self._write_to_disk(slots, staged=True)
-        else:
+    def _write_staged(self, slots: list[SlotId], tiers: list[LowerTier]) -> None:
+        """Write RESERVED staging slots to each of `tiers` in turn, then free them."""
+        if not tiers:
             for slot in slots:
                 self.host.free_slot(slot)
+            return
+        offers = self.tiers.offers_to(tiers[0])
+        if offers is not None:
+            offers.remember([self.host.meta(slot).block_hash for slot in slots])
+        self._write(tiers[0], slots, lambda: self._write_staged(slots, tiers[1:]))
 
     # ---- write-back ----------------------------------------------------------------------
 
     def schedule_writebacks(self, num_needed: int) -> None:
-        """Start writing dirty host blocks to disk, least recently used first, so that
+        """Start writing dirty host blocks back, least recently used first, so that
         `num_needed` slots plus a small reserve can be had without waiting."""
-        if not self.host_caches or self.disk is None:
+        if self.write_back is None:
             return
         available = self.host.num_free_slots + self.host.num_clean + self._num_writing_back
         shortfall = num_needed + self._writeback_reserve - available
         if shortfall > 0:
-            for chunk in chunks(self.host.writeback_candidates(shortfall), DISK_WRITE_BATCH):
-                self._write_to_disk(chunk, staged=False)
+            for chunk in chunks(self.host.writeback_candidates(shortfall),
+                                self.write_back.write_batch):
+                self._write_back(chunk)
 
-    def _write_to_disk(self, slots: list[SlotId], staged: bool) -> None:
-        """Write host slots to disk on the I/O pool. `staged`: RESERVED staging slots, freed
-        afterwards; else CACHED dirty slots, pinned meanwhile and clean afterwards."""
-        payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
-        job, stored = disk_write_job(self.disk, [self.host.meta(slot) for slot in slots],
-                                     payloads, self.bytes_per_block)
+    def _write_back(self, slots: list[SlotId]) -> None:
+        """Write CACHED dirty slots to the write-back tier; pinned meanwhile, clean after."""
+        assert self.write_back is not None
+        for slot in slots:
+            self.host.pin(slot)
+        self._num_writing_back += len(slots)
 
-        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
-            self._counters[Tier.DISK].rejected += stored.count(False)
-            self._counters[Tier.DISK].failures += len(slots) - len(stored)
+        def finish() -> None:
             for slot in slots:
-                if staged:
-                    self.host.free_slot(slot)
-                    continue
                 # Clean even when the write failed or was refused: the block is then lost
                 # on eviction, but a broken or full disk must not wedge the host tier.
                 self.host.unpin(slot)
                 self.host.mark_clean(slot)
-            self._num_writing_back -= 0 if staged else len(slots)
+            self._num_writing_back -= len(slots)
 
-        if not staged:
-            for slot in slots:
-                self.host.pin(slot)
-            self._num_writing_back += len(slots)
-        self._submit(job, finish)
+        self._write(self.write_back, slots, finish)
+
+    def _write(self, tier: LowerTier, slots: list[SlotId], then: Callable[[], object]) -> None:
+        """Write host slots (pinned or reserved by the caller) to `tier` on the I/O pool with
+        the job the tier builds; count what it refused or lost, then run `then()`."""
+        payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
+        job, stored = tier.write_job([self.host.meta(slot) for slot in slots], payloads)
+        counters = self._counters[tier.kind]
+
+        def finish(ok: bool) -> None:  # `stored` is empty when the job raised
+            counters.rejected += stored.count(False)
+            counters.failures += len(slots) - len(stored)
+            then()
+
+        self.tiers.submit(job, finish)

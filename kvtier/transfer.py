@@ -34,19 +34,15 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType
+from typing import NewType
 
 import torch
 
 from kvtier.io_queue import IOQueue
 from kvtier.kernels import swap_blocks
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
-
-if TYPE_CHECKING:
-    from kvtier.tiers.disk import DiskTier
-    from kvtier.tiers.record import BlockBuffer, BlockMeta
 
 logger = logging.getLogger(__name__)
 
@@ -105,43 +101,10 @@ def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
     return IOJob(job.direction, run)
 
 
-def disk_read_job(disk: DiskTier, metas: Sequence[BlockMeta], dests: Sequence[BlockBuffer],
-                  bytes_per_block: int,
-                  cancelled: threading.Event | None = None) -> tuple[IOJob, list[bool]]:
-    """A DISK_TO_HOST job reading the blocks `metas` names into `dests` (uint8 views
-    `[bytes_per_block]` of host slots) in one read transaction. The returned list receives
-    each block's outcome (True: verified hit) once the job has run; it stays empty if the
-    job raised, or if `cancelled` was set before the job started (nothing is read then)."""
-    results: list[bool] = []
+def chunks(items: list, size: int) -> list[list]:
+    """`items` cut into consecutive lists of at most `size` (one job each)."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
-    def run() -> int:
-        if cancelled is not None and cancelled.is_set():
-            return 0
-        results.extend(disk.get_many_into(metas, dests))
-        return sum(results) * bytes_per_block
-
-    return IOJob(Direction.DISK_TO_HOST, run), results
-
-
-def disk_write_job(disk: DiskTier, metas: Sequence[BlockMeta],
-                   payloads: Sequence[BlockBuffer],
-                   bytes_per_block: int) -> tuple[IOJob, list[bool]]:
-    """A HOST_TO_DISK job storing blocks (payloads: uint8 views `[bytes_per_block]` of host
-    slots) that the disk does not hold yet, in one write transaction. The returned list
-    receives, per block, whether the disk holds it afterwards (False: refused for lack of
-    room); it stays empty if the job raised. Counts only newly written bytes."""
-    stored: list[bool] = []
-
-    def run() -> int:
-        block_hashes = [meta.block_hash for meta in metas]
-        before = disk.contains(block_hashes)
-        new = [i for i, present in enumerate(before) if not present]
-        if new:
-            disk.put([metas[i] for i in new], [payloads[i] for i in new])
-        stored.extend(disk.contains(block_hashes) if new else before)
-        return sum(stored[i] for i in new) * bytes_per_block
-
-    return IOJob(Direction.HOST_TO_DISK, run), stored
 
 #: GIL switch interval (seconds) while I/O threads share the process with a model that
 #: launches its kernels from Python: short enough that a block read does not wait for
@@ -185,8 +148,8 @@ class TransferEngine:
         if self._use_cuda and sys.getswitchinterval() > IO_SWITCH_INTERVAL_S:
             sys.setswitchinterval(IO_SWITCH_INTERVAL_S)
         # One copy stream per direction: loads must not queue behind write-throughs, which
-        # wait for the step that computed their blocks (on an H100 a restore's loads sat
-        # ~35 ms behind each step's write-through, and the next step waited for them).
+        # wait for the step that computed their blocks (a restore's loads would sit behind
+        # each step's write-through, and the next step wait for them).
         self._streams = {direction: torch.cuda.Stream(self.device)
                          for direction in _SWAP_DIRECTIONS} if self._use_cuda else {}
         self._lock = threading.Lock()

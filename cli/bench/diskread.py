@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.lmdb_value import OVERFLOW_HEADER_BYTES, ValueSpot, find_value
+from kvtier.tiers.disk.lmdb_value import OVERFLOW_HEADER_BYTES, ValueSpot, find_value
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
 _CHUNK = 8 << 20

@@ -56,7 +56,7 @@ from kvtier.engine.restore import DISK_GROUP_BYTES
 from kvtier.config import DEFAULT_IO_THREADS
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction
-from kvtier.tiers.disk_check import DATA_FILE
+from kvtier.tiers.disk.check import DATA_FILE
 
 STRATEGIES = ("recompute", "host", "disk")
 GIB = 1 << 30

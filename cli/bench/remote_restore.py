@@ -23,8 +23,8 @@ from kvtier.cli.bench.roundtrip import store_random_blocks
 from kvtier.config import TierConfig
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
-from kvtier.remote_config import RemoteConfig
 from kvtier.tiers.record import BlockMeta
+from kvtier.tiers.remote.config import RemoteConfig
 
 
 def _baseline_client(config: RemoteConfig):
@@ -32,7 +32,7 @@ def _baseline_client(config: RemoteConfig):
     import redis
     from redis.cluster import RedisCluster
 
-    from kvtier.tiers.remote_nodes import RemoteNodes
+    from kvtier.tiers.remote.nodes import RemoteNodes
     nodes = RemoteNodes(config)
     try:
         cluster = nodes.is_cluster

@@ -145,7 +145,7 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
     if mode == "host_disk_all":
         options["restore_min_saving_s"] = 0.0
     if config.remote_cache is not None and mode != "off":
-        from kvtier.remote_config import RemoteConfig
+        from kvtier.tiers.remote.config import RemoteConfig
         # A key prefix per engine: a mode never hits blocks that an earlier mode stored.
         options["remote_cache"] = RemoteConfig(config.remote_cache,
                                                key_prefix=f"bench-serve-{time.time_ns()}")

@@ -31,7 +31,7 @@ from kvtier.cli.common import print_json, print_table
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout, parse_dtype
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, metas_for
 
 _MB = 1e6
@@ -80,7 +80,7 @@ def _lmdb_pass(root: Path, layout: KVLayout, metas: list[BlockMeta], slab: torch
     with DiskTier(root, layout, budget, durable=durable) as tier:
         for batch in batches:
             with _measured(times, "write"):
-                stored = tier.put(metas[batch], list(slab[batch]))
+                stored = sum(tier.put(metas[batch], list(slab[batch])))
             assert stored == batch.stop - batch.start, "the bench budget must hold every block"
         slab.zero_()
         for batch in batches:

@@ -9,6 +9,11 @@ is dirty while its bytes exist nowhere below the host (not yet written back to d
 eviction policy only ever evicts clean, unpinned slots, so a dirty block leaves the host only
 after the manager wrote it back and called `mark_clean`.
 
+A slab has one role (`HostRole`): a CACHE indexes the blocks that land in it, so lookups
+find them; a STAGING slab only carries bytes between the GPU and the tiers below (the host
+tier is off): nothing is ever indexed in it, so it holds no hit, no dirty block and nothing
+to write back, and every slot goes back to the free list once its transfer is done.
+
 Not thread-safe: the tier manager owns it and drives it from one thread. Transfer threads only
 read or write the bytes of slots the manager pinned for them.
 """
@@ -31,6 +36,13 @@ if TYPE_CHECKING:
     from kvtier.tiers.record import BlockMeta
 
 SlotId = NewType("SlotId", int)
+
+
+class HostRole(enum.Enum):
+    """What a host slab is for (see the module docstring)."""
+
+    CACHE = "cache"
+    STAGING = "staging"
 
 
 class SlotState(enum.Enum):
@@ -89,12 +101,14 @@ class HostTier:
     """Block-sized slots of one host slab, an index hash -> slot, pins and a policy.
 
     `pin_memory=True` needs CUDA (page-locked memory makes GPU copies asynchronous and
-    fast). The policy defaults to LRU. Raises as `allocate_slab` does.
+    fast). The policy defaults to LRU. `role`: a cache, or a staging slab (see the module
+    docstring). Raises as `allocate_slab` does.
     """
 
     def __init__(self, layout: KVLayout, num_slots: int, pin_memory: bool,
-                 policy: EvictionPolicy[BlockHash] | None = None) -> None:
-        self.layout = layout
+                 policy: EvictionPolicy[BlockHash] | None = None,
+                 role: HostRole = HostRole.CACHE) -> None:
+        self.layout, self.role = layout, role
         self.num_slots = num_slots
         self.slab = allocate_slab(layout, num_slots, pin_memory)  # [num_slots, *block_shape]
         # The same memory as numpy rows: a row costs far less than a tensor view, and a
@@ -108,6 +122,11 @@ class HostTier:
         self.num_evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def caches(self) -> bool:
+        """Whether blocks that land here are kept and found by lookups (else: staging)."""
+        return self.role is HostRole.CACHE
 
     @property
     def num_free_slots(self) -> int:
@@ -197,13 +216,14 @@ class HostTier:
 
         `dirty`: the block exists nowhere below the host yet (it must be written back before
         its slot can be evicted). Returns False, leaving the slot RESERVED, when the hash is
-        already cached in another slot; the caller then frees this one when done with it.
+        already cached in another slot, or always on a staging slab; the caller then frees
+        this one when done with it.
         """
         entry = self._slots[slot]
         assert entry.state is SlotState.RESERVED and entry.meta is not None, \
             f"commit of slot {slot} in state {entry.state}"
         block_hash = entry.meta.block_hash
-        if block_hash in self._index:
+        if block_hash in self._index or self.role is HostRole.STAGING:
             return False
         entry.state, entry.dirty = SlotState.CACHED, dirty
         self._index[block_hash] = slot

@@ -119,9 +119,9 @@ def copy_checksummed(src, dest) -> int:
 
     One copy, then one hash: two calls that release the GIL. Each time an I/O thread gives
     the GIL up it must win it back from the engine thread, which runs Python flat out and
-    yields only at its switch interval; copying and hashing in cache-sized chunks (16
-    releases per 2 MiB block) made a disk write take 8 ms of waiting per block next to a
-    busy thread, against 0.06 ms alone (`docs/BENCHMARKS.md`, "I/O threads and the GIL").
+    yields only at its switch interval; copying and hashing in cache-sized chunks made each
+    block wait many such turns next to a busy thread (`docs/BENCHMARKS.md`, "I/O threads
+    and the GIL").
     """
     source = np.frombuffer(memoryview(src).cast("B"), dtype=np.uint8)
     target = np.frombuffer(memoryview(dest).cast("B"), dtype=np.uint8)
@@ -253,6 +253,21 @@ def decode_record(buffer, expected_fingerprint: bytes | None = None,
     if payload_checksum(payload) != header.payload_checksum:
         raise CorruptRecord("bad checksum")
     return header, payload
+
+
+def read_record_into(record, meta: BlockMeta, expected_fingerprint: bytes,
+                     dest: np.ndarray) -> None:
+    """Check a whole record (bytes-like) against the block `meta` names and copy its payload
+    into `dest` (uint8, exactly the payload's length): header, layout, length, parent hash,
+    token ids, and the checksum of the bytes now in `dest`. Raises `CorruptRecord` on any
+    mismatch; `dest` may then hold part of the bytes and must not be used."""
+    header, offset = decode_header(record, expected_fingerprint)
+    check_payload_len(header, len(record) - offset, dest.nbytes)
+    if not header.matches(meta):
+        raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
+    # The checksum is taken over the copy, the bytes the caller will use.
+    if copy_checksummed(memoryview(record)[offset:], dest) != header.payload_checksum:
+        raise CorruptRecord("bad checksum")
 
 
 def check_payload_len(header: RecordHeader, available: int,

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from kvtier.config import TierConfig
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 from tests.cli.chat_model import save_chat_model
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, metas_for
 
 # 1 layer x K/V x 4 tokens x 1 head x 4 dims x float32 = 128 bytes per block.
@@ -45,7 +45,7 @@ def written(tmp_path: Path) -> tuple[Path, list[BlockMeta], list[np.ndarray]]:
     metas, payloads = _blocks(seed=0)
     with DiskTier(path, LAYOUT, budget_bytes=1 << 20) as tier:
         for meta, payload in zip(metas, payloads):
-            assert tier.put([meta], [payload]) == 1
+            assert sum(tier.put([meta], [payload])) == 1
     return path, metas, payloads
 
 

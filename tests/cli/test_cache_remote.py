@@ -11,8 +11,8 @@ import redis
 from kvtier.cli.main import app
 from typer.testing import CliRunner
 
-from kvtier.remote_config import RemoteConfig
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.tier import RemoteTier
 from tests.kvtier.disk_cases import LARGE, SMALL, make_blocks
 
 

@@ -15,7 +15,7 @@ from kvtier.cli.bench.diskread import (
 )
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16,
@@ -37,8 +37,8 @@ def test_one_document_is_read_as_a_restore_reads_it(tmp_path) -> None:
     payloads = [torch.randint(0, 255, (LAYOUT.bytes_per_block,), dtype=torch.uint8)
                 for _ in range(7)]
     with DiskTier(tmp_path, LAYOUT, 1 << 30) as disk:
-        assert disk.put(short_doc, payloads[:3]) == 3
-        assert disk.put(long_doc, payloads) == 7
+        assert sum(disk.put(short_doc, payloads[:3])) == 3
+        assert sum(disk.put(long_doc, payloads)) == 7
         stored = tier_metas(disk)
     assert longest_chain(stored) == long_doc
     document = disk_tier_read(tmp_path, LAYOUT, threads=2, group_blocks=3, order="document")

@@ -15,8 +15,8 @@ import sys
 from kvtier.cli.docs_corpus import CORPUS
 from kvtier.engine import LLM, SamplingParams
 
-from kvtier.remote_config import RemoteConfig
 from kvtier.stats import Direction
+from kvtier.tiers.remote.config import RemoteConfig
 
 QUESTIONS = ("What do the texts above say about charging the lantern?",
              "Summarise the history of the town in two sentences.")

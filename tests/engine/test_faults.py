@@ -26,7 +26,7 @@ from kvtier.engine.loader import LoadedModel, load_model
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.stats import Tier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny-llama"

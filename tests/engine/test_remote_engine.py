@@ -25,10 +25,10 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel, load_model
 
 from kvtier.hashing import hash_blocks, namespace_hash
-from kvtier.remote_config import RemoteConfig
 from kvtier.stats import Tier
 from kvtier.tiers.record import encode_record, metas_for
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.tier import RemoteTier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "random:tiny-llama"

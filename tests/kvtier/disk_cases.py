@@ -12,7 +12,7 @@ import torch
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_header, metas_for
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)

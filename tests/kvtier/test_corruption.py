@@ -28,7 +28,7 @@ from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.stats import Tier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_header, encode_record, metas_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
@@ -99,7 +99,7 @@ class RawValues:
 
 def store(path: Path, metas: list[BlockMeta], payloads: torch.Tensor) -> None:
     with DiskTier(path, LAYOUT, BUDGET) as tier:
-        assert tier.put(metas, list(payloads)) == len(metas)
+        assert sum(tier.put(metas, list(payloads))) == len(metas)
 
 
 def flip(value: bytes, offset: int, mask: int = 0x01) -> bytes:
@@ -174,7 +174,7 @@ def test_values_grown_behind_the_tiers_back_do_not_wedge_it(tmp_path):
     record_bytes = len(encode_record(metas[0], LAYOUT, as_bytes(payloads[0])))
     budget = 4 * record_bytes
     with DiskTier(tmp_path, LAYOUT, budget) as tier:
-        assert tier.put(metas[:4], list(payloads[:4])) == 4
+        assert sum(tier.put(metas[:4], list(payloads[:4]))) == 4
     with RawValues(tmp_path) as raw:
         for meta in metas[:4]:
             raw.put(meta.block_hash, raw.get(meta.block_hash) * 4)
@@ -183,7 +183,7 @@ def test_values_grown_behind_the_tiers_back_do_not_wedge_it(tmp_path):
         assert not tier.get_into(metas[0], dest)  # rejected and removed
         assert tier.stats().bytes_used == 3 * 4 * record_bytes  # the truth, recounted
         # Two new blocks prune the grown ones (the oldest) to fit the budget.
-        assert tier.put(metas[4:], list(payloads[4:])) == 2
+        assert sum(tier.put(metas[4:], list(payloads[4:]))) == 2
         assert tier.contains([m.block_hash for m in metas]) == [False] * 4 + [True] * 2
         assert tier.stats().bytes_used == 2 * record_bytes
         for meta, payload in zip(metas[4:], payloads[4:]):
@@ -296,7 +296,7 @@ def test_a_data_file_that_is_not_lmdb_is_refused_clearly(tmp_path, content):
 CUT_CHILD = """
 import sys, torch
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float16)
 try:
     DiskTier(sys.argv[1], layout, 1 << 26)

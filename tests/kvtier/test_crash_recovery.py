@@ -25,8 +25,8 @@ import torch
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
-from kvtier.tiers import disk_admin
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import admin as disk_admin
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_record, metas_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def writer_main(path: str, budget: int, first_batch: int) -> None:
     def write(batch: int) -> None:
         while True:
             metas, payloads = batch_blocks(batch)
-            num_present = tier.put(metas, payloads)
+            num_present = sum(tier.put(metas, payloads))
             with print_lock:
                 print(batch, num_present, *(m.block_hash.hex() for m in metas), flush=True)
             batch += NUM_WRITER_THREADS
@@ -163,7 +163,7 @@ def test_sigkill_while_writing_loses_no_committed_block(tmp_path):
     # The directory still takes writes, here in this process.
     metas, payloads = batch_blocks(10_000)
     with DiskTier(disk_dir, LAYOUT, BIG_BUDGET) as tier:
-        assert tier.put(metas, payloads) == BLOCKS_PER_BATCH
+        assert sum(tier.put(metas, payloads)) == BLOCKS_PER_BATCH
 
 
 @pytest.mark.timeout(300)

@@ -12,8 +12,8 @@ import torch
 from disk_cases import SMALL, make_blocks, read_back
 
 from kvtier.layout import KVLayout
-from kvtier.tiers import disk_admin
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk import admin as disk_admin
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_header
 
 WIDE = KVLayout(num_layers=1, num_kv_heads=4, head_dim=32, block_size=8, dtype=torch.float32)
@@ -37,7 +37,7 @@ def filled(tmp_path) -> tuple[Path, dict]:
     for layout, (metas, payloads) in ((SMALL, blocks["small"]), (WIDE, blocks["wide"])):
         with DiskTier(path, layout, BUDGET) as tier:
             for meta, payload in zip(metas, payloads):
-                assert tier.put([meta], [payload]) == 1
+                assert sum(tier.put([meta], [payload])) == 1
     return path, blocks
 
 
@@ -137,7 +137,7 @@ def test_prune_keeps_the_newest_and_clear_empties(filled):
     assert stats["num_blocks"] == 0 and stats["bytes_used"] == 0
     metas, payloads = blocks["small"]
     with DiskTier(path, SMALL, BUDGET) as tier:
-        assert tier.put(metas[:1], payloads[:1]) == 1
+        assert sum(tier.put(metas[:1], payloads[:1])) == 1
 
 
 def test_export_import_round_trip(filled, tmp_path):

@@ -12,7 +12,7 @@ import torch
 from disk_cases import make_blocks, read_back, same_bytes
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import (
     BlockMeta,
     assemble_record,
@@ -43,7 +43,7 @@ def test_copy_checksummed_refuses_other_lengths():
 def test_damage_anywhere_in_a_block_is_a_miss(tmp_path):
     metas, payloads = make_blocks(BIG_BLOCK, seed=3, num_blocks=5)
     with DiskTier(tmp_path, BIG_BLOCK, 1 << 28) as tier:
-        assert tier.put(metas, payloads) == 5
+        assert sum(tier.put(metas, payloads)) == 5
     # Flip one payload byte (counted from the value's end) at its first byte, in its middle
     # and at its last byte; blocks 3 and 4 stay intact.
     last = BIG_BLOCK.bytes_per_block - 1

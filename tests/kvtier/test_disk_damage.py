@@ -29,9 +29,9 @@ from kvtier.cli.bench.damage_cases import (
     page_kinds,
 )
 
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_check import DamagedDiskFiles, check_disk_files
-from kvtier.tiers.disk_recovery import open_disk_tier
+from kvtier.tiers.disk.check import DamagedDiskFiles, check_disk_files
+from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.tier import DiskTier
 
 NUM_BLOCKS = 600
 BUDGET = 1 << 26
@@ -44,7 +44,7 @@ def pristine(tmp_path_factory) -> Path:
     metas, payloads = make_blocks(SMALL, 1, NUM_BLOCKS)
     with DiskTier(filled, SMALL, BUDGET) as tier:
         for start in range(0, NUM_BLOCKS, 50):
-            assert tier.put(metas[start:start + 50], payloads[start:start + 50]) == 50
+            assert sum(tier.put(metas[start:start + 50], payloads[start:start + 50])) == 50
     compact = tmp_path_factory.mktemp("compact")
     env = lmdb.open(str(filled), max_dbs=8, readonly=True)
     try:
@@ -72,7 +72,7 @@ def open_and_use(path: str) -> dict:
         metas, payloads = make_blocks(SMALL, 1, NUM_BLOCKS)
         num_hits = sum(read_back(tier, meta) is not None for meta in metas)
         new_metas, new_payloads = make_blocks(SMALL, 2, 3)
-        assert tier.put(new_metas, new_payloads) == 3
+        assert sum(tier.put(new_metas, new_payloads)) == 3
         assert all(same_bytes(read_back(tier, m), p) for m, p in zip(new_metas, new_payloads))
     return {"num_hits": num_hits, "moved_to": None if recovery is None else
             str(recovery.moved_to), "message": None if recovery is None else recovery.message}

@@ -1,4 +1,4 @@
-"""The disk tier's in-memory copy of its stored hashes (`kvtier.tiers.disk_keys`): lookups
+"""The disk tier's in-memory copy of its stored hashes (`kvtier.tiers.disk.keys`): lookups
 answered from memory agree with what reads find, through this process's puts, prunes,
 deletes and rejections, another process's writes, and commits made while the copy loads."""
 
@@ -16,12 +16,13 @@ import pytest
 from disk_cases import LARGE, SMALL, make_blocks, read_back, record_size, same_bytes
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers import disk_read, lmdb_value
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_keys import DiskKeySet
-from kvtier.tiers.key_changes import KeyChanges
-from kvtier.tiers.lmdb_keys import read_keys
-from kvtier.tiers.lmdb_value import find_value
+from kvtier.tiers.disk import lmdb_value
+from kvtier.tiers.disk import read as disk_read
+from kvtier.tiers.disk.key_changes import KeyChanges
+from kvtier.tiers.disk.keys import DiskKeySet
+from kvtier.tiers.disk.lmdb_keys import read_keys
+from kvtier.tiers.disk.lmdb_value import find_value
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 
 
@@ -60,7 +61,7 @@ def test_own_puts_prunes_deletes_and_rejections_keep_lookups_in_memory(tmp_path)
 def test_a_reopened_directory_loads_its_hashes(tmp_path):
     metas, payloads = make_blocks(SMALL, seed=2, num_blocks=40)
     with DiskTier(tmp_path, SMALL, 1 << 30) as tier:
-        assert tier.put(metas[:25], payloads[:25]) == 25
+        assert sum(tier.put(metas[:25], payloads[:25])) == 25
     with DiskTier(tmp_path, SMALL, 1 << 30) as tier:
         assert tier.keys_in_memory(wait=10)
         assert tier.contains([m.block_hash for m in metas]) == [True] * 25 + [False] * 15
@@ -70,10 +71,10 @@ _CHILD = """
 import sys
 sys.path[:0] = {paths!r}
 from disk_cases import SMALL, make_blocks
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 metas, payloads = make_blocks(SMALL, seed=3, num_blocks=12)
 with DiskTier({path!r}, SMALL, 1 << 30) as tier:
-    assert tier.put(metas[6:], payloads[6:]) == 6
+    assert sum(tier.put(metas[6:], payloads[6:])) == 6
     assert tier.delete([metas[0].block_hash]) == 1
 """
 
@@ -82,7 +83,7 @@ def test_another_processes_writes_are_seen_and_the_copy_reloads(tmp_path):
     metas, payloads = make_blocks(SMALL, seed=3, num_blocks=12)
     hashes = [m.block_hash for m in metas]
     with DiskTier(tmp_path, SMALL, 1 << 30) as tier:
-        assert tier.put(metas[:6], payloads[:6]) == 6
+        assert sum(tier.put(metas[:6], payloads[:6])) == 6
         assert tier.keys_in_memory(wait=10)
         here = Path(__file__).parent
         paths = [str(here), str(here.parent.parent)]
@@ -173,7 +174,7 @@ def test_a_load_replays_commits_after_its_snapshot_and_refuses_a_gap():
 
 @pytest.mark.parametrize("layout", [SMALL, LARGE], ids=["inline values", "overflow values"])
 def test_the_walk_reads_every_key_in_order(tmp_path, layout):
-    """The pread walk of the tree (`kvtier.tiers.lmdb_keys`) in chunks of a few leaves
+    """The pread walk of the tree (`kvtier.tiers.disk.lmdb_keys`) in chunks of a few leaves
     returns exactly LMDB's keys, whatever the tree's depth."""
     metas, payloads = make_blocks(layout, seed=6, num_blocks=600)
     with DiskTier(tmp_path, layout, 1 << 30) as tier:
@@ -236,7 +237,7 @@ _FOREIGN_WRITER = """
 import sys
 sys.path[:0] = {paths!r}
 from disk_cases import LARGE, make_blocks
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 old, _ = make_blocks(LARGE, seed=8, num_blocks=20)
 new, payloads = make_blocks(LARGE, seed=9, num_blocks=30)
 with DiskTier({path!r}, LARGE, 1 << 30) as tier:
@@ -244,7 +245,7 @@ with DiskTier({path!r}, LARGE, 1 << 30) as tier:
     # Commits of their own, three times the blocks freed: LMDB takes freed pages before
     # growing the file, so the deleted blocks' pages hold other records afterwards.
     for meta, payload in zip(new, payloads):
-        assert tier.put([meta], [payload]) == 1
+        assert sum(tier.put([meta], [payload])) == 1
 """
 
 

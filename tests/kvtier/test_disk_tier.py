@@ -26,7 +26,7 @@ from disk_cases import (
 )
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_record
 
 
@@ -63,7 +63,7 @@ def test_put_get_is_byte_exact_for_every_payload_kind(tmp_path, dtype):
              payloads[2].view(torch.uint8).numpy().tobytes(),
              memoryview(payloads[3].view(torch.uint8).numpy()), *payloads[4:]]
     with DiskTier(tmp_path / "cache", layout, BIG_BUDGET) as tier:
-        assert tier.put(metas, kinds) == len(metas)
+        assert sum(tier.put(metas, kinds)) == len(metas)
         for meta, payload in zip(metas, payloads):
             got = read_back(tier, meta)
             assert got is not None and same_bytes(got, payload)
@@ -80,9 +80,9 @@ def test_put_get_is_byte_exact_for_every_payload_kind(tmp_path, dtype):
 def test_existing_hashes_are_kept_and_bad_arguments_raise(tmp_path):
     metas, payloads = make_blocks(SMALL, seed=2, num_blocks=3)
     with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
-        assert tier.put(metas[:2], payloads[:2]) == 2
+        assert sum(tier.put(metas[:2], payloads[:2])) == 2
         # Re-putting block 0 with other bytes keeps the stored bytes; the batch reports 3.
-        assert tier.put(metas, [payloads[2], payloads[1], payloads[2]]) == 3
+        assert sum(tier.put(metas, [payloads[2], payloads[1], payloads[2]])) == 3
         assert same_bytes(read_back(tier, metas[0]), payloads[0])
         assert tier.stats().puts == 3
         with pytest.raises(ValueError, match="bytes"):
@@ -103,7 +103,7 @@ def test_existing_hashes_are_kept_and_bad_arguments_raise(tmp_path):
 def _write_blocks(path: Path, seed: int, num_blocks: int) -> int:
     metas, payloads = make_blocks(LARGE, seed, num_blocks)
     with DiskTier(path, LARGE, BIG_BUDGET) as tier:
-        num_present = tier.put(metas, payloads)
+        num_present = sum(tier.put(metas, payloads))
         assert read_back(tier, metas[0]) is not None  # block 0 is now the newest
     return num_present
 
@@ -119,7 +119,7 @@ def test_blocks_survive_a_process_restart(tmp_path):
     # The access order was written too: block 0 is the newest, block 1 the oldest.
     with DiskTier(tmp_path, LARGE, 12 * record_size(LARGE, metas[0])) as tier:
         extra, extra_payloads = make_blocks(LARGE, seed=4, num_blocks=1)
-        assert tier.put(extra, extra_payloads) == 1
+        assert sum(tier.put(extra, extra_payloads)) == 1
         assert tier.contains([metas[0].block_hash, metas[1].block_hash]) == [True, False]
 
 
@@ -129,7 +129,7 @@ def _write_and_read_other(path: Path, own: int, other: int) -> dict:
     seen = wrong = 0
     with DiskTier(path, LARGE, BIG_BUDGET, initial_map_bytes=1 << 20) as tier:
         for start in range(0, 30, 3):
-            assert tier.put(metas[start:start + 3], payloads[start:start + 3]) == 3
+            assert sum(tier.put(metas[start:start + 3], payloads[start:start + 3])) == 3
             for meta, payload in zip(other_metas, other_payloads):
                 got = read_back(tier, meta)
                 if got is not None:
@@ -180,7 +180,7 @@ DAMAGES = {
 def test_damaged_values_are_misses_deleted_and_counted(tmp_path, damage):
     metas, payloads = make_blocks(SMALL, seed=5, num_blocks=3)
     with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
-        assert tier.put(metas, payloads) == 3
+        assert sum(tier.put(metas, payloads)) == 3
     raw = RawLmdb(tmp_path)
     key = metas[1].block_hash
     raw.put(key, DAMAGES[damage](raw.get(key), metas[1], payloads[1].view(torch.uint8).numpy()))
@@ -216,7 +216,7 @@ def test_another_disk_format_is_never_served(tmp_path):
     with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
         assert tier.format_reset
         assert tier.stats().num_blocks == 0 and tier.stats().bytes_used == 0
-        assert tier.put(metas[:1], payloads[:1]) == 1
+        assert sum(tier.put(metas[:1], payloads[:1])) == 1
     with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
         assert not tier.format_reset
         assert same_bytes(read_back(tier, metas[0]), payloads[0])
@@ -272,7 +272,7 @@ def test_read_only_tier_stores_nothing(tmp_path):
     with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
         tier.put(metas[:1], payloads[:1])
     with DiskTier(tmp_path, SMALL, BIG_BUDGET, readonly=True) as tier:
-        assert tier.put(metas, payloads) == 1
+        assert sum(tier.put(metas, payloads)) == 1
         assert tier.stats().refused == 1 and tier.stats().num_blocks == 1
         with pytest.raises(ValueError, match="read-only"):
             tier.delete([metas[0].block_hash])
@@ -340,7 +340,7 @@ def test_lookups_read_no_values_and_reads_read_each_value_once(tmp_path):
                       dtype=torch.float32)  # 256 KiB blocks
     metas, payloads = make_blocks(layout, seed=3, num_blocks=24)
     with DiskTier(tmp_path, layout, BIG_BUDGET) as tier:
-        assert tier.put(metas, payloads) == len(metas)
+        assert sum(tier.put(metas, payloads)) == len(metas)
     stored = len(metas) * layout.bytes_per_block
     _evict_from_page_cache(tmp_path / "data.mdb")
     with DiskTier(tmp_path, layout, BIG_BUDGET) as tier:

@@ -23,7 +23,7 @@ from disk_cases import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 
 
 def test_budget_prunes_least_recently_used_first_across_reopen(tmp_path):
@@ -32,18 +32,18 @@ def test_budget_prunes_least_recently_used_first_across_reopen(tmp_path):
     budget = 4 * record_size(SMALL, metas[0])
     with DiskTier(tmp_path, SMALL, budget) as tier:
         for meta, payload in zip(metas[:4], payloads[:4]):
-            assert tier.put([meta], [payload]) == 1
+            assert sum(tier.put([meta], [payload])) == 1
         assert read_back(tier, metas[0]) is not None  # 0 is now the newest
     with DiskTier(tmp_path, SMALL, budget) as tier:
-        assert tier.put(metas[4:5], payloads[4:5]) == 1  # evicts 1, the oldest
+        assert sum(tier.put(metas[4:5], payloads[4:5])) == 1  # evicts 1, the oldest
         assert tier.contains(hashes[:5]) == [True, False, True, True, True]
         tier.touch([hashes[2]])
     with DiskTier(tmp_path, SMALL, budget) as tier:
-        assert tier.put(metas[5:6], payloads[5:6]) == 1  # evicts 3 (2 was touched)
+        assert sum(tier.put(metas[5:6], payloads[5:6])) == 1  # evicts 3 (2 was touched)
         assert tier.contains(hashes[:6]) == [True, False, True, False, True, True]
         # A batch larger than the budget: the first blocks that fit are kept, never the
         # blocks of the batch itself evicted for the others.
-        assert tier.put(metas[1:7], payloads[1:7]) == 4
+        assert sum(tier.put(metas[1:7], payloads[1:7])) == 4
         stats = tier.stats()
         assert stats.bytes_used <= budget and stats.num_blocks == 4
         # 2, 4, 5 were present; 0 (not in the batch) made room for 1; 3 and 6 are refused.
@@ -60,10 +60,10 @@ def test_a_read_is_older_than_a_later_put_of_a_present_block(tmp_path):
             tier.put(metas[i:i + 1], payloads[i:i + 1])
         assert read_back(tier, metas[0]) is not None  # pending access: 1, 3, 0
         # Re-putting 1 is a later use than the read of 0: 3, 0, 1; block 2 evicts 3.
-        assert tier.put([metas[1], metas[2]], [payloads[1], payloads[2]]) == 2
+        assert sum(tier.put([metas[1], metas[2]], [payloads[1], payloads[2]])) == 2
         assert tier.contains(hashes[:4]) == [True, True, True, False]
         # Order now 0, 1, 2: block 4 evicts 0, not 1.
-        assert tier.put(metas[4:5], payloads[4:5]) == 1
+        assert sum(tier.put(metas[4:5], payloads[4:5])) == 1
         assert tier.contains(hashes) == [False, True, True, False, True]
 
 
@@ -74,13 +74,13 @@ def test_map_full_prunes_or_refuses_without_losing_committed_blocks(tmp_path):
     with tier:
         for start in range(0, 40, 4):
             batch = slice(start, start + 4)
-            num_present = tier.put(metas[batch], payloads[batch])
+            num_present = sum(tier.put(metas[batch], payloads[batch]))
             assert num_present == sum(tier.contains([m.block_hash for m in metas[batch]]))
             assert num_present == 4
         stats = tier.stats()
         assert stats.pruned > 0 and stats.num_blocks < 40
         # One batch larger than the whole map: some blocks are refused, nothing raises.
-        num_present = tier.put(metas[40:], payloads[40:])
+        num_present = sum(tier.put(metas[40:], payloads[40:]))
         assert 0 < num_present < 40 and tier.stats().refused > 0
         assert num_present == sum(tier.contains([m.block_hash for m in metas[40:]]))
         for meta, payload in zip(metas, payloads):
@@ -93,11 +93,11 @@ def _fill_a_small_disk(path: Path) -> dict:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get short writes / EFBIG, not a kill
     metas, payloads = make_blocks(LARGE, seed=9, num_blocks=50)
     tier = DiskTier(path, LARGE, BIG_BUDGET)
-    assert tier.put(metas[:10], payloads[:10]) == 10
+    assert sum(tier.put(metas[:10], payloads[:10])) == 10
     # The file may grow by about 3 blocks more: the disk is "full" long before the budget.
     limit = (path / "data.mdb").stat().st_size + 100_000
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    stored = [tier.put(metas[i:i + 5], payloads[i:i + 5]) for i in range(10, 50, 5)]
+    stored = [sum(tier.put(metas[i:i + 5], payloads[i:i + 5])) for i in range(10, 50, 5)]
     ok = []
     for meta, payload in zip(metas, payloads):
         got = read_back(tier, meta)
@@ -120,7 +120,7 @@ def test_writers_growing_the_map_together_prune_nothing_under_budget(tmp_path):
         def write(thread: int) -> None:
             start.wait()
             for i in range(thread * 32, thread * 32 + 32, 8):
-                assert tier.put(metas[i:i + 8], payloads[i:i + 8]) == 8
+                assert sum(tier.put(metas[i:i + 8], payloads[i:i + 8])) == 8
 
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(write, range(16)))
@@ -204,7 +204,7 @@ def test_matches_an_lru_model(tmp_path_factory, ops, capacity):
         for op, arg in ops:
             if op == "put":
                 batch = list(dict.fromkeys(arg))  # distinct, in order
-                assert tier.put([metas[i] for i in batch], [payloads[i] for i in batch]) == \
+                assert sum(tier.put([metas[i] for i in batch], [payloads[i] for i in batch])) == \
                     model.put([(metas[i].block_hash, i) for i in batch])
             elif op == "get":
                 expected = model.get(metas[arg].block_hash)

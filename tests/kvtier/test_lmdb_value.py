@@ -1,4 +1,4 @@
-"""`kvtier.tiers.lmdb_value` on real LMDB files: a value's length and first overflow page,
+"""`kvtier.tiers.disk.lmdb_value` on real LMDB files: a value's length and first overflow page,
 found from its leaf node without reading it, agree with what LMDB returns and with the
 bytes at that place in data.mdb; values stored together are read back with one preadv."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kvtier.tiers import lmdb_value
-from kvtier.tiers.lmdb_value import (
+from kvtier.tiers.disk import lmdb_value
+from kvtier.tiers.disk.lmdb_value import (
     MAX_GAP_BYTES,
     OVERFLOW_HEADER_BYTES,
     ValueSpot,

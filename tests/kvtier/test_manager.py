@@ -243,7 +243,7 @@ def test_a_record_for_other_tokens_is_never_served(tmp_path, managers):
     impostor = BlockMeta(meta_a.block_hash, meta_a.parent_hash,
                          tuple(t + 1 for t in meta_a.token_ids))
     m.disk.delete([meta_a.block_hash])
-    assert m.disk.put([impostor], [random_blocks(layout, 1, seed=9)[0]]) == 1
+    assert sum(m.disk.put([impostor], [random_blocks(layout, 1, seed=9)[0]])) == 1
     assert m.lookup([meta_a.block_hash, meta_b.block_hash]).locations == [Tier.DISK] * 2
     num_ok, targets = load(m, [meta_a, meta_b])
     # A is a miss. B arrived intact, but only leading blocks count: B stays uncached too,

@@ -12,10 +12,10 @@ import time
 import pytest
 import redis
 
-from kvtier.remote_config import RemoteConfig
 from kvtier.stats import Direction, Tier
 from kvtier.tiers.record import BlockMeta
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.tier import RemoteTier
 from tests.kvtier.manager_cases import (
     chain,
     check_idle,

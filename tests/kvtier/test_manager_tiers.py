@@ -21,7 +21,7 @@ from manager_cases import (
 from kvtier.config import TierConfig
 from kvtier.manager import TierManager
 from kvtier.stats import Tier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 
 # ---- tier combinations ---------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ import pytest
 import redis
 import torch
 
-from kvtier.remote_config import RemoteConfig, redact
 from kvtier.tiers.record import encode_record
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote.config import RemoteConfig, redact
+from kvtier.tiers.remote.tier import RemoteTier
 from tests.kvtier.disk_cases import LARGE, SMALL, make_blocks, same_bytes
 
 TOPOLOGIES = ["redis_server", "redis_cluster"]
@@ -215,7 +215,7 @@ def test_passwords_are_redacted() -> None:
 def test_an_acl_user_limited_to_its_prefix_is_enough(redis_factory, request) -> None:
     """The ACL docs/RELIABILITY.md recommends: kvtier works with it, and cannot touch keys
     outside its prefix."""
-    from kvtier.tiers.remote_admin import remote_clear, remote_stats, remote_verify
+    from kvtier.tiers.remote.admin import remote_clear, remote_stats, remote_verify
 
     server = redis_factory.server()
     admin = redis.Redis(port=server.port)

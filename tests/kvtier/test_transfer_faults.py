@@ -24,7 +24,7 @@ from kvtier.hashing import BlockHash, hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
 from kvtier.stats import Direction, Tier
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_record, metas_for
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float16)
@@ -344,10 +344,10 @@ def test_a_write_of_blocks_another_writer_stored_meanwhile_touches_them(tmp_path
     record_bytes = len(encode_record(metas[0], LAYOUT,
                                      payloads[0].view(-1).view(torch.uint8).numpy()))
     with DiskTier(tmp_path, LAYOUT, 3 * record_bytes) as disk:
-        assert disk.put(metas[:3], payloads[:3]) == 3  # oldest first: 0, 1, 2
+        assert sum(disk.put(metas[:3], payloads[:3])) == 3  # oldest first: 0, 1, 2
         with caplog.at_level("WARNING", logger="kvtier.tiers.disk"):
-            assert disk.put(metas[:1], payloads[:1]) == 1  # all present: 1, 2, 0
+            assert sum(disk.put(metas[:1], payloads[:1])) == 1  # all present: 1, 2, 0
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
-        assert disk.put(metas[3:], payloads[3:]) == 1  # evicts 1, the oldest now
+        assert sum(disk.put(metas[3:], payloads[3:])) == 1  # evicts 1, the oldest now
         hashes = [meta.block_hash for meta in metas]
         assert disk.contains(hashes) == [True, False, True, True]

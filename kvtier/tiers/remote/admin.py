@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvtier.remote_config import RemoteConfig, redact
 from kvtier.tiers.record import CorruptRecord, decode_record
-from kvtier.tiers.remote_nodes import RemoteNodes
+from kvtier.tiers.remote.config import RemoteConfig, redact
+from kvtier.tiers.remote.nodes import RemoteNodes
 
 _BATCH = 64
 _SCAN_COUNT = 1000

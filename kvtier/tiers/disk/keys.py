@@ -1,10 +1,10 @@
 """This process's copy of the block hashes a disk tier holds: lookups that read no pages.
 
 A lookup in LMDB walks the tree's pages, and after the page cache has dropped them each page
-is a read from the disk on the caller's thread: 0.1-0.28 s for the 2,048 hashes of a 32K-token
-prefix on the lent H100, with the GPU idle behind it. So the disk tier keeps the set of its
-stored hashes in memory, tagged with the directory's key generation, a counter in LMDB that
-every commit adding or removing a block bumps, whichever process makes it
+is a read from the disk on the caller's thread, with the GPU idle behind it, for every block
+of a long prefix (docs/ARCHITECTURE.md, "Disk reads by pread"). So the disk tier keeps the
+set of its stored hashes in memory, tagged with the directory's key generation, a counter in
+LMDB that every commit adding or removing a block bumps, whichever process makes it
 (`LmdbIndex.key_generation`). A lookup reads the generation (one small page) and, when it
 equals the copy's, answers from the copy. When another process has written since, or the
 copy is still loading, LMDB answers and the copy is loaded again in the background.
@@ -16,7 +16,7 @@ The copy also keeps where each value lay (its first overflow page and length, re
 leaf node), so that a read goes there without a tree lookup: after a dropped page cache each
 lookup is a page read from the disk, made holding the GIL. A place is a hint as well: the
 read checks the page and the record, and looks the block up afresh when they are not it
-(`kvtier.tiers.disk_read`). Memory: about 135 bytes a block (a million blocks, 2 TB of an
+(`kvtier.tiers.disk.read`). Memory: about 135 bytes a block (a million blocks, 2 TB of an
 8B model's KV, take about 135 MB).
 """
 
@@ -32,10 +32,10 @@ from contextlib import contextmanager
 import lmdb
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.disk_index import GuardedEnv, LmdbIndex
-from kvtier.tiers.key_changes import KeyChanges, pack_spot, unpack_spot
-from kvtier.tiers.lmdb_keys import read_keys
-from kvtier.tiers.lmdb_value import ValueSpot
+from kvtier.tiers.disk.index import GuardedEnv, LmdbIndex
+from kvtier.tiers.disk.key_changes import KeyChanges, pack_spot, unpack_spot
+from kvtier.tiers.disk.lmdb_keys import read_keys
+from kvtier.tiers.disk.lmdb_value import ValueSpot
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class StoredKeys:
         """Read every stored hash and install them with the key generation read before the
         first (`DiskKeySet.install` replays this process's commits made meanwhile; another
         process's commits leave the copy unloaded). The tree is read with pread, never
-        through the map (`kvtier.tiers.lmdb_keys`), a chunk of leaf pages per transaction:
+        through the map (`kvtier.tiers.disk.lmdb_keys`), a chunk of leaf pages per transaction:
         a map resize, which waits for every open transaction, waits for one chunk."""
         began = time.perf_counter()
         generation: int | None = None

@@ -10,7 +10,7 @@ Every `LmdbIndex` method takes the caller's transaction; writes keep three invar
 together: a hash is in `access` iff it is in `blocks`; `lru` holds exactly one key per entry
 of `access`; `bytes_used` is the sum of the lengths of the values in `blocks`;
 `key_generation` grows in every transaction that adds or removes a block (processes keeping
-the hashes in memory compare it, see `kvtier.tiers.disk_keys`). `DiskTier` and
+the hashes in memory compare it, see `kvtier.tiers.disk.keys`). `DiskTier` and
 the `disk_admin` functions both use this class, so the schema is written down once.
 `GuardedEnv` lets threads share the environment while its map grows.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import lmdb
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.disk_check import check_disk_files
-from kvtier.tiers.key_changes import KeyChanges
-from kvtier.tiers.lmdb_value import ValueSpot, find_value
+from kvtier.tiers.disk.check import check_disk_files
+from kvtier.tiers.disk.key_changes import KeyChanges
+from kvtier.tiers.disk.lmdb_value import ValueSpot, find_value
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -64,9 +64,9 @@ class LmdbIndex:
         with `durable`, data pages are fsynced at commit and the meta page with the next one.
         Without `readahead` the map is advised random access: a page fault reads its page
         and nothing around it, which is what tree lookups want when values are read with
-        pread (with the kernel's read-around, 2,048 cold lookups in a 2 GB tier faulted 349
-        times and took 360 ms instead of 32 ms). The files are checked first
-        (`kvtier.tiers.disk_check`): LMDB itself would follow damaged pages and kill the
+        pread (with the kernel's read-around, cold lookups faulted in pages of the values
+        around their keys and took ten times as long). The files are checked first
+        (`kvtier.tiers.disk.check`): LMDB itself would follow damaged pages and kill the
         process. Raises DamagedDiskFiles (an OSError) when they
         are not LMDB's or are damaged, OSError naming the file when LMDB cannot open them,
         lmdb.Error subclasses for other LMDB failures, and FileNotFoundError when a
@@ -121,7 +121,7 @@ class LmdbIndex:
 
     def blocks_record(self, txn: lmdb.Transaction) -> bytes:
         """The `blocks` database's record in the main database (root page, depth, counts):
-        where `kvtier.tiers.lmdb_keys` starts a walk of its keys."""
+        where `kvtier.tiers.disk.lmdb_keys` starts a walk of its keys."""
         return bytes(txn.get(b"blocks"))
 
     def key_generation(self, txn: lmdb.Transaction) -> int:

@@ -1,7 +1,7 @@
 """Reading disk-tier records into the caller's buffers, checked.
 
-A record is found from its key's leaf node (`kvtier.tiers.lmdb_value.find_value`), or where
-the tier's in-memory copy last saw it (`kvtier.tiers.disk_keys`: no tree page read, which
+A record is found from its key's leaf node (`kvtier.tiers.disk.lmdb_value.find_value`), or where
+the tier's in-memory copy last saw it (`kvtier.tiers.disk.keys`: no tree page read, which
 after a dropped page cache is a disk read made holding the GIL), and read from `data.mdb`
 at its overflow page: the header into a small buffer, the payload straight
 into the destination, with one `preadv` for each run of records that lie one after the
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import lmdb
 import numpy as np
 
-from kvtier.tiers.disk_index import LmdbIndex
-from kvtier.tiers.lmdb_value import ValueSpot, find_value, pread_values
+from kvtier.tiers.disk.index import LmdbIndex
+from kvtier.tiers.disk.lmdb_value import ValueSpot, find_value, pread_values
 from kvtier.tiers.record import (
     BlockMeta,
     CorruptRecord,

@@ -7,7 +7,7 @@ Keys are `<prefix>:<layout fingerprint hex>:<block hash hex>`; the block hash al
 the namespace hash (model, layout, hash algorithm, cache salt), and the layout fingerprint
 in the key lets `kvtier cache` tools pick one layout's blocks.
 
-Every call is one pipeline per node (see `kvtier.tiers.remote_nodes`), sent to all nodes
+Every call is one pipeline per node (see `kvtier.tiers.remote.nodes`), sent to all nodes
 before any reply is read (one round trip per call), under the socket timeout of
 `RemoteConfig.timeout_s`; a node that fails or times out answers misses for
 `backoff_s`. Nothing here raises for a store that misbehaves: failures are misses (reads)
@@ -27,22 +27,22 @@ import redis
 
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
-from kvtier.remote_config import RemoteConfig
+from kvtier.stats import Tier
+from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.record import (
     BlockBuffer,
     BlockMeta,
     CorruptRecord,
     RecordHeader,
     assemble_record,
-    check_payload_len,
-    copy_checksummed,
-    decode_header,
     decode_record,
     dest_array,
     payload_view,
+    read_record_into,
     record_size,
 )
-from kvtier.tiers.remote_nodes import RemoteNodes
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.nodes import RemoteNodes
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +79,25 @@ _COUNTERS = tuple(f.name for f in fields(RemoteStats) if f.name not in ("backoff
                                                                           "nodes_down"))
 
 
-class RemoteTier:
+class RemoteTier(LowerTier):
     """Blocks of one `layout` in a Redis server or cluster (see the module docstring).
 
     Thread-safe: lookups run on the engine thread, reads and writes on I/O threads. Raises
     ValueError for a bad config or payload; never for the store's failures.
+
+    As a `LowerTier`: a store shared with other engines, given every block once; a lookup is
+    a round trip, so a load trusts it.
     """
+
+    name = "remote"
+    kind = Tier.REMOTE
+    write_policy = WritePolicy.EVERY_BLOCK
+    lookup_is_local = False
 
     def __init__(self, config: RemoteConfig, layout: KVLayout) -> None:
         self.config, self.layout = config, layout
+        self.write_batch = config.write_batch
+        self.keeps_reads_above = config.write_to_disk
         self.nodes = RemoteNodes(config)
         self._fingerprint = layout.fingerprint()
         self._key_head = f"{config.key_prefix}:{self._fingerprint.hex()}:".encode()
@@ -203,13 +213,7 @@ class RemoteTier:
 
     def _read_into(self, value: bytes, meta: BlockMeta, array) -> bool:
         try:
-            header, offset = decode_header(value, self._fingerprint)
-            check_payload_len(header, len(value) - offset, array.nbytes)
-            if not header.matches(meta):
-                raise CorruptRecord("wrong block", "stored parent hash or token ids differ")
-            # The checksum is taken over the copy, the bytes the caller will use.
-            if copy_checksummed(memoryview(value)[offset:], array) != header.payload_checksum:
-                raise CorruptRecord("bad checksum")
+            read_record_into(value, meta, self._fingerprint, array)
         except CorruptRecord as exc:
             logger.info("remote cache: rejecting %s (%s)", meta.block_hash.hex(), exc)
             return False

@@ -29,8 +29,8 @@ import xxhash
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk_index import DISK_FORMAT_VERSION, LmdbIndex
-from kvtier.tiers.disk_recovery import move_aside
+from kvtier.tiers.disk.index import DISK_FORMAT_VERSION, LmdbIndex
+from kvtier.tiers.disk.recovery import move_aside
 from kvtier.tiers.record import RECORD_VERSION, CorruptRecord, decode_header, decode_record
 
 EXPORT_MAGIC = b"KVTX"
@@ -155,9 +155,9 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     With `repair`, damaged values are deleted, index entries rebuilt and the byte counter
     recomputed (in one write transaction, re-checking each value first, so a value replaced
     meanwhile by a running tier is kept). LMDB's files are checked first
-    (`kvtier.tiers.disk_check`); when they cannot be opened or fail that check, the report
+    (`kvtier.tiers.disk.check`); when they cannot be opened or fail that check, the report
     says why and, with `repair`, they are moved aside as the engine would
-    (`kvtier.tiers.disk_recovery.move_aside`; nothing is deleted). Raises like
+    (`kvtier.tiers.disk.recovery.move_aside`; nothing is deleted). Raises like
     `cache_stats` otherwise (no cache there, an unsafe directory).
     """
     root = ensure_private_dir(path, create=False)

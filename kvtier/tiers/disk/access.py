@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import lmdb
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.disk_index import GuardedEnv, LmdbIndex, is_disk_full
+from kvtier.tiers.disk.index import GuardedEnv, LmdbIndex, is_disk_full
 
 logger = logging.getLogger(__name__)
 

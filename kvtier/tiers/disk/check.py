@@ -11,7 +11,7 @@ do is raise. It checks
   * that `data.mdb` and `lock.mdb` are regular files (not a FIFO, device, directory or
     symbolic link), with `lstat` and `O_NOFOLLOW | O_NONBLOCK`, so nothing blocks;
   * that `lock.mdb` is LMDB's (empty, zeroed, or starting with LMDB's magic number);
-  * the whole B-tree of the meta page LMDB will use (`kvtier.tiers.lmdb_tree`): every page
+  * the whole B-tree of the meta page LMDB will use (`kvtier.tiers.disk.lmdb_tree`): every page
     and offset LMDB would follow, every value's overflow pages, and the free list.
 
 The check runs only while no other process has the environment open (it takes LMDB's own
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.tiers.lmdb_tree import MDB_MAGIC, LmdbTreeDamage, check_lmdb_tree
+from kvtier.tiers.disk.lmdb_tree import MDB_MAGIC, LmdbTreeDamage, check_lmdb_tree
 
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"

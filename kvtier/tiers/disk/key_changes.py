@@ -1,5 +1,5 @@
 """What one write transaction did to a disk tier's stored hashes (`KeyChanges`), recorded by
-`LmdbIndex` as it adds and removes blocks and applied by `kvtier.tiers.disk_keys` to its
+`LmdbIndex` as it adds and removes blocks and applied by `kvtier.tiers.disk.keys` to its
 in-memory copy once the transaction commits; and a value's place packed into one int."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.hashing import BlockHash
-from kvtier.tiers.lmdb_value import ValueSpot
+from kvtier.tiers.disk.lmdb_value import ValueSpot
 
 
 @dataclass(slots=True)

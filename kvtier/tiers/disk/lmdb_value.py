@@ -9,7 +9,7 @@ with buffers=True `Cursor.key` is a view of the key inside its leaf page, right 
 node header that says how long the value is and, for a long value, on which overflow page it
 starts. `find_value` reads those 8 + 8 bytes and nothing else.
 
-Layouts are liblmdb 0.9's on 64-bit builds, the ones `kvtier.tiers.lmdb_tree` checks on
+Layouts are liblmdb 0.9's on 64-bit builds, the ones `kvtier.tiers.disk.lmdb_tree` checks on
 every open: node header (size lo, size hi, flags, key size), then the key, then the value or,
 with F_BIGDATA, the 8-byte number of its first overflow page; an overflow page holds a
 16-byte page header, then the value.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import lmdb
 import numpy as np
 
-from kvtier.tiers.lmdb_tree import F_BIGDATA, P_OVERFLOW
+from kvtier.tiers.disk.lmdb_tree import F_BIGDATA, P_OVERFLOW
 
 _NODE = struct.Struct("<HHHH")  # size lo, size hi, flags, key size
 _PAGE_HEADER = struct.Struct("<QHHI")  # page number, pad, flags, overflow page count

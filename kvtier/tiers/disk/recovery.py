@@ -1,7 +1,7 @@
 """Keep serving when a disk tier's files are damaged: move them aside, start afresh.
 
 A disk tier is a cache, so a damaged one must not stop the engine. `open_disk_tier` opens
-the tier; when its files cannot be opened or fail their check (`kvtier.tiers.disk_check`),
+the tier; when its files cannot be opened or fail their check (`kvtier.tiers.disk.check`),
 it moves them aside, never deleting them (the user may want them), creates a fresh tier in
 their place and logs a warning saying what was wrong and where the old files went. When
 even that fails (a read-only or full filesystem), the engine runs without the disk tier
@@ -26,9 +26,9 @@ import lmdb
 
 from kvtier.fsutil import PRIVATE_DIR_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_check import DATA_FILE, LOCK_FILE
-from kvtier.tiers.disk_index import is_disk_full
+from kvtier.tiers.disk.check import DATA_FILE, LOCK_FILE
+from kvtier.tiers.disk.index import is_disk_full
+from kvtier.tiers.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from kvtier.remote_config import RemoteConfig, redact
+from kvtier.tiers.remote.config import RemoteConfig, redact
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ pages of one database with `pread`, in the snapshot of a read transaction that t
 holds open meanwhile (LMDB reuses no page of a snapshot that a reader holds), a bounded
 number of leaves per call, resuming after a key.
 
-Layouts are liblmdb 0.9's on 64-bit builds, as `kvtier.tiers.lmdb_tree` checks them at open.
+Layouts are liblmdb 0.9's on 64-bit builds, as `kvtier.tiers.disk.lmdb_tree` checks them at open.
 """
 
 from __future__ import annotations
