@@ -44,8 +44,8 @@ from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cach
 
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import TierManager
-from kvtier.remote_config import RemoteConfig
 from kvtier.stats import ManagerStats
+from kvtier.tiers.remote.config import RemoteConfig
 
 #: While only transfers are in flight a step may have nothing to run; it then waits this long
 #: (seconds) instead of spinning.
@@ -304,9 +304,9 @@ class LLM:
         # The restores' further loads and the stores the last update queued start while the
         # GPU runs this step (right after it when the step samples nothing, so that nothing
         # waits); stores once enough are queued.
-        sampled = self.runner.execute(plan.scheduled, self._while_step_runs) \
+        sampled = self.runner.execute(plan.scheduled, self.scheduler.launched) \
             if plan.scheduled else []
-        self._while_step_runs()
+        self.scheduler.launched()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
@@ -320,22 +320,9 @@ class LLM:
             else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
-        if not self.scheduler.has_unfinished():
-            self.manager.submit_stores()  # no next step to overlap them with
-        elif not plan.scheduled and not finished:
-            # Only transfers can free blocks or finish loads now: wait for them a little.
-            if self.manager.num_stores_queued:  # held blocks come free as copies land
-                self.manager.submit_stores()
-            elif not (self.scheduler.num_loading
-                      or self.manager.stats(lower_tiers=False).num_jobs_in_flight):
-                raise RuntimeError("the scheduler could not run any request and no transfer "
-                                   "is in flight to make room")
+        if self.scheduler.idle(ran=bool(plan.scheduled or finished)):
             time.sleep(_IDLE_WAIT_S)
         return stepped, finished
-
-    def _while_step_runs(self) -> None:
-        self.scheduler.issue_loads()
-        self.manager.submit_stores(batch=True)
 
     def _complete(self, request: Request) -> RequestOutput | None:
         """Record a finished engine request; the parent's output once all its completions

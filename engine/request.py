@@ -5,8 +5,8 @@ State machine (the scheduler moves a request along it):
     WAITING | PREEMPTED --admitted------------------> RUNNING --stop / length--> FINISHED
     RUNNING --out of blocks--> PREEMPTED (back at the front of the waiting queue)
 
-  A prefix hit below the GPU is restored while the request runs (`engine.restore`);
-  WAITING_FOR_LOAD is no longer entered.
+  A prefix hit below the GPU is restored while the request runs (`engine.restore`): there is
+  no state of waiting for a load.
 
 Invariants:
   * `num_computed_tokens <= num_tokens`; the KV of tokens `[0, num_computed_tokens)` sits in
@@ -34,7 +34,6 @@ RequestId = NewType("RequestId", str)
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
-    WAITING_FOR_LOAD = "waiting_for_load"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"

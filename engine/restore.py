@@ -69,7 +69,7 @@ FIRST_LANDING_WAIT_S = 0.05
 #: computes in ~230 ms: a 50 ms wait then made the restore 1.1-1.4x slower than recomputing.
 FIRST_LANDING_WAIT_SHARE = 0.02
 #: Disk or remote groups issued while the request is admitted, at most; the rest are issued
-#: once the step that computes the head is queued on the GPU (`Scheduler.issue_loads`).
+#: once the step that computes the head is queued on the GPU (`Scheduler.launched`).
 #: Issuing is host work on the engine thread (0.5 ms a group: 17 ms for a 1B model's 16K
 #: prefix on an H100) that would otherwise keep the GPU idle before the first step; these
 #: few keep the disk busy and tell when it answers.

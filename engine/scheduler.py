@@ -89,19 +89,19 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-@dataclass(slots=True)
-class _Admission:
-    """Where the KV of an admitted-but-not-yet-running request's prefix came from (tokens)."""
-
-    gpu: int = 0
-    host: int = 0
-    disk: int = 0
-
-
 class Scheduler:
     """FCFS scheduling with chunked prefill, restores and preemption over a `TierManager`.
 
-    The caller runs one `schedule()` and one `update()` per step, from one thread.
+    The scheduler is the engine's one way into the tier manager: every call into it (poll,
+    lookup, allocate, reclaim, loads, stores) is made here or by the restores it drives, in
+    the order one step takes. The caller runs, per step and from one thread:
+
+        plan = scheduler.schedule()        # before the step: poll, lookups, allocations
+        ... launch the model step ...
+        scheduler.launched()               # issue further loads, start queued stores
+        finished = scheduler.update(plan, sampled_token_ids)
+        if scheduler.idle(ran=...): wait a little   # only transfers can make progress
+
     `restore_group_bytes` sizes the groups a restore loads from disk (`engine.restore`).
     """
 
@@ -124,7 +124,9 @@ class Scheduler:
         #: Restores that ended with loads whose I/O has not ended (they hold host slots);
         #: their rates are learnt once it has.
         self._ending: list[Restore] = []
-        self._admissions: dict[RequestId, _Admission] = {}
+        # Tokens of a looked-up, not yet running request's prefix shared from the GPU pool
+        # (those from below count as their restore lands them).
+        self._gpu_hit_tokens: dict[RequestId, int] = {}
         #: The model's measured prefill speed, which sizes restores' claims (the engine
         #: feeds it: `PrefillRate.observe`).
         self.prefill_rate = PrefillRate()
@@ -161,7 +163,6 @@ class Scheduler:
         """Plan the next step. It blocks on a transfer only where that spares a preemption:
         when the host copies in flight will free the blocks a request is short of."""
         out = SchedulerOutput()
-        self.issue_loads()  # a caller that skipped it after the last step
         self._finish_loads()
         budget = self.max_num_batched_tokens
 
@@ -185,7 +186,7 @@ class Scheduler:
             if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             # One lookup per admission: a failing tier cannot keep a request waiting.
-            if request.request_id not in self._admissions:
+            if request.request_id not in self._gpu_hit_tokens:
                 self._lookup(request)
             num_new = self._chunk(request, budget)
             if not self._grow(request, num_new, out):
@@ -196,6 +197,34 @@ class Scheduler:
                 out.scheduled.append(self._plan(request, num_new))
                 budget -= num_new
         return out
+
+    def launched(self, batch_stores: bool = True) -> None:
+        """The step is queued on the GPU: issue the restores' groups its claims left to the
+        tiers and start the host copies the last `update` queued, host work that the step's
+        compute then hides. `batch_stores`: start them only once enough are queued (see
+        `TierManager.submit_stores`). Called at least once per step, also when the plan is
+        empty (then right after `schedule`)."""
+        self.issue_loads()
+        self.manager.submit_stores(batch=batch_stores)
+
+    def idle(self, ran: bool) -> bool:
+        """After `update`: whether the caller should wait a little before the next step,
+        because only transfers in flight can make progress (`ran`: the step computed or
+        finished something). With nothing left to run, the queued stores start now (no
+        next step to overlap them with). Raises RuntimeError if no request can make
+        progress and nothing is in flight (a scheduling bug; never expected)."""
+        if not self.has_unfinished():
+            self.manager.submit_stores()
+            return False
+        if ran:
+            return False
+        if self.manager.num_stores_queued:  # held blocks come free as copies land
+            self.manager.submit_stores()
+        elif not (self.num_loading
+                  or self.manager.stats(lower_tiers=False).num_jobs_in_flight):
+            raise RuntimeError("the scheduler could not run any request and no transfer is "
+                               "in flight to make room")
+        return True
 
     def update(self, out: SchedulerOutput,
                sampled_token_ids: Sequence[int | None]) -> list[Request]:
@@ -254,8 +283,7 @@ class Scheduler:
                            len(tiers))
         request.num_computed_tokens = num_leading * request.block_size
         request.num_cached_blocks = num_leading
-        self._admissions[request.request_id] = _Admission(
-            gpu=tiers.count(Tier.GPU) * request.block_size)
+        self._gpu_hit_tokens[request.request_id] = tiers.count(Tier.GPU) * request.block_size
         if load_positions:
             restore = Restore(self.manager, tiers, table,
                               request.block_meta, request.block_size,
@@ -271,11 +299,9 @@ class Scheduler:
 
     def _worth_reading(self, request: Request, first_block: int) -> bool:
         """Whether `request`'s tokens from block `first_block` on (the first block neither
-        the GPU nor the host holds) are worth looking up in the disk and remote tiers, at
+        the GPU nor the host holds) are worth looking up in the tiers below the host, at
         the measured prefill rate and those tiers' rates (`restore_rates.worth_reading`)."""
-        slow = [tier for tier, present in ((Tier.DISK, self.manager.disk is not None),
-                                           (Tier.REMOTE, self.manager.remote is not None))
-                if present]
+        slow = list(dict.fromkeys(tier.kind for tier in self.manager.lower_tiers))
         num_tokens = request.num_tokens - first_block * request.block_size
         # The rate over these tokens, after the context before them.
         seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
@@ -327,9 +353,8 @@ class Scheduler:
         return num_new
 
     def issue_loads(self) -> None:
-        """Issue the groups that this step's claims left to the tiers. Call it once the
-        step is queued on the GPU (the engine does, before `update`): issuing is host work
-        that the step's compute then hides."""
+        """Issue the groups that this step's claims left to the tiers (`launched` does, once
+        the step is queued on the GPU)."""
         pending, self._issue_after_launch = self._issue_after_launch, {}
         for request_id, floor in pending.items():
             restore = self._restores.get(request_id)
@@ -350,16 +375,13 @@ class Scheduler:
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        admission = self._admissions.pop(request.request_id, _Admission())
-        request.counters.cached_gpu += admission.gpu
-        request.counters.cached_host += admission.host
-        request.counters.cached_disk += admission.disk
+        request.counters.cached_gpu += self._gpu_hit_tokens.pop(request.request_id, 0)
 
     def _release(self, request: Request) -> None:
         """Undo a waiting request's blocks (cached ones stay cached in the pool)."""
         self._drop_restore(request)
         self.manager.free(request.reset_blocks())
-        self._admissions.pop(request.request_id, None)
+        self._gpu_hit_tokens.pop(request.request_id, None)
 
     # ---- blocks --------------------------------------------------------------------------
 
@@ -404,7 +426,7 @@ class Scheduler:
                 if request.status is not RequestStatus.RUNNING:
                     return None  # a waiting request only takes from those behind it
                 continue
-            if other.block_table and other.status is not RequestStatus.WAITING_FOR_LOAD:
+            if other.block_table:
                 return other
         if request.status is RequestStatus.RUNNING:
             newest = self.running[-1]
@@ -429,7 +451,7 @@ class Scheduler:
             return
         if request in self.waiting:
             self.waiting.remove(request)
-        self._admissions.pop(request.request_id, None)
+        self._gpu_hit_tokens.pop(request.request_id, None)
         self._finish(request, reason)
 
     def _drop_restore(self, request: Request) -> None:

@@ -2,7 +2,8 @@
 
     kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
-Block `i` is the contiguous span `kv_cache[i]` (DESIGN decision 1). Attention and store
+Block `i` is the contiguous span `kv_cache[i]`, all layers, K and V: every hop between tiers
+moves one span per block (one copy, one record), not a piece per layer. Attention and store
 kernels see one layer through strided views `[num_blocks, block_size, num_kv_heads, head_dim]`.
 """
 

@@ -89,8 +89,7 @@ class Driver:
         self.compute(plan)
         # The restores' further loads and the last update's stores start with the step, as
         # in LLM.
-        self.scheduler.issue_loads()
-        self.manager.submit_stores()
+        self.scheduler.launched(batch_stores=False)
         self.scheduler.update(plan, [SAMPLED if p.samples else None for p in plan.scheduled])
         self.manager.pool.check_invariants()
         return plan

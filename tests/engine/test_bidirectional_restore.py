@@ -113,7 +113,7 @@ def test_with_the_models_speed_known_the_reads_are_issued_around_the_first_launc
     """Issuing a read is host work on the engine thread (0.5 ms a group on an H100), and
     before the request's first step nothing hides it: the admitting step issues only
     FIRST_SLOW_GROUPS groups, the rest go once the step with the front's first claim is
-    queued (`Scheduler.issue_loads`, where `LLM` calls it), and the fronts still meet."""
+    queued (`Scheduler.launched`, where `LLM` calls it), and the fronts still meet."""
     hashes = warm(disk_dir, [PROMPT])
     hook = ReadHook(gate_at=1)  # nothing lands: the front claims once its wait is over
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
@@ -130,7 +130,7 @@ def test_with_the_models_speed_known_the_reads_are_issued_around_the_first_launc
             driver.compute(plan)
             # Claimed blocks 0 and 1; blocks 2 and 3 are issued with the step, not before.
             assert driver.scheduler.restore_fronts()[rid].load_block == 8 - FIRST_SLOW_GROUPS
-            driver.scheduler.issue_loads()
+            driver.scheduler.launched(batch_stores=False)
             assert driver.scheduler.restore_fronts()[rid].load_block == 2
             driver.scheduler.update(plan, [None])
         finally:
@@ -225,8 +225,7 @@ class ModelDriver:
         self.namespace = namespace_hash("tiny", self.layout)
 
     def _while_step_runs(self) -> None:
-        self.scheduler.issue_loads()
-        self.manager.submit_stores()
+        self.scheduler.launched(batch_stores=False)
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 5,
                  settle: bool = False) -> list[Request]:

@@ -62,8 +62,7 @@ class Driver:
         sampled = [SAMPLED if p.samples else None for p in plan.scheduled]
         # The restores' further loads and the last update's stores start with the step, as
         # in LLM.
-        self.scheduler.issue_loads()
-        self.manager.submit_stores()
+        self.scheduler.launched(batch_stores=False)
         return plan, self.scheduler.update(plan, sampled)
 
     def run_until_done(self, max_steps: int = 500) -> list[Request]:

@@ -48,7 +48,7 @@ def test_bytes_per_block_matches_a_real_block_tensor(dtype, sizes):
 
 
 def test_llama_8b_block_is_two_mebibytes():
-    # DESIGN: a 16-token block of an 8B Llama (32 layers, 8 KV heads, d=128, bf16) is 2 MiB.
+    # A 16-token block of an 8B Llama (32 layers, 8 KV heads, d=128, bf16) is 2 MiB.
     layout = KVLayout(32, 8, 128, 16, torch.bfloat16)
     assert layout.bytes_per_block == 2 * 1024 * 1024
 
