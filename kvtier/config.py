@@ -46,6 +46,8 @@ class TierConfig(CheckedModel):
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
     staging_slots: slab slots used for disk traffic when the host tier is off.
     remote: the shared remote tier below the disk (`RemoteConfig`); None turns it off.
+    directory_path: a directory of one file per block (`kvtier.tiers.directory`), in the
+        disk tier's place (the two cannot both be on); None turns it off.
 
     Fields are checked by their types (one line each, so adding a tier's settings is one
     line more); raises `kvtier.validation.ConfigError` (a ValueError) naming the field when
@@ -67,6 +69,8 @@ class TierConfig(CheckedModel):
         DEFAULT_STAGING_SLOTS, description="slab slots for disk traffic without a host tier")
     remote: RemoteConfig | None = Field(
         None, description="the shared remote tier below the disk; None turns it off")
+    directory_path: Path | None = Field(
+        None, description="a directory of block files (kvtier.tiers.directory); None: off")
 
     @model_validator(mode="after")
     def _check_disk(self) -> TierConfig:

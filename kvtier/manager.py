@@ -39,6 +39,7 @@ from kvtier.stats import ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath
 from kvtier.tier_stack import LowerTiers, TierStack
 from kvtier.tiers.base import LowerTier, WritePolicy
+from kvtier.tiers.directory.tier import DirectoryTier
 from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.host import HostRole, HostTier
@@ -64,6 +65,7 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
                                         tier_class=DiskTier, read_hook=disk_read_hook)
         tiers.append(disk)
+    tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
     if config.remote is not None:
         from kvtier.tiers.remote.tier import RemoteTier  # imports redis: only when asked for
         tiers.append(RemoteTier(config.remote, layout))

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from kvtier.engine import LLM, SamplingParams
+from kvtier.engine import LLM, SamplingParams, sizing
 from kvtier.engine.loader import LoadedModel, converted_model_dir
 
+from kvtier.config import TierConfig
 from kvtier.stats import Direction, Tier
 
 MAX_TOKENS = 6
@@ -102,6 +103,35 @@ def test_tiny_host_tier_spills_to_disk_and_restores_from_it(smollm2, block_promp
     # through, the disk gives a few blocks per step: where the fronts meet is the restore's
     # business (tests/engine/test_bidirectional_restore.py pins the meeting points down).
     assert stats.tiers[Tier.DISK].hits > 0
+
+
+def test_restores_from_a_directory_tier_alone(smollm2, block_prompts, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory tier (kvtier.tiers.directory) as the only tier below the GPU: blocks go
+    through the staging slab into its files, and come back out of them, token for token."""
+    prompts, references = block_prompts
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    tier_config = sizing.tier_config
+
+    def with_directory(*args) -> TierConfig:
+        config = tier_config(*args)
+        assert config.disk_path is None and config.remote is None and not config.host_enabled
+        return TierConfig(**{**config.model_dump(), "directory_path": tmp_path / "blocks"})
+
+    monkeypatch.setattr(sizing, "tier_config", with_directory)
+    # 30 GPU blocks: one prompt at a time; the first prompt's blocks are gone from the GPU
+    # when it comes again, and only the directory holds them.
+    with LLM(smollm2, gpu_blocks=30, host_cache=False, disk_cache=False,
+             max_num_batched_tokens=128) as llm:
+        assert [tier.name for tier in llm.manager.lower_tiers] == ["directory"]
+        first = [llm.generate([p], params)[0] for p in prompts]
+        llm.manager.flush()
+        again = llm.generate([prompts[0]], params)[0]
+        stats = llm.stats()
+    for output, reference in zip([*first, again], [*references, references[0]]):
+        assert list(output.outputs[0].token_ids) == reference
+    assert stats.tiers[Tier.DISK].hits > 0 and again.metrics.cached_tokens_disk > 0
+    assert stats.tiers[Tier.DISK].failures == 0
 
 
 def test_second_process_restores_from_the_warm_disk_tier(smollm2, smollm2_hf,

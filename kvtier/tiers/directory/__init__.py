@@ -1,0 +1,1 @@
+"""The directory tier: one file per block in a plain directory (`tier.DirectoryTier`)."""
