@@ -111,9 +111,10 @@ class TierManager:
         self._unhandled: list[tuple[JobId, bool]] = []
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
-        self._tiers = new_tier_counters()
+        self._counters = new_tier_counters()  # per `Tier` kind, in blocks
+        #: What the lookup, load and store paths work on.
         self.tiers = TierStack(self.pool, self.kv_cache, self.host, self.lower_tiers,
-                               self._tiers, self._submit,
+                               self._counters, self._submit,
                                [WriteOnce(tier) for tier in self.lower_tiers
                                 if tier.write_policy is WritePolicy.EVERY_BLOCK])
         #: The way up: reads from below into host slots, host -> GPU copies.
@@ -430,7 +431,7 @@ class TierManager:
             self.stores.progress(sum(len(load.waiting) for load in starved))
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
             for load in starved:
-                self._tiers[Tier.HOST].rejected += len(load.waiting)
+                self._counters[Tier.HOST].rejected += len(load.waiting)
                 for lb in load.waiting:
                     lb.state = LoadState.FAILED
                 load.waiting.clear()
@@ -464,15 +465,16 @@ class TierManager:
 
     def stats(self, lower_tiers: bool = True) -> ManagerStats:
         """Per-tier block counters, transfers per direction, pool and host occupancy;
-        `lower_tiers=False` leaves out `disk` and `remote` (None), which read LMDB: they can
-        be read from any thread with `lower_tiers.stats()`."""
+        `lower_tiers=False` leaves out the tiers below the host's own stats (`disk` and
+        `remote` None, `lower_tiers` empty), which read LMDB or the network: they can be read
+        from any thread with `TierManager.lower_tiers.stats()`."""
         host = self.tiers.caching_host
-        disk, remote = self.lower_tiers.stats() if lower_tiers else (None, None)
+        below = self.lower_tiers.stats_by_name() if lower_tiers else {}
         return ManagerStats(
-            tiers={tier: counters.snapshot() for tier, counters in self._tiers.items()},
+            tiers={tier: counters.snapshot() for tier, counters in self._counters.items()},
             transfers=self.transfers.stats(), pool=self.pool.stats(),
             host_slots=host.num_slots if host else 0,
             host_free_slots=host.num_free_slots if host else 0,
             host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
-            disk=disk, num_loads_in_flight=len(self._loads),
-            num_jobs_in_flight=len(self._on_done), remote=remote)
+            disk=below.get("disk"), num_loads_in_flight=len(self._loads),
+            num_jobs_in_flight=len(self._on_done), remote=below.get("remote"), lower_tiers=below)

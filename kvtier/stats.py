@@ -8,7 +8,7 @@ owned by one object; `snapshot()` gives the frozen record that crosses the API b
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.block_pool import PoolStats
@@ -120,6 +120,8 @@ class ManagerStats:
     when it is off). disk: the disk tier's own stats (None when it is off or closed).
     num_loads_in_flight / num_jobs_in_flight: work not completed yet.
     remote: the remote tier's own stats (None when it is off or closed).
+    lower_tiers: every open tier below the host's own stats, under its name (`disk` and
+    `remote` among them).
     """
 
     tiers: dict[Tier, TierStats]
@@ -133,6 +135,7 @@ class ManagerStats:
     num_loads_in_flight: int
     num_jobs_in_flight: int
     remote: Any = None
+    lower_tiers: dict[str, Any] = field(default_factory=dict)
 
     def bytes_moved(self, direction: Direction) -> int:
         return self.transfers[direction].num_bytes
