@@ -245,10 +245,8 @@ class StorePath:
                 staged.append(slot)
             else:
                 self.host.free_slot(slot)
-        # A staging slab carries its blocks to every tier below (those taking every block
-        # first), then forgets them.
-        below = [offers.tier for offers in self.tiers.offers] + [self.write_back] * (
-            self.write_back is not None)
+        # A staging slab carries its blocks down at once, then forgets them.
+        below = self.tiers.lower.staging_order()
         for chunk in chunks(staged, below[0].write_batch if below else 1):
             self._write_staged(chunk, below)
 

@@ -70,6 +70,11 @@ class LowerTiers:
             return None
         return keeper if self._tiers.index(keeper) < self._tiers.index(tier) else None
 
+    def staging_order(self) -> list[LowerTier]:
+        """The tiers a block on a staging slab is written to, in turn: those taking every
+        block, then the write-back tier."""
+        return self.every_block + [self.write_back] * (self.write_back is not None)
+
     def stats(self) -> LowerTierStats:
         """(the disk tier's stats, the remote tier's), each None when that tier is off, both
         None once closed. Safe on any thread."""
