@@ -64,15 +64,15 @@ WINDOW_BYTES = 4 << 30
 #: 16 MiB read from a cold 1 GB/s disk takes ~16 ms); a dead or hanging one costs this much.
 FIRST_LANDING_WAIT_S = 0.05
 #: ... and at most this share of the time the model takes to compute the prefix, so that
-#: waiting never makes a prompt more than 2% slower than computing it. On an H100 a cold
-#: disk (index and records) landed its first group after ~80 ms, while an 8K-token prefix
-#: computes in ~230 ms: a 50 ms wait then made the restore 1.1-1.4x slower than recomputing.
+#: waiting never makes a prompt more than 2% slower than computing it: a cold disk's first
+#: group can land after a good share of a short prefix's compute time (docs/BENCHMARKS.md,
+#: "Figures behind the engine's constants").
 FIRST_LANDING_WAIT_SHARE = 0.02
 #: Disk or remote groups issued while the request is admitted, at most; the rest are issued
 #: once the step that computes the head is queued on the GPU (`Scheduler.issue_loads`).
-#: Issuing is host work on the engine thread (0.5 ms a group: 17 ms for a 1B model's 16K
-#: prefix on an H100) that would otherwise keep the GPU idle before the first step; these
-#: few keep the disk busy and tell when it answers.
+#: Issuing is host work on the engine thread that would otherwise keep the GPU idle before
+#: the first step (docs/BENCHMARKS.md, "Figures behind the engine's constants"); these few
+#: keep the disk busy and tell when it answers.
 FIRST_SLOW_GROUPS = 4
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
@@ -172,7 +172,7 @@ class Restore:
         self._first_issue: dict[Tier, float] = {}
         #: When the lookup that found the hits began (`time.monotonic`): a slow tier's
         #: latency counts from there, its index lookup included (after a dropped page
-        #: cache, 0.2 s of LMDB reads for a 32K-token prefix on a lent H100's disk).
+        #: cache that lookup is disk reads too).
         self._lookup_began = lookup_began
         self._busy_s: float | None = 0.0
         #: The last `issue` stopped at `max_slow_groups`: slow groups are still to come.
