@@ -5,6 +5,7 @@ installed)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,9 +29,22 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def _source_copy(dest: Path) -> Path:
+    """What a build reads, copied: setuptools writes build/ and *.egg-info beside the
+    sources, and tests that build at once (pytest-xdist workers) must not share them."""
+    dest.mkdir(parents=True)
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, dest / name)
+    for folder in PACKAGE_DIR.values():
+        shutil.copytree(REPO / folder, dest / folder,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
 def _build_wheel(out_dir: Path) -> Path:
+    source = _source_copy(out_dir / "source")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out_dir), str(REPO)],
+                    "--no-build-isolation", "-w", str(out_dir), str(source)],
                    check=True, env=_clean_env(), cwd=out_dir)
     (wheel,) = out_dir.glob("kvtier-*.whl")
     return wheel
@@ -149,7 +163,8 @@ def test_fresh_venv_install_beside_hf_kernels(tmp_path: Path) -> None:
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True, capture_output=True, text=True, env=_clean_env()).stdout.strip())
     (venv_site / "shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(REPO), "kernels"],
+    source = _source_copy(tmp_path / "source")
+    install = subprocess.run([str(python), "-m", "pip", "install", "-q", str(source), "kernels"],
                              capture_output=True, text=True, env=_clean_env(), cwd=tmp_path)
     assert install.returncode == 0, install.stderr[-3000:]
     check = textwrap.dedent(f"""
