@@ -1,8 +1,13 @@
 """Test-suite wide hooks: tests marked `@pytest.mark.gpu` are skipped without CUDA, and
 tests marked `@pytest.mark.slow` are run first."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+from tests.model_cache import shared_conversion
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -15,6 +20,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_conversion(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's conversion, made once per test run (tests/model_cache.py). Under
+    pytest-xdist every worker's base directory sits in the run's one shared directory."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    return shared_conversion(root / "smollm2-conversion")
 
 
 # Real Redis servers for the remote-tier tests (skipped where redis-server is missing).
