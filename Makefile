@@ -1,5 +1,6 @@
 # make demo: create .venv if missing, install kvtier, run the main job.
-# make test: create .venv if missing, install kvtier with its dev extras, run the test suite.
+# make test: create .venv if missing, install kvtier with its dev extras, run the test suite
+# (pytest-xdist: one worker per core, at most 4).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -27,7 +28,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n auto --maxprocesses 4 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,10 +1,11 @@
 """CUDA graphs for small steps: decodes, and short prefill chunks run as decode rows.
 
 A step of few tokens on a large model is bound by the host: each layer launches several
-Triton and torch kernels from Python (about 20 ms for a 16-token step of an 8B model whose
-kernels take 9 ms). `DecodeGraphs` records the model's forward once per row bucket (1, 2, 4,
-... 256, up to the engine's max_num_seqs) as a decode batch (one query per row) and replays
-it, so a step costs a few small host-to-device copies and one graph launch.
+Triton and torch kernels from Python, and those launches take longer than the kernels
+(docs/KERNELS.md, "CUDA graphs for small steps"). `DecodeGraphs` records the model's forward
+once per row bucket (1, 2, 4, ... 256, up to the engine's max_num_seqs) as a decode batch
+(one query per row) and replays it, so a step costs a few small host-to-device copies and
+one graph launch.
 
 A prefill chunk fits the same graphs: its token at position p is a row whose sequence ends
 at p + 1 over the request's block table. Each layer stores every row's K/V before it
@@ -41,10 +42,10 @@ from kvtier.engine.scheduler import ScheduledRequest
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 #: The most keys the rows of a step's prefill chunks may read in all for the step to run as
-#: graph rows: 16 new tokens after a 16K context. Measured on an H100 with an 8B model
-#: (scripts/short_chunk_probe.py), 16 tokens after 4K took 9.2 ms as rows against 24.4 ms
-#: eagerly, after 8K (131K key reads) 11.0 against 16.0 ms; each further 131K keys costs
-#: the rows about 3.5 ms of K/V reads.
+#: graph rows: 16 new tokens after a 16K context. Each row reads the whole context where an
+#: eager chunk reads it once, so the rows' saving on launches shrinks as the context grows;
+#: past this many key reads an eager step is the cheaper (docs/KERNELS.md, "CUDA graphs for
+#: small steps").
 MAX_ROW_KEY_READS = 1 << 18
 
 

@@ -187,8 +187,7 @@ class ModelRunner:
         """The sampled ids [n] as Python ints, `while_waiting` run first (on CUDA, while the
         GPU computes them). On CUDA the SMs store them into pinned memory
         (`kernels.store_to_host`): a copy-engine read-back queues behind the write-through
-        of the blocks the previous step filled (6-7 ms on the second step of an 8,208-token
-        prompt of an 8B model on an H100, docs/BENCHMARKS.md)."""
+        of the blocks the previous step filled (docs/KERNELS.md, "store_to_host")."""
         if token_ids.device.type != "cuda":
             if while_waiting is not None:
                 while_waiting()

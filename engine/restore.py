@@ -64,14 +64,15 @@ WINDOW_BYTES = 4 << 30
 #: 16 MiB read from a cold 1 GB/s disk takes ~16 ms); a dead or hanging one costs this much.
 FIRST_LANDING_WAIT_S = 0.05
 #: ... and at most this share of the time the model takes to compute the prefix, so that
-#: waiting never makes a prompt more than 2% slower than computing it: a cold disk can take
-#: a third of a mid-sized prefix's compute time to land its first group, and the full wait
-#: then made the restore slower than recomputing.
+#: waiting never makes a prompt more than 2% slower than computing it: a cold disk's first
+#: group can land after a good share of a short prefix's compute time (docs/BENCHMARKS.md,
+#: "Figures behind the engine's constants").
 FIRST_LANDING_WAIT_SHARE = 0.02
 #: Disk or remote groups issued while the request is admitted, at most; the rest are issued
 #: once the step that computes the head is queued on the GPU (`Scheduler.launched`).
 #: Issuing is host work on the engine thread that would otherwise keep the GPU idle before
-#: the first step; these few keep the disk busy and tell when it answers.
+#: the first step (docs/BENCHMARKS.md, "Figures behind the engine's constants"); these few
+#: keep the disk busy and tell when it answers.
 FIRST_SLOW_GROUPS = 4
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.

@@ -16,8 +16,8 @@ from kvtier.stats import Tier
 SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
 #: Seconds a restore must be expected to save over computing before the slow tiers are
 #: consulted at all. Before a cold disk's first block lands, its index lookups and first
-#: read cost tens of milliseconds: on a lent H100 a 1K-token prefix (25 ms to compute)
-#: took 140 ms to restore from a cold disk, an 8K one 1.16x its compute time.
+#: read cost tens of milliseconds, more than a short prefix takes to compute
+#: (docs/BENCHMARKS.md, "Figures behind the engine's constants").
 MIN_SAVING_S = 0.05
 
 
@@ -59,9 +59,10 @@ def prefill_keys(num_tokens: int, context: int) -> int:
 class PrefillRate:
     """How fast the model prefills, learnt from timed steps (`engine.step_timer`): a step of
     N prompt tokens attending to K keys in all (`prefill_keys`) takes about a*N + b*K
-    seconds, a per token (the layers' matmuls) and b per key (attention). On an H100 an
-    8,192-token chunk took 0.21 s with no context and 0.29 s after 8K tokens, so one rate for
-    both would give the compute front too much of a long prefix. a and b are fitted by least
+    seconds, a per token (the layers' matmuls) and b per key (attention). A chunk after a
+    long context takes markedly longer than a fresh one (docs/BENCHMARKS.md, "Figures
+    behind the engine's constants"), so one rate for both would give the compute front too
+    much of a long prefix. a and b are fitted by least
     squares over recent steps, each step weighing twice the one before it; while the steps
     seen cannot tell them apart (all at one context) b is 0. None until a step was timed.
     `backlog_s`: seconds of prefill steps queued on the device and not finished yet (the

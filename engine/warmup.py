@@ -3,8 +3,8 @@ first request.
 
 Triton compiles a kernel on its first launch with a new set of compile-time constants, and
 torch grows its allocator and picks GEMM kernels on the first call of a shape: left to the
-first requests, that put seconds of compilation on a request's path (4.7 s instead of 1.5 s
-for a 32K-token prompt of an 8B model on an H100). The engine's kernels are specialised only
+first requests, that put seconds of compilation on a request's path (docs/KERNELS.md,
+"Warm-up"). The engine's kernels are specialised only
 on what the model fixes (dtype, head counts, head dim, block size) and on the tiling
 `kernels.paged_decode.pick_config` chooses, i.e. on the shape class of a step:
 

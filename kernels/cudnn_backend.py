@@ -4,13 +4,13 @@ SDPA (the `nvidia-cudnn-frontend` package), decodes through the Triton kernel.
 cuDNN reads K/V straight from the paged cache through the block tables (its "paged
 attention" containers: one layer's strided view, no gather) with a bottom-right aligned
 causal mask, so a chunk after a prefix attends exactly as `kernels.paged_attention` does.
-On an H100 it ran the chunks of a 32K-token prompt 0.89x of the Triton kernel's time and
-short ragged batches 0.6x (docs/KERNELS.md). A step goes to cuDNN when it is prefill-shaped
+It runs long prefill chunks and short ragged batches faster than the Triton kernel
+(docs/KERNELS.md, "Prefill"). A step goes to cuDNN when it is prefill-shaped
 (`routes_to_cudnn`); decode steps, float32 and anything cuDNN refuses stay on Triton, which
 also keeps CUDA graph capture of decode steps on the Triton path.
 
-A cuDNN graph is built once per `GraphShape` (1.7 s for the first, which loads cuDNN's
-kernels, ~80 ms each after) and replayed with the step's lengths and tables: shapes are
+A cuDNN graph is built once per `GraphShape` (the first, which loads cuDNN's kernels, takes
+seconds; docs/KERNELS.md) and replayed with the step's lengths and tables: shapes are
 bucketed so that few graphs serve every step, and `build_graphs` lets warm-up build them
 before the first request.
 
@@ -38,10 +38,9 @@ logger = logging.getLogger(__name__)
 #: of 64) beside page tables.
 MIN_CUDNN_VERSION = 90600
 #: A step goes to cuDNN when it has at least this many query tokens. Below, attention is a
-#: small part of the step and cuDNN's gain with it (a 1K-token prompt took 26.0-26.7 ms to
-#: first token against 25.4 ms with the Triton kernel alone, and a cold disk strategy's
-#: 1K prompt 1.02-1.66x its recompute where the Triton kernel gave 1.01x); a 128-token
-#: chunk after 4K keys took 1.6x the Triton kernel's time (which splits long contexts).
+#: small part of the step and cuDNN's gain with it: a whole 1K-token prompt was no faster,
+#: and a short chunk after a long context is slower on cuDNN (the Triton kernel splits long
+#: contexts over more programs; docs/KERNELS.md, "Prefill").
 MIN_STEP_TOKENS = 2048
 #: ... its longest query has at least this many ...
 MIN_QUERY_LEN = 64

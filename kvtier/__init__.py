@@ -5,28 +5,21 @@ tier; block hashes chain their parents so equal hashes mean equal prefixes.
 
 Everything a user imports lives under this one name: the tiering library here, the
 embedded engine as `kvtier.engine`, the Triton kernels as `kvtier.kernels` and the command
-as `kvtier.cli`. The names below are imported on first use, so `import kvtier` (and
-`kvtier --version`) does not import torch.
+as `kvtier.cli`. In the repository those three folders sit beside this one; an install
+(editable or not, or `tools/bare_checkout.py` where pip cannot install) maps them into this
+package, so every file has exactly one module name. The names below are imported on first
+use, so `import kvtier` (and `kvtier --version`) does not import torch.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-# In a source checkout engine/, kernels/ and cli/ sit beside this folder; an installed wheel
-# places them inside it (pyproject's package-dir). Searching the checkout's root as well lets
-# a bare checkout run (`PYTHONPATH=. python -m kvtier.cli.main`) where no editable install
-# can be made, such as a machine without a package index.
-_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_CHECKOUT, "engine", "__init__.py")) and _CHECKOUT not in __path__:
-    __path__.append(_CHECKOUT)
-
 try:
     __version__ = version("kvtier")
-except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+except PackageNotFoundError:  # a bare checkout mapped by tools/bare_checkout.py
     __version__ = "0.0.0+source"
 
 #: Public name -> module that defines it.

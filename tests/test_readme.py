@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.model_cache import seed_model_cache
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 #: The address the README's client examples talk to (`kvtier serve --port 8000`).
@@ -38,8 +40,9 @@ def test_the_readme_has_examples_of_each_kind() -> None:
 
 
 @pytest.mark.slow
-def test_every_readme_example_runs(tmp_path: Path) -> None:
-    env = dict(os.environ, KVTIER_CACHE_DIR=str(tmp_path / "kvtier-cache"))
+def test_every_readme_example_runs(tmp_path: Path, smollm2_conversion: Path) -> None:
+    cache = seed_model_cache(tmp_path / "kvtier-cache", smollm2_conversion)
+    env = dict(os.environ, KVTIER_CACHE_DIR=str(cache))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     blocks = readme_blocks()
     for lang, body in blocks:  # files first: the commands name them

@@ -18,10 +18,10 @@ result gives, per strategy, the tokens restored per tier and computed (the meeti
 With `cold` the page cache is dropped before each round-two request of every strategy (root
 only; the result says whether it was): the disk restores start cold, and every strategy's
 requests follow the same pause (a `sync` and the drop take a while, and a request after an
-idle spell can itself take longer: on a lent H100 a 1K prompt took 24-43 ms after a 1 s
-sleep against 25-26 ms back to back). After the disk strategy, the disk tier's own cold read
-bandwidth and the raw sequential read bandwidth of a file of one document's KV size on the
-same disk are measured, alternately, three times each (`cli.bench.diskread`; medians).
+idle spell can itself take longer than one back to back). After the disk strategy, the disk
+tier's own cold read bandwidth and the raw sequential read bandwidth of a file of one
+document's KV size on the same disk are measured, alternately, three times each
+(`cli.bench.diskread`; medians).
 
 The engine's stats are sampled after every step (tier occupancy, bytes moved per direction,
 the restore fronts), which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy
@@ -265,8 +265,8 @@ def _measure_disk(loaded: LoadedModel, config: LongctxConfig, disk_dir: Path,
                   report: Progress) -> dict[str, Any]:
     """The disk tier's cold read bandwidth next to the same disk's raw sequential reads:
     `DISK_READ_ROUNDS` rounds of (the tier, the raw file), each entry the round with the
-    median GB/s, every round's figure beside it (one cold read varies by 10-20% on a lent
-    H100's disk, so a single pair cannot tell 0.84x from 0.9x)."""
+    median GB/s, every round's figure beside it (one cold read varies by 10-20% on the GPU
+    machine's disk, so a single pair cannot tell 0.84x from 0.9x)."""
     layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
     report("disk: reading the tier back cold, then a raw file of one document's size")
     doc_blocks = config.doc_tokens // config.block_size

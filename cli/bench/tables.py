@@ -212,3 +212,33 @@ def print_diskread(result: dict[str, Any]) -> None:
     print_table(f"bench diskread: {result['methods']['values']} values, "
                 f"{result['methods']['bytes'] / 2**30:.2f} GiB, cold={result['methods']['cold']}",
                 ("read", "GB/s"), rows)
+
+
+def print_roundtrip(result: dict[str, Any]) -> None:
+    ceiling, manager = result["ceiling"], result["manager"]
+    rows = [
+        ("pinned copy D2H / H2D (GB/s)",
+         f"{ceiling['d2h_gbps']:.1f} / {ceiling['h2d_gbps']:.1f}"),
+        ("write-through GPU -> host (GB/s)", f"{manager['store_gbps']:.1f}"),
+        ("load host -> GPU (GB/s)", f"{manager['load_gbps']:.1f}"),
+        ("store / load vs ceiling",
+         f"{manager['store_vs_ceiling']:.2f} / {manager['load_vs_ceiling']:.2f}"),
+        ("round trip vs ceiling", f"{manager['roundtrip_vs_ceiling']:.2f}"),
+        ("bytes verified", str(manager["verified"])),
+    ]
+    if result["disk"] is not None:
+        rows += [(f"restore disk -> GPU, warm, {result['disk']['io_threads']} I/O threads (GB/s)",
+                  f"{result['disk']['restore_gbps']:.1f}"),
+                 ("restore vs H2D ceiling", f"{result['disk']['restore_vs_h2d_ceiling']:.2f}"),
+                 ("restored bytes verified", str(result["disk"]["verified"]))]
+    if result["remote"] is not None:
+        remote = result["remote"]
+        kind = "cluster" if remote["cluster"] else "server"
+        rows += [(f"restore remote ({kind}) -> GPU, {remote['io_threads']} I/O threads (GB/s)",
+                  f"{remote['restore_gbps']:.2f}"),
+                 ("plain redis-py pipeline of GETs (GB/s)", f"{remote['plain_get_gbps']:.2f}"),
+                 ("remote restore vs plain GETs", f"{remote['vs_plain_get']:.2f}"),
+                 ("remote bytes verified", str(remote["verified"]))]
+    print_table(f"bench roundtrip: {result['num_blocks']} blocks of "
+                f"{result['block_bytes'] / 2**20:.1f} MiB on {result['device']} "
+                f"(median of {result['repeats']})", ("metric", "value"), rows)

@@ -29,11 +29,12 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 from tests.cli.chat_model import save_chat_model
+from tests.model_cache import seed_model_cache
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module", autouse=True)
-def private_cache_dir(tmp_path_factory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("kvtier-cache")
+def private_cache_dir(tmp_path_factory, smollm2_conversion) -> Iterator[Path]:
+    path = seed_model_cache(tmp_path_factory.mktemp("kvtier-cache"), smollm2_conversion)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVTIER_CACHE_DIR", str(path))
         yield path

@@ -16,6 +16,8 @@ from kvtier.cli.docs_corpus import CORPUS
 from kvtier.cli.main import app
 from typer.testing import CliRunner
 
+from tests.model_cache import seed_model_cache
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,6 +57,8 @@ def test_a_model_without_tokenizer_is_a_one_line_error(tmp_path, monkeypatch):
 
 
 def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`kvtier demo --quick` with `cache_dir` as its cache (seeded with the model's
+    conversion by the caller: "cold" is about the KV tiers, not the model)."""
     env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "COLUMNS": "120"}
     return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "demo", "--quick", *args],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -62,8 +66,8 @@ def _run_demo(cache_dir: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_demo_quick_cold_then_warm_from_disk(tmp_path):
-    cache_dir = tmp_path / "cache"
+def test_demo_quick_cold_then_warm_from_disk(tmp_path, smollm2_conversion):
+    cache_dir = seed_model_cache(tmp_path / "cache", smollm2_conversion)
 
     # Run 1: nothing cached yet; the tiered answers match the tiers-off run.
     first = _run_demo(cache_dir)
@@ -89,14 +93,17 @@ def test_demo_quick_cold_then_warm_from_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_on_a_second_machine_starts_warm_from_the_remote_tier(tmp_path, redis_server):
+def test_demo_on_a_second_machine_starts_warm_from_the_remote_tier(tmp_path, redis_server,
+                                                                   smollm2_conversion):
     """Two demos with their own disk tiers share one Redis server: the second one's first
     turn comes back from the remote tier, and its answers still match tiers off."""
     url = redis_server.url
-    first = _run_demo(tmp_path / "machine-a", "--remote-cache", url)
+    machines = [seed_model_cache(tmp_path / name, smollm2_conversion)
+                for name in ("machine-a", "machine-b")]
+    first = _run_demo(machines[0], "--remote-cache", url)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "Cold start" in first.stdout and "R>H" in first.stdout  # the remote's column
-    second = _run_demo(tmp_path / "machine-b", "--remote-cache", url, "--json")
+    second = _run_demo(machines[1], "--remote-cache", url, "--json")
     assert second.returncode == 0, second.stdout + second.stderr
     result = json.loads(second.stdout)
     # The documents are found in the remote tier and read back from their tails while their

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -26,16 +27,17 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel, load_model
 
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, sse_events, start_server
+from tests.model_cache import seed_model_cache
 
 GPU_BLOCKS = 160
 NUM_CLIENTS = 32
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    """SmolLM2 (float32, CPU), converted into a private cache dir; one torch thread (on a
-    small shared machine two spinning threads per process make each step far slower)."""
-    cache = tmp_path_factory.mktemp("kvtier-cache")
+def model(tmp_path_factory: pytest.TempPathFactory, smollm2_conversion: Path):
+    """SmolLM2 (float32, CPU) from a private cache dir; one torch thread (on a small shared
+    machine two spinning threads per process make each step far slower)."""
+    cache = seed_model_cache(tmp_path_factory.mktemp("kvtier-cache"), smollm2_conversion)
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVTIER_CACHE_DIR", str(cache))

@@ -22,14 +22,15 @@ from kvtier.engine.loader import load_model
 from typer.testing import CliRunner
 
 from tests.cli.serve_harness import MODEL_NAME, parse_metrics, sse_events
+from tests.model_cache import seed_model_cache
 
 API_KEY = "test-key"
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A private KVTIER_CACHE_DIR with SmolLM2 converted once (the server process reuses it)."""
-    cache = tmp_path_factory.mktemp("kvtier-cache")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_conversion: Path) -> Path:
+    """A private KVTIER_CACHE_DIR holding SmolLM2's conversion (the server process reuses it)."""
+    cache = seed_model_cache(tmp_path_factory.mktemp("kvtier-cache"), smollm2_conversion)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVTIER_CACHE_DIR", str(cache))
         load_model("smollm2-135m", "cpu", "float32")

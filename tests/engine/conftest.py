@@ -1,9 +1,9 @@
 """Shared fixtures for the engine tests.
 
 - `kvtier_cache_dir`: a private KVTIER_CACHE_DIR for the whole session (nothing is written
-  to the real user cache).
-- `smollm2`: SmolLM2-135M loaded once through the "smollm2-135m" alias (float32, CPU); the
-  GGUF -> safetensors conversion happens once per session, in `kvtier_cache_dir`.
+  to the real user cache), holding the run's one conversion of SmolLM2 (tests/model_cache.py).
+- `smollm2`: SmolLM2-135M loaded once through the "smollm2-135m" alias (float32, CPU), from
+  the conversion in `kvtier_cache_dir`.
 - `paged_batch`: a factory for `PagedBatch`, which drives a model over a paged KV cache the
   way a model runner does (scrambled block tables, chunked prefill, decodes, several
   requests per step) with plain lists, so model tests do not depend on the engine core.
@@ -21,6 +21,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.loader import LoadedModel, load_model
 
 from kvtier.device_cache import allocate_kv_cache
+from tests.model_cache import seed_model_cache
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,9 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def kvtier_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = tmp_path_factory.mktemp("kvtier-cache") / "cache"
+def kvtier_cache_dir(tmp_path_factory: pytest.TempPathFactory,
+                     smollm2_conversion: Path) -> Iterator[Path]:
+    path = seed_model_cache(tmp_path_factory.mktemp("kvtier-cache") / "cache", smollm2_conversion)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVTIER_CACHE_DIR", str(path))
         yield path
