@@ -344,13 +344,13 @@ class LLM:
                 deltas.append(delta)
         self._end_failed(finished)  # a text that failed to decode ends its request now
         for request in finished:
-            delta = self._delta(request) or RequestDelta(request.request_id, (), "", "error")
             rid = request.request_id
-            completion = self._child_parent[rid][1]
+            delta = self._delta(request) or RequestDelta(
+                rid, (), "", "error", index=self._child_parent[rid][1])
             error = self._errors.get(rid)
             output = self._complete(request)
             deltas.append(dataclasses.replace(
-                delta, output=output, index=completion, error=error,
+                delta, output=output, error=error,
                 finish_reason="error" if error is not None else delta.finish_reason))
         return deltas
 
@@ -361,6 +361,9 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 (a tokenizer that fails on these ids)
             self._fail(request, "detokenizing its output", exc)
             return None
+        completion = self._child_parent[request.request_id][1]
+        if completion:
+            delta = dataclasses.replace(delta, index=completion)
         logprobs = self._logprobs.get(request.request_id)
         if logprobs is not None:
             end = len(request.output_token_ids)
