@@ -44,7 +44,8 @@ ENGINE_OPTION_NAMES = tuple(inspect.signature(generate_command.engine_options).p
 
 def serve(
     model_tag: str | None = typer.Argument(
-        None, metavar="MODEL", show_default=False, help="The model, as for --model (vLLM's positional form)."),
+        None, metavar="MODEL", show_default=False,
+        help="The model, as for --model (vLLM's positional form)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="TCP port to listen on."),
     api_key: str | None = typer.Option(

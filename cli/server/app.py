@@ -44,6 +44,7 @@ from kvtier.cli.server.protocol import (
     DetokenizeRequest,
     ServerLimits,
     TokenizeRequest,
+    chat_messages,
     check_text,
     limit_error,
     parse_body,
@@ -375,8 +376,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either prompt or messages", param="prompt")
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages)
-            messages = chat.chat_messages(server.limits)
+            messages = chat_messages(body.messages, server.limits)
             token_ids = await server.tokenizing(
                 lambda: server.chat_prompt(messages, body.add_generation_prompt))
         else:

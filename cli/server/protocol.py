@@ -293,18 +293,26 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def chat_messages(self, limits: ServerLimits) -> list[dict[str, str]]:
         """Plain role/content dicts for the chat template."""
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                    for m in self.messages]
-        num_chars = sum(len(m["content"]) for m in messages)
-        if num_chars > limits.max_prompt_chars:
-            raise limit_error("max_prompt_chars", limits.max_prompt_chars,
-                              f"messages of {num_chars} characters", "messages")
-        return messages
+        return chat_messages(self.messages, limits)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
+
+
+def chat_messages(messages: list[ChatMessage], limits: ServerLimits) -> list[dict[str, str]]:
+    """Plain role/content dicts for the chat template; APIError(400) for no message, or
+    more characters than the limit."""
+    if not messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+             for m in messages]
+    num_chars = sum(len(m["content"]) for m in plain)
+    if num_chars > limits.max_prompt_chars:
+        raise limit_error("max_prompt_chars", limits.max_prompt_chars,
+                          f"messages of {num_chars} characters", "messages")
+    return plain
 
 
 class TokenizeRequest(BaseModel):
