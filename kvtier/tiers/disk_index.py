@@ -22,6 +22,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -254,7 +255,10 @@ class LmdbIndex:
     # ---- helpers -------------------------------------------------------------------------
 
     def _next_seqs(self, txn: lmdb.Transaction, count: int) -> int:
-        first = max(1, self.counter(txn, "next_seq"))
+        # Sequence numbers are the wall clock in microseconds where it is ahead of the
+        # counter, so that a block's last access can be shown as a time (`access_time`);
+        # they still only grow, whatever the clock does.
+        first = max(1, self.counter(txn, "next_seq"), time.time_ns() // 1000)
         self.set_counter(txn, "next_seq", first + count)
         return first
 
@@ -289,6 +293,16 @@ class LmdbIndex:
             self.recount_bytes(txn)
             return
         self.set_counter(txn, "bytes_used", total)
+
+
+#: Access sequence numbers from this value up are microseconds since the epoch (2001 on).
+_FIRST_TIMED_SEQ = 10**15
+
+
+def access_time(seq: int) -> float | None:
+    """The time (seconds since the epoch) of an access sequence number, or None for one
+    written before sequence numbers were times."""
+    return seq / 1e6 if seq >= _FIRST_TIMED_SEQ else None
 
 
 class _ResizeGate:
