@@ -435,6 +435,7 @@ class LLM:
             else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
+        self._end_failed(finished)
         if not self.scheduler.has_unfinished():
             self.manager.submit_stores()  # no next step to overlap them with
         elif not plan.scheduled and not finished:
@@ -446,7 +447,6 @@ class LLM:
                 raise RuntimeError("the scheduler could not run any request and no transfer "
                                    "is in flight to make room")
             time.sleep(_IDLE_WAIT_S)
-        self._end_failed(finished)
         return stepped, finished
 
     def _while_step_runs(self) -> None:
