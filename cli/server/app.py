@@ -61,6 +61,7 @@ from kvtier.engine.llm import LLM
 from kvtier.engine.streaming import RequestDelta
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("kvtier.serve")
 T = TypeVar("T")
@@ -264,6 +265,9 @@ class _Guard:
             return
         try:
             await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:
+            log.debug("the client of %s %s left while sending its body", scope.get("method"),
+                      scope.get("path"))
         except Exception:  # noqa: BLE001 (answered as a 500; the server goes on)
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s %s failed (incident %s)", scope.get("method"),
