@@ -9,6 +9,7 @@ open; other processes are fine (LMDB's locks coordinate them).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -65,6 +66,14 @@ def stats(
                       _mib(entry["bytes"])) for entry in result["layouts"]])
 
 
+def _when(row: dict) -> str:
+    """A block's last access as a local time (its sequence number when it has none)."""
+    seconds = row.get("last_access_time")
+    if seconds is None:
+        return f"#{row['last_access']}"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
+
+
 def inspect(
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
     limit: int = typer.Option(20, "--limit", min=0, help="How many blocks to list."),
@@ -80,7 +89,7 @@ def inspect(
         return
     print_table(f"{len(rows)} most recently used blocks",
                 ("hash", "last access", "tokens", "bytes", "status", "layout"),
-                [(row["hash"][:16], row["last_access"], row["num_tokens"] or "-",
+                [(row["hash"][:16], _when(row), row["num_tokens"] or "-",
                   row["bytes"] if row["bytes"] is not None else "-", row["status"],
                   row["layout"] or "-") for row in rows])
 

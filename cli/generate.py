@@ -204,11 +204,11 @@ def generate(
         no_host_cache=no_host_cache, disk_cache=disk_cache, no_disk_cache=no_disk_cache,
         disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm, cache_salt=cache_salt,
         attn_backend=attn_backend, remote_cache=remote_cache)
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                             seed=seed, ignore_eos=ignore_eos)
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     with LLM(**options) as llm:
         if raw:
             outputs = llm.generate(texts, params)

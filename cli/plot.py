@@ -30,6 +30,11 @@ def _phase_starts(timeline: list[dict[str, Any]]) -> list[tuple[int, str]]:
     return starts
 
 
+def check_plotting() -> None:
+    """Raise ValueError now when matplotlib is missing (before a long run that would plot)."""
+    _pyplot()
+
+
 def plot_longctx(result: dict[str, Any], path: str | Path) -> Path:
     """Draw the long-context benchmark `result` (as `run_longctx_bench` returns it) to `path`.
 

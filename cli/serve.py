@@ -1,18 +1,25 @@
 """`kvtier serve`: the engine behind an OpenAI-compatible HTTP API.
 
-    kvtier serve --model smollm2-135m --port 8000 --api-key secret
+    kvtier serve smollm2-135m --port 8000 --api-key secret
 
-The model and cache options are those of `kvtier generate` (same names, defaults and
-checks: the command takes them from `generate`'s signature). SIGINT / SIGTERM stop the
-server gracefully: no new connection is taken, requests in flight finish (those still
-running after --shutdown-timeout seconds are aborted), and the host tier is flushed to disk
-before the process exits.
+The model comes as vLLM's `serve` takes it (a positional MODEL) or as `--model`; the model
+and cache options are those of `kvtier generate` (same names, defaults and checks: the
+command takes them from `generate`'s signature). The port is bound before the model loads,
+so a busy port fails at once. SIGINT / SIGTERM stop the server gracefully: no new
+connection is taken, requests in flight finish; those still running after
+--shutdown-timeout seconds are aborted, their streams ending with an error event and
+`[DONE]`; the host tier is flushed to disk before the process exits. If the engine thread
+ever fails, /health says so and the process exits with status 1, for a supervisor to
+restart it.
 """
 
 from __future__ import annotations
 
+import errno
 import inspect
+import logging
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,14 +27,25 @@ from typing import Any
 
 import typer
 from kvtier.cli import generate as generate_command
+from kvtier.cli.server.protocol import ServerLimits
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.engine.llm import LLM
+
+log = logging.getLogger("kvtier.serve")
+
+#: Seconds the streams aborted at the end of --shutdown-timeout get to write their last
+#: event before uvicorn closes what is left.
+_ABORT_GRACE_S = 5.0
+_LIMITS = ServerLimits()
 
 #: The options of `kvtier generate` that `kvtier serve` shares: `engine_options`' parameters.
 ENGINE_OPTION_NAMES = tuple(inspect.signature(generate_command.engine_options).parameters)
 
 
 def serve(
+    model_tag: str | None = typer.Argument(
+        None, metavar="MODEL", show_default=False,
+        help="The model, as for --model (vLLM's positional form)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="TCP port to listen on."),
     api_key: str | None = typer.Option(
@@ -41,6 +59,20 @@ def serve(
         30.0, "--shutdown-timeout", help="Seconds in-flight requests get to finish on "
         "SIGINT / SIGTERM before they are aborted."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn's log level."),
+    max_body_bytes: int = typer.Option(
+        _LIMITS.max_body_bytes, "--max-body-bytes", help="Largest request body (413 beyond)."),
+    max_prompt_chars: int = typer.Option(
+        _LIMITS.max_prompt_chars, "--max-prompt-chars",
+        help="Characters of a prompt, or of a chat's messages together."),
+    max_messages: int = typer.Option(_LIMITS.max_messages, "--max-messages",
+                                     help="Messages of one chat request."),
+    max_stop: int = typer.Option(_LIMITS.max_stop, "--max-stop",
+                                 help="Stop strings (and stop token ids) of one request."),
+    max_stop_chars: int = typer.Option(_LIMITS.max_stop_chars, "--max-stop-chars",
+                                       help="Characters of one stop string."),
+    max_n: int = typer.Option(_LIMITS.max_n, "--max-n", help="Completions per request (n)."),
+    max_logprobs: int = typer.Option(_LIMITS.max_logprobs, "--max-logprobs",
+                                     help="Most likely tokens returned per position."),
     **engine: Any,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
@@ -53,21 +85,95 @@ def serve(
         raise ValueError(f"--max-num-requests must be at least 1, got {max_num_requests}")
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+    limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
+                          max_messages=max_messages, max_stop=max_stop,
+                          max_stop_chars=max_stop_chars, max_n=max_n,
+                          max_logprobs=max_logprobs)
+    if model_tag is not None:
+        if engine.get("model") not in (None, model_tag):
+            raise ValueError(f"the model is given twice ({model_tag!r} and --model "
+                             f"{engine['model']!r}); give it once")
+        engine["model"] = model_tag
     options = generate_command.engine_options(**engine)
-    with LLM(**options) as llm:
+    sock = bind(host, port)  # before the model loads: a busy port fails at once
+    typer.echo(f"kvtier serve: loading the model on http://{host}:{sock.getsockname()[1]} "
+               "...", err=True)
+    with sock, LLM(**options) as llm:
         name = served_model_name or llm.config.model
         engine_front = AsyncLLM(llm, max_num_requests=max_num_requests)
         try:
-            app = build_app(engine_front, name, api_key=api_key)
-            config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                    timeout_graceful_shutdown=shutdown_timeout)
+            app = build_app(engine_front, name, api_key=api_key, limits=limits)
+            config = uvicorn.Config(app, log_level=log_level,
+                                    timeout_graceful_shutdown=shutdown_timeout
+                                    + _ABORT_GRACE_S)
+            server = _server_class()(config, engine_front, shutdown_timeout)
+            threading.Thread(target=_exit_if_engine_fails, args=(engine_front, server),
+                             name="kvtier-engine-watch", daemon=True).start()
+            typer.echo(f"kvtier serve: serving {name!r}", err=True)
             with _stop_signals_return():
-                uvicorn.Server(config).run()
+                server.run(sockets=[sock])
         finally:
             # The HTTP server has stopped: abort whatever is left, then stop the engine
             # thread; leaving the `with` closes the LLM, which flushes the host tier to disk.
             engine_front.shutdown()
             typer.echo("kvtier serve: flushing the KV cache tiers and exiting", err=True)
+        failure = engine_front.failure
+    if failure is not None:
+        typer.echo(f"error: the engine failed ({type(failure).__name__}: {failure}); "
+                   "exiting with status 1 so that a supervisor restarts the server", err=True)
+        raise typer.Exit(1)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; OSError saying what to do when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(exc.errno, f"port {port} on {host} is already in use; stop what "
+                          "listens there or pick another --port") from None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _server_class() -> type:
+    """uvicorn's Server class with the shutdown below (uvicorn is imported only to serve)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server that, `abort_after_s` into a graceful shutdown, aborts the
+        requests still running: their streams end with an error event and `[DONE]` while
+        uvicorn still waits for them, instead of being cut."""
+
+        def __init__(self, config: Any, engine: AsyncLLM, abort_after_s: float) -> None:
+            super().__init__(config)
+            self.engine = engine
+            self.abort_after_s = abort_after_s
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = threading.Timer(self.abort_after_s, self.engine.shutdown)
+            timer.daemon = True
+            timer.start()
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server
+
+
+def _exit_if_engine_fails(engine: AsyncLLM, server: Any) -> None:
+    """Stop the HTTP server once the engine thread has failed (serve then exits 1)."""
+    engine.wait_ended()
+    if engine.failure is not None:
+        log.error("the engine thread failed; stopping the server", exc_info=engine.failure)
+        server.should_exit = True
 
 
 class _StopSignal(Exception):

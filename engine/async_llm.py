@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,6 +28,7 @@ from kvtier.engine.sampler import SamplingParams
 from kvtier.engine.streaming import RequestDelta
 
 T = TypeVar("T")
+log = logging.getLogger("kvtier.engine")
 
 #: How long (seconds) the idle engine thread sleeps on its command queue between checks.
 _IDLE_POLL_S = 0.05
@@ -40,22 +42,33 @@ class EngineClosedError(RuntimeError):
     """The engine is shutting down or its loop failed; no new request is taken."""
 
 
+class RequestFailedError(RuntimeError):
+    """A computation of this request failed in the engine (its message says which); the
+    engine and the other requests go on."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue  # RequestDelta items, or an exception that ends the stream
+    parent_id: str = ""
+    failed: bool = False  # a completion failed: the others' deltas are dropped
 
 
 class RequestStream:
-    """The deltas of one request, as an async iterator that ends after the finishing one.
+    """The deltas of one request, as an async iterator that ends after the last completion's
+    finishing delta (with n > 1 the completions' deltas interleave; `delta.index` says
+    whose). A completion that fails raises RequestFailedError from the iterator.
 
     Closing it early (break, cancellation, `aclose`) aborts the request.
     """
 
-    def __init__(self, engine: AsyncLLM, request_id: str, deltas: asyncio.Queue) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, deltas: asyncio.Queue,
+                 num_completions: int = 1) -> None:
         self.request_id = request_id
         self._engine = engine
         self._deltas = deltas
+        self._num_open = num_completions
         self._done = False
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]:
@@ -68,7 +81,9 @@ class RequestStream:
                 if isinstance(item, BaseException):
                     self._done = True
                     raise item
-                self._done = item.finished
+                if item.finished:
+                    self._num_open -= 1
+                    self._done = self._num_open == 0
                 yield item
         finally:
             if not self._done:
@@ -98,6 +113,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._accepting = True
         self._failure: BaseException | None = None
+        self._ended = threading.Event()  # the engine thread has returned
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._thread.start()
@@ -110,8 +126,17 @@ class AsyncLLM:
         return self._thread.is_alive() and self._failure is None
 
     @property
+    def failure(self) -> BaseException | None:
+        """The error that ended the engine thread (None while it runs or after a shutdown)."""
+        return self._failure
+
+    def wait_ended(self, timeout_s: float | None = None) -> bool:
+        """Block until the engine thread has ended (shutdown or failure); False on timeout."""
+        return self._ended.wait(timeout_s)
+
+    @property
     def num_requests(self) -> int:
-        """Requests the engine holds now (read without locking; for display)."""
+        """Engine requests (completions) held now (read without locking; for display)."""
         return len(self._streams)
 
     async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -133,11 +158,13 @@ class AsyncLLM:
                                       "maximum; retry later")
             added = self.llm.add_request(token_ids, params, request_id=rid,
                                          cache_salt=cache_salt)
-            self._streams[added] = _Stream(loop, deltas)
+            stream = _Stream(loop, deltas, added)
+            for completion_id in self.llm.completion_ids(added):
+                self._streams[completion_id] = stream
             return added
 
         added = await self.call_soon(add)
-        return RequestStream(self, added, deltas)
+        return RequestStream(self, added, deltas, params.n)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, never blocks; unknown or finished ids are ignored)."""
@@ -187,6 +214,12 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
+            self._loop()
+        finally:
+            self._ended.set()
+
+    def _loop(self) -> None:
+        try:
             while True:
                 self._run_commands(block=not self.llm.has_unfinished())
                 if self._stopping.is_set():
@@ -206,7 +239,10 @@ class AsyncLLM:
         except queue.Empty:
             return
         while True:
-            command()
+            try:
+                command()
+            except Exception:  # noqa: BLE001 (an abort of a broken request: log, go on)
+                log.exception("an engine command failed")
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -219,12 +255,19 @@ class AsyncLLM:
                 continue  # added through the LLM directly, not through this front
             if delta.finished:
                 del self._streams[delta.request_id]
-            _put(stream, delta)
+            if stream.failed:
+                continue
+            if delta.error is not None:
+                stream.failed = True
+                self.llm.abort(stream.parent_id)  # its other completions, if any
+                _put(stream, RequestFailedError(delta.error))
+            else:
+                _put(stream, delta)
 
     def _abort_all(self) -> None:
         """Abort every request and hand out their last deltas (finish reason "abort")."""
-        for request_id in list(self._streams):
-            self.llm.abort(request_id)
+        for parent_id in {stream.parent_id for stream in self._streams.values()}:
+            self.llm.abort(parent_id)
         while self._streams and self.llm.has_unfinished():
             self._deliver(self.llm.stream_step())
         self._fail_all(EngineClosedError("the engine shut down"))
@@ -236,7 +279,7 @@ class AsyncLLM:
                 break
 
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
+        for stream in {id(s): s for s in self._streams.values()}.values():
             _put(stream, exc)
         self._streams.clear()
 

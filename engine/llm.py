@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,6 +47,8 @@ from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import TierManager
 from kvtier.stats import ManagerStats
 from kvtier.tiers.remote.config import RemoteConfig
+
+log = logging.getLogger("kvtier.engine")
 
 #: While only transfers are in flight a step may have nothing to run; it then waits this long
 #: (seconds) instead of spinning.
@@ -139,6 +142,10 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []
         self._tracker = OutputTracker(self.tokenizer)
         self._stopped: list[Request] = []  # aborted, reported by the next step
+        # Requests a computation of their own failed (sampling, detokenizing, stop strings):
+        # the message their caller gets; they end with "error" at the end of the step.
+        self._errors: dict[RequestId, str] = {}
+        self._step_requests: list[Request] = []  # the running step's, for `_abort_step`
         self._request_counter = itertools.count()
         self._closed = False
 
@@ -189,6 +196,12 @@ class LLM:
         self._check_fits(token_ids)
         return self._enqueue(token_ids, params, request_id, cache_salt,
                              prompt if isinstance(prompt, str) else None)
+
+    def completion_ids(self, request_id: str) -> list[str]:
+        """The engine requests of a queued request: itself when n = 1, else `<i>_<id>`
+        for each of its n completions (as `stream_step` reports them)."""
+        parent = self._parents[request_id]
+        return [request_id] if parent.n == 1 else [f"{i}_{request_id}" for i in range(parent.n)]
 
     def _enqueue(self, token_ids: tuple[int, ...], params: SamplingParams | None,
                  request_id: str | None, cache_salt: str | None, text: str | None) -> str:
@@ -242,17 +255,60 @@ class LLM:
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         generators = [self._generators.get(r.request_id) for r in requests]
-        token_ids = sample(logits, params, generators,
-                           [r.prompt_token_ids for r in requests],
-                           OutputTokenIds(requests))
+        try:
+            token_ids = sample(logits, params, generators,
+                               [r.prompt_token_ids for r in requests],
+                               OutputTokenIds(requests))
+        except Exception:  # noqa: BLE001 (one request's values must not fail the others)
+            token_ids = self._sample_rows(logits, requests)
         if any(p.logprobs is not None for p in params):
             decode = None if self.tokenizer is None else \
                 (lambda t: self.tokenizer.decode([t]))
-            for request, entry in zip(requests,
-                                      sample_logprobs(logits, token_ids, params, decode)):
-                if entry is not None:
-                    self._logprobs[request.request_id].append(entry)
+            for row, request in enumerate(requests):
+                if request.params.logprobs is None:
+                    continue
+                try:
+                    [entry] = sample_logprobs(logits[row:row + 1], token_ids[row:row + 1],
+                                              [request.params], decode)
+                except Exception as exc:  # noqa: BLE001 (this request fails, alone)
+                    self._fail(request, "computing its log-probabilities", exc)
+                    entry = {}
+                self._logprobs[request.request_id].append(entry)
         return token_ids
+
+    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """`sample` one row at a time: the rows that fail fail their request alone (their
+        token is a placeholder, never returned: the request ends with "error")."""
+        token_ids = logits.argmax(dim=-1)  # [num_reqs]
+        for row, request in enumerate(requests):
+            try:
+                token_ids[row] = sample(
+                    logits[row:row + 1], [request.params],
+                    [self._generators.get(request.request_id)], [request.prompt_token_ids],
+                    [request.output_token_ids])[0]
+            except Exception as exc:  # noqa: BLE001
+                self._fail(request, "sampling (its parameters give no valid probability "
+                           "distribution over the tokens)", exc)
+        return token_ids
+
+    def _fail(self, request: Request, what: str, exc: BaseException) -> None:
+        """Record that a computation of `request` alone failed; it ends with "error"."""
+        log.error("request %s failed while %s", request.request_id, what,
+                  exc_info=(type(exc), exc, exc.__traceback__))
+        self._errors.setdefault(request.request_id, f"the engine failed while {what}; "
+                                "the request was stopped")
+
+    def _end_failed(self, finished: list[Request]) -> None:
+        """End every request recorded in `_errors` that is still running (into `finished`)."""
+        for rid in self._errors:
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            if not request.is_finished:
+                self.scheduler.stop(request, "error")
+                finished.append(request)
+            else:
+                request.finish_reason = "error"
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -279,11 +335,41 @@ class LLM:
         last delta of a request carries its `RequestOutput` (with n > 1: the last delta of
         the last completion to finish). Raises as `step`."""
         stepped, finished = self._run_step()
-        deltas = [self._tracker.delta(r) for r in stepped if not r.is_finished]
+        deltas = []
+        for request in stepped:
+            if request.is_finished:
+                continue
+            delta = self._delta(request)
+            if delta is not None:
+                deltas.append(delta)
+        self._end_failed(finished)  # a text that failed to decode ends its request now
         for request in finished:
-            delta = self._tracker.delta(request)
-            deltas.append(dataclasses.replace(delta, output=self._complete(request)))
+            rid = request.request_id
+            delta = self._delta(request) or RequestDelta(
+                rid, (), "", "error", index=self._child_parent[rid][1])
+            error = self._errors.get(rid)
+            output = self._complete(request)
+            deltas.append(dataclasses.replace(
+                delta, output=output, error=error,
+                finish_reason="error" if error is not None else delta.finish_reason))
         return deltas
+
+    def _delta(self, request: Request) -> RequestDelta | None:
+        """The request's `RequestDelta` with its logprobs; None when its text failed."""
+        try:
+            delta = self._tracker.delta(request)
+        except Exception as exc:  # noqa: BLE001 (a tokenizer that fails on these ids)
+            self._fail(request, "detokenizing its output", exc)
+            return None
+        completion = self._child_parent[request.request_id][1]
+        if completion:
+            delta = dataclasses.replace(delta, index=completion)
+        logprobs = self._logprobs.get(request.request_id)
+        if logprobs is not None:
+            end = len(request.output_token_ids)
+            delta = dataclasses.replace(
+                delta, logprobs=tuple(logprobs[end - len(delta.token_ids):end]))
+        return delta
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (every completion of it, with n > 1): it leaves the queues and
@@ -298,9 +384,34 @@ class LLM:
         return bool(targets)
 
     def _run_step(self) -> tuple[list[Request], list[Request]]:
-        """One engine step: (requests that sampled a token, requests that finished)."""
+        """One engine step: (requests that sampled a token, requests that finished).
+
+        An unexpected error inside the step ends the step's requests with "error" (every
+        unfinished one when the step had none, so that a request that fails the scheduler
+        cannot fail every later step too) and the engine goes on; an error while ending
+        them is raised (the engine's state cannot be trusted any more)."""
         self._check_open()
+        self._step_requests = []
+        try:
+            return self._step()
+        except Exception as exc:  # noqa: BLE001 (the step's requests fail, the engine goes on)
+            log.exception("an engine step failed; its requests end with an error")
+            return [], self._abort_step(exc)
+
+    def _abort_step(self, exc: Exception) -> list[Request]:
+        requests = [r for r in self._step_requests if not r.is_finished] \
+            or [r for r in self.scheduler.running if not r.is_finished] \
+            or [r for r in self._requests.values() if not r.is_finished]
+        for request in requests:
+            self._errors.setdefault(request.request_id, "an internal error in the engine "
+                                    "step it ran in stopped the request; retry it")
+            self.scheduler.stop(request, "error")
+        finished, self._stopped = self._stopped + requests, []
+        return finished
+
+    def _step(self) -> tuple[list[Request], list[Request]]:
         plan = self.scheduler.schedule()
+        self._step_requests = [s.request for s in plan.scheduled]
         # The restores' further loads and the stores the last update queued start while the
         # GPU runs this step (right after it when the step samples nothing, so that nothing
         # waits); stores once enough are queued.
@@ -313,13 +424,18 @@ class LLM:
         self._stopped = []
         stepped = [s.request for s in plan.scheduled if s.samples]
         for request in stepped:
-            if not self._tracker.check_stop(request):
+            try:
+                if not self._tracker.check_stop(request):
+                    continue
+            except Exception as exc:  # noqa: BLE001 (this request fails, alone)
+                self._fail(request, "looking for its stop strings", exc)
                 continue
             if request.is_finished:  # its last token also reached a limit: the stop string wins
                 request.finish_reason = "stop"
             else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
+        self._end_failed(finished)
         if self.scheduler.idle(ran=bool(plan.scheduled or finished)):
             time.sleep(_IDLE_WAIT_S)
         return stepped, finished
@@ -333,13 +449,19 @@ class LLM:
         parent_id, completion = self._child_parent.pop(rid)
         parent = self._parents[parent_id]
         output_ids = tuple(request.output_token_ids)
-        text = self._tracker.final_text(request)  # stop strings cut, stop token's text left out
+        try:
+            text = self._tracker.final_text(request)  # stop strings cut, stop token's left out
+        except Exception as exc:  # noqa: BLE001 (this request fails, alone)
+            self._fail(request, "detokenizing its output", exc)
+            text = ""
         self._tracker.forget(rid)
+        error = self._errors.pop(rid, None)
         logprobs = self._logprobs.pop(rid, None)
-        cumulative = None if logprobs is None else \
+        cumulative = None if logprobs is None or error is not None else \
             sum(entry[token].logprob for entry, token in zip(logprobs, output_ids))
         parent.completions[completion] = CompletionOutput(
-            completion, text, output_ids, cumulative, logprobs, request.finish_reason)
+            completion, text, output_ids, cumulative, logprobs,
+            "error" if error is not None else request.finish_reason, error)
         parent.metrics.append(request.metrics())
         if len(parent.completions) < parent.n:
             return None
@@ -412,14 +534,29 @@ class LLM:
                for token_ids, params, text in zip(encoded, params_list, texts)]
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
-        while pending:
-            for output in self.step():
-                if output.request_id in pending:
-                    pending.discard(output.request_id)
-                    done[output.request_id] = output
-                else:
-                    self._unclaimed.append(output)
+        try:
+            while pending:
+                for output in self.step():
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        done[output.request_id] = output
+                    else:
+                        self._unclaimed.append(output)
+        except BaseException:
+            self._discard(pending)  # no request of a failed call stays queued
+            raise
         return [done[rid] for rid in ids]
+
+    def _discard(self, parent_ids: set[str]) -> None:
+        """Abort the requests `parent_ids` and forget them (their outputs are dropped)."""
+        for parent_id in parent_ids:
+            self.abort(parent_id)
+        stopped, self._stopped = self._stopped, []
+        for request in stopped:
+            if self._child_parent[request.request_id][0] in parent_ids:
+                self._complete(request)
+            else:
+                self._stopped.append(request)
 
     # ---- inspection and lifetime ---------------------------------------------------------
 

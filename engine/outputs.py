@@ -68,7 +68,8 @@ class CompletionOutput:
     (an end-of-sequence or stop token that ended it is kept). finish_reason: "stop" (an
     end-of-sequence or stop token; its id is kept in `token_ids`, its text is not; or a stop
     string: the text ends before it), "length" (max_tokens, the model's context, or the GPU
-    block budget), "abort" (`LLM.abort`), or None while it runs. logprobs: with
+    block budget), "abort" (`LLM.abort`), "error" (a computation of this request failed, or
+    the engine step it ran in; `error` says which), or None while it runs. logprobs: with
     `SamplingParams.logprobs`, one {token id: Logprob} per generated token (the chosen
     token and the most likely ones); cumulative_logprob: the sum of the chosen tokens'
     log-probabilities (None without logprobs).
@@ -80,6 +81,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -110,7 +112,8 @@ class RequestOutput:
             "prompt_token_ids": list(self.prompt_token_ids),
             "outputs": [{
                 "index": c.index, "text": c.text, "token_ids": list(c.token_ids),
-                "finish_reason": c.finish_reason, "cumulative_logprob": c.cumulative_logprob,
+                "finish_reason": c.finish_reason, "error": c.error,
+                "cumulative_logprob": c.cumulative_logprob,
                 "logprobs": None if c.logprobs is None else [
                     {str(token): {"logprob": lp.logprob, "rank": lp.rank,
                                   "decoded_token": lp.decoded_token}
@@ -122,6 +125,7 @@ class RequestOutput:
                 "gpu": self.metrics.cached_tokens_gpu,
                 "host": self.metrics.cached_tokens_host,
                 "disk": self.metrics.cached_tokens_disk,
+                "remote": self.metrics.cached_tokens_remote,
             },
             "computed_tokens": self.metrics.computed_tokens,
             "num_preemptions": self.metrics.num_preemptions,
@@ -140,4 +144,5 @@ def combine_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
         None if any(t is None for t in ends) else max(ends),  # type: ignore[type-var]
         sum(m.cached_tokens_gpu for m in parts), sum(m.cached_tokens_host for m in parts),
         sum(m.cached_tokens_disk for m in parts), sum(m.computed_tokens for m in parts),
-        sum(m.num_preemptions for m in parts))
+        sum(m.num_preemptions for m in parts),
+        cached_tokens_remote=sum(m.cached_tokens_remote for m in parts))

@@ -28,6 +28,17 @@ from kvtier.validation import CheckedModel
 
 _Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
+#: Temperatures in (0, MIN_TEMPERATURE) are raised to it (as vLLM does): dividing float32
+#: logits by less overflows them to inf, and the probabilities to NaN.
+MIN_TEMPERATURE = 0.01
+#: Bounds that keep every value representable where the sampler puts it (int64 tensors,
+#: float32 logits, a 64-bit generator seed).
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
+
 
 class SamplingParams(CheckedModel):
     """How one request picks tokens and when it stops (vLLM's names and meanings).
@@ -53,24 +64,28 @@ class SamplingParams(CheckedModel):
     n: Annotated[int, Field(ge=1)] = Field(1, description="completions per prompt, >= 1")
     max_tokens: Annotated[int, Field(ge=0)] = Field(
         16, description="tokens to generate at most, >= 1 for a request")
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
-        0.0, description="a finite number >= 0; 0 = greedy")
-    top_k: Annotated[int, Field(ge=-1)] = Field(
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)] = Field(
+        0.0, description=f"in [0, {MAX_TEMPERATURE:g}]; 0 = greedy; values below "
+        f"{MIN_TEMPERATURE} are raised to it")
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K)] = Field(
         0, description="keep the k most likely tokens; 0 or -1 = off")
-    top_p: Annotated[float, Field(gt=0, le=1)] = Field(
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = Field(
         1.0, description="nucleus probability mass in (0, 1]; 1 = off")
-    min_p: Annotated[float, Field(ge=0, le=1)] = Field(
+    min_p: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
         0.0, description="in [0, 1]; 0 = off")
-    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
-        1.0, description="> 0; 1 = off, > 1 discourages repeats")
+    repetition_penalty: Annotated[float, Field(ge=MIN_REPETITION_PENALTY,
+                                               le=MAX_REPETITION_PENALTY,
+                                               allow_inf_nan=False)] = Field(
+        1.0, description=f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; "
+        "1 = off, > 1 discourages repeats")
     presence_penalty: _Penalty = Field(0.0, description="in [-2, 2]; 0 = off")
     frequency_penalty: _Penalty = Field(0.0, description="in [-2, 2]; 0 = off")
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = Field(
         None, description="top log-probabilities per token, 0-20; None = off")
-    seed: Annotated[int, Field(ge=0)] | None = Field(
-        None, description="a non-negative integer or None")
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = Field(
+        None, description="an integer in [0, 2**63 - 1] or None")
     ignore_eos: bool = Field(False, description="keep generating past end-of-sequence")
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+    stop_token_ids: tuple[Annotated[int, Field(ge=0, le=MAX_TOP_K)], ...] = Field(
         (), description="non-negative token ids that end the request")
     # Stop strings, matched on the detokenized output by `kvtier.engine.streaming`.
     stop: tuple[str, ...] = Field((), description="non-empty strings that end the request")
@@ -86,6 +101,11 @@ class SamplingParams(CheckedModel):
         if not all(value):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _usable_temperature(cls, value: float) -> float:
+        return max(value, MIN_TEMPERATURE) if value > 0 else value
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +123,7 @@ def make_generator(params: SamplingParams, device: torch.device | str,
         return None
     seed = params.seed
     if seed is not None:
-        seed += completion
+        seed = (seed + completion) % 2**64  # the generator takes 64 bits
     elif engine_seed is not None:
         seed = engine_seed + index + completion * 1_000_003
     if seed is None:
@@ -142,7 +162,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     each row's prompt and generated tokens, needed only when a row has a penalty. Penalties
     apply first (greedy rows take the argmax of the penalized logits), then temperature,
     min_p, top_k and top_p. Returns [num_reqs] int64 on the logits' device. Raises
-    ValueError when the lengths disagree or a penalty has no token history.
+    ValueError when the lengths disagree, a penalty has no token history, or a sampled
+    row's probabilities are not a distribution (non-finite logits).
     """
     num_reqs = logits.shape[0]
     if len(params) != num_reqs or len(generators) != num_reqs:
@@ -170,6 +191,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                               device=device)
         scaled = apply_min_p(scaled, min_ps)
     probs = _restrict(scaled, top_ks, top_ps).softmax(dim=-1)
+    # A row with no valid distribution fails here, with a message, rather than in
+    # `multinomial` (a device-side assert on CUDA, which would end every request).
+    valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # [num_sampled]
+    if not bool(valid.all()):
+        bad = [rows[j] for j in torch.nonzero(~valid).flatten().tolist()]
+        raise ValueError(f"rows {bad}: the sampling parameters leave no valid probability "
+                         "distribution (non-finite or all-zero probabilities)")
     for j, i in enumerate(rows):
         token_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return token_ids

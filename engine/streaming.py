@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from kvtier.engine.outputs import RequestOutput
+    from kvtier.engine.outputs import Logprob, RequestOutput
     from kvtier.engine.request import Request
 
 
@@ -30,9 +30,12 @@ class RequestDelta:
 
     token_ids: output tokens new since the request's previous delta. text: the text they
     complete (possibly "", e.g. while a character or a possible stop string is incomplete).
-    finish_reason: None while running, else "stop", "length" or "abort". stop_reason: the
-    stop string or stop token id that ended it (None otherwise). output: the request's
-    final `RequestOutput` on its last delta, else None.
+    finish_reason: None while running, else "stop", "length", "abort" or "error". stop_reason:
+    the stop string or stop token id that ended it (None otherwise). output: the request's
+    final `RequestOutput` on its last delta, else None. index: which of the parent
+    request's `n` completions this is. logprobs: with `SamplingParams.logprobs`, one
+    {token id: Logprob} per token of `token_ids`. error: why the request failed (finish
+    reason "error": a computation of its own failed, or the step it ran in).
     """
 
     request_id: str
@@ -41,6 +44,9 @@ class RequestDelta:
     finish_reason: str | None
     stop_reason: str | int | None = None
     output: RequestOutput | None = None
+    index: int = 0
+    logprobs: tuple[dict[int, Logprob], ...] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

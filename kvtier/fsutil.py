@@ -7,6 +7,7 @@ someone else owns or can write into is refused: they could plant blocks that we 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -56,9 +57,21 @@ def check_private_dir(path: Path) -> None:
                               f"{stat.S_IMODE(info.st_mode):#o}), so others could plant "
                               f"blocks; run `chmod go-w {path}` or choose another directory")
     if not os.access(path, os.W_OK | os.X_OK):
+        if _on_read_only_filesystem(path):
+            error = PermissionError(f"{path} is on a read-only filesystem; remount it "
+                                    "read-write or choose a directory on a writable one")
+            error.errno = errno.EROFS
+            raise error
         raise PermissionError(f"{path} is not writable by you (mode "
                               f"{stat.S_IMODE(info.st_mode):#o}); run `chmod u+rwx {path}` "
                               "or choose another directory")
+
+
+def _on_read_only_filesystem(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def private_file_mode(path: str | os.PathLike[str]) -> None:

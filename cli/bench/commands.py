@@ -25,7 +25,7 @@ from kvtier.cli.bench.serve import MODES as SERVE_MODES
 from kvtier.cli.bench.serve import ServeConfig, run_serve_bench
 from kvtier.cli.bench.swap import DEFAULT_BLOCK_BYTES, run_swap_bench
 from kvtier.cli.common import print_json
-from kvtier.cli.plot import plot_longctx
+from kvtier.cli.plot import check_plotting, plot_longctx
 from kvtier.kernels import SWAP_METHODS
 from rich.console import Console
 
@@ -107,6 +107,8 @@ def longctx(
 ) -> None:
     """TTFT of long prompts whose KV is recomputed vs restored from the host or disk tier."""
     lengths = _parse_ints(doc_tokens, "--doc-tokens")
+    if plot is not None:
+        check_plotting()  # before the run, not after it
     config = LongctxConfig(model=model, device=device, dtype=dtype, num_docs=num_docs,
                            doc_tokens=lengths[0], question_tokens=question_tokens,
                            max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,

@@ -112,21 +112,23 @@ def _read_file(path: Path, direct: bool, threads: int = 1) -> float:
 
 
 def raw_sequential_read(directory: str | os.PathLike[str], num_bytes: int,
-                        threads: int = 4) -> dict[str, Any]:
+                        threads: int = 4, drop: bool = True) -> dict[str, Any]:
     """Cold sequential read bandwidth (GB/s) of a `num_bytes` file written in `directory`:
     buffered, O_DIRECT, and buffered by `threads` threads; `cold` says whether the page
-    cache could be dropped first. The file is removed afterwards."""
+    cache could be dropped first (never tried without `drop`). The file is removed
+    afterwards."""
     path = Path(directory) / "kvtier-raw-read.bin"
     num_bytes = max(_CHUNK, num_bytes // _CHUNK * _CHUNK)
     block = np.random.default_rng(0).integers(0, 255, _CHUNK, dtype=np.uint8).tobytes()
     with open(path, "wb") as out:
         for _ in range(num_bytes // _CHUNK):
             out.write(block)
-    result: dict[str, Any] = {"bytes": num_bytes, "cold": True}
+    result: dict[str, Any] = {"bytes": num_bytes, "cold": drop}
     try:
         for name, direct, num_threads in (("buffered", False, 1), ("direct", True, 1),
                                           (f"buffered_{threads}_threads", False, threads)):
-            result["cold"] &= drop_page_cache()
+            if drop:
+                result["cold"] &= drop_page_cache()
             try:
                 result[f"{name}_gb_s"] = _gb_s(num_bytes, _read_file(path, direct, num_threads))
             except OSError as exc:  # O_DIRECT is refused by some file systems (tmpfs)
@@ -195,7 +197,7 @@ def longest_chain(metas: Sequence[BlockMeta]) -> list[BlockMeta]:
 def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int = 4,
                    group_blocks: int = 4, pin_memory: bool = False,
                    max_blocks: int | None = None, order: str = "key",
-                   resident: bool = True) -> dict[str, Any]:
+                   resident: bool = True, drop: bool = True) -> dict[str, Any]:
     """Read blocks of the disk tier at `path` cold through `DiskTier.get_many_into`,
     `group_blocks` per call, on `threads` threads; GB/s and how many blocks verified.
 
@@ -238,7 +240,7 @@ def disk_tier_read(path: str | os.PathLike[str], layout: KVLayout, threads: int 
             mine = dests[slots.index * group_blocks:(slots.index + 1) * group_blocks]
             return sum(disk.get_many_into(group, mine[:len(group)]))
 
-        cold = drop_page_cache()
+        cold = drop_page_cache() if drop else False
         started = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             num_ok = sum(pool.map(read, groups))

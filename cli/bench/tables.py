@@ -39,9 +39,9 @@ def print_longctx(result: dict[str, Any]) -> None:
         key = f"speedup_{name}_vs_recompute"
         if key in headline:
             goal = (f"; goal {headline['host_speedup_goal']:.0f}x for 32K tokens on a GPU"
-                    if name == "host" else "")
+                    if name == "host" and headline.get("host_speedup_goal") else "")
             typer.echo(f"{name} restore vs recompute, {headline['prompt_tokens']}-token prompt: "
-                       f"{headline[key]:.2f}x sooner first token (p50{goal})")
+                       f"{ratio_words(headline[key])} first token (p50{goal})")
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"generated tokens across strategies: {verdict}")
     hf = result.get("transformers")
@@ -52,16 +52,27 @@ def print_longctx(result: dict[str, Any]) -> None:
     print_disk_read(result)
 
 
+def ratio_words(speedup: float) -> str:
+    """A time ratio as a person says it: "3.20x sooner" or "11x slower", never "0.09x
+    sooner"."""
+    if speedup >= 1:
+        return f"{speedup:.2f}x sooner"
+    slowdown = 1 / speedup
+    return f"{slowdown:.2f}x slower" if slowdown < 10 else f"{slowdown:.0f}x slower"
+
+
 def print_disk_read(result: dict[str, Any]) -> None:
     disk = result.get("disk_read")
-    if disk is None:
+    if "disk" not in result["strategies"]:
         return
-    raw = disk["raw"]
     colds = {name: f.get("cold") for name, f in result["strategies"].items() if name == "disk"}
     cold_note = {True: "page cache dropped before each disk restore",
                  False: "page cache NOT dropped (not permitted: run as root)",
                  None: "warm page cache (no --cold)"}[colds.get("disk")]
     typer.echo(f"disk restores: {cold_note}")
+    if disk is None:
+        return
+    raw = disk["raw"]
 
     def gbs(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.2f}"
@@ -69,7 +80,8 @@ def print_disk_read(result: dict[str, Any]) -> None:
     threaded = next((v for k, v in raw.items() if k.startswith("buffered_")
                      and k.endswith("threads_gb_s")), None)
     scattered = disk.get("tier_scattered")
-    typer.echo(f"disk tier cold read, one document as a restore reads it: "
+    typer.echo(f"disk tier {'cold' if disk['tier']['cold'] else 'warm'} read, one document "
+               "as a restore reads it: "
                f"{disk['tier']['gb_s']:.2f} GB/s"
                + ("" if scattered is None else
                   f"; as many blocks scattered over the file: {scattered['gb_s']:.2f} GB/s")

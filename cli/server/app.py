@@ -1,12 +1,22 @@
 """The OpenAI-compatible HTTP app of `kvtier serve` (FastAPI over an `AsyncLLM`).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics.
-With an API key, /v1/* needs `Authorization: Bearer KEY` (401 otherwise). Every error is
-an OpenAI-style JSON body `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-request or a prompt that cannot fit, 401, 404 for another model name, 503 when the engine
-is full or shutting down, 500 for anything unexpected (logged, never a traceback in the
-body). A client that disconnects aborts its request, streamed or not.
+Routes, as vLLM's server has them: POST /v1/completions and /v1/chat/completions (with
+`stream: true` as server-sent events ending in `data: [DONE]`), GET /v1/models and
+/v1/models/{id}, POST /tokenize and /detokenize, GET /health, /version and /metrics. With
+an API key, /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` (401
+otherwise).
+
+Every error is an OpenAI-style JSON body `{"error": {"message", "type", "param", "code"}}`:
+400 for a bad request, a field kvtier does not honour, a limit exceeded (`ServerLimits`) or
+a prompt that cannot fit; 401; 404 for another model name or an unknown path; 405; 413 for
+a body over the limit; 503 when the engine is full or shutting down; 500 when the engine
+failed this request, or for anything unexpected (logged; the body never carries internal
+text, and the connection stays usable). A stream that fails after it started ends with an
+error event and `data: [DONE]`. A client that disconnects aborts its request.
+
+Untrusted work stays off the event loop: the body is parsed and validated on a worker
+thread, and prompts are tokenized and templated on a thread of their own, so /health and
+the other requests are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -18,21 +28,45 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kvtier.cli.server.engine_output import FinishedRequest, read_output
 from kvtier.cli.server.metrics import EngineSnapshot, ServerMetrics
-from kvtier.cli.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError, RequestStream
+from kvtier.cli.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ServerLimits,
+    TokenizeRequest,
+    chat_messages,
+    check_text,
+    limit_error,
+    parse_body,
+)
+from kvtier.cli.server.responses import Result, chat_logprobs, completion_logprobs, usage
+from kvtier.engine.async_llm import (
+    AsyncLLM,
+    EngineClosedError,
+    EngineFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from kvtier.engine.llm import LLM
+from kvtier.engine.streaming import RequestDelta
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("kvtier.serve")
+T = TypeVar("T")
+
+_SHUTTING_DOWN = "the server is shutting down; the request was aborted, retry it elsewhere"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,96 +81,124 @@ class ModelCard:
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.name, "object": "model", "created": self.created,
-                "owned_by": "kvtier", "max_model_len": self.max_model_len,
-                "vocab_size": self.vocab_size, "block_size": self.block_size}
-
-
-@dataclass(slots=True)
-class _Result:
-    """What a request produced, gathered from its deltas."""
-
-    text: str = ""
-    token_ids: tuple[int, ...] = ()
-    finished: FinishedRequest | None = None
+                "owned_by": "kvtier", "root": self.name, "parent": None,
+                "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+                "block_size": self.block_size}
 
 
 class _Server:
     """The routes' shared state: the engine, the model's tokenizer, metrics, the key."""
 
     def __init__(self, engine: AsyncLLM, model_name: str, api_key: str | None,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, limits: ServerLimits) -> None:
         llm: LLM = engine.llm
         self.engine = engine
         self.metrics = metrics
         self.api_key = api_key
-        # The engine thread decodes with the engine's tokenizer; requests are encoded here,
-        # on the event loop, with a copy of it, so no tokenizer object is shared by threads.
+        self.limits = limits
+        # The engine thread decodes with the engine's tokenizer; requests are encoded with a
+        # copy of it, on one thread of its own: no tokenizer object is used by two threads,
+        # and a long prompt never holds up the event loop.
         self.tokenizer = copy.deepcopy(llm.tokenizer)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tokenize")
         self.card = ModelCard(model_name, llm.max_model_len, llm.model_config.vocab_size,
                               llm.config.block_size, int(time.time()))
+
+    async def tokenizing(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (tokenizer work) on the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn)
+
+    async def read(self, request: Request, model: type[T]) -> T:
+        """The request's body as `model`, checked against the limits; the JSON is decoded
+        and validated on a worker thread."""
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > self.limits.max_body_bytes:
+                raise _body_too_large(self.limits)
+        return await asyncio.to_thread(self._parse, bytes(data), model)
+
+    def _parse(self, data: bytes, model: type[T]) -> T:
+        try:
+            raw = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        body = parse_body(model, raw, self.limits)
+        check = getattr(body, "check_supported", None)
+        if check is not None:
+            check(self.limits)
+        return body
 
     # ---- requests -> token ids -----------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.card.name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.card.name!r}", param="model", code="model_not_found")
+                           f"{self.card.name!r}", type_="not_found_error", param="model",
+                           code="model_not_found")
+
+    def _require_tokenizer(self, param: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids", param=param)
+        return self.tokenizer
+
+    def check_prompt_ids(self, token_ids: list[int], param: str = "prompt") -> list[int]:
+        if len(token_ids) >= self.card.max_model_len:
+            raise APIError(400, f"the prompt has {len(token_ids)} tokens; the model's context "
+                           f"is {self.card.max_model_len} and at least one token must be "
+                           "generated; shorten the prompt", param=param)
+        return token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (on the tokenizer's thread)."""
+        tokenizer = self._require_tokenizer("prompt")
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.single_prompt()
+        prompt = body.single_prompt(self.limits)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send token ids",
-                               param="prompt")
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+            return self.check_prompt_ids(self.encode(prompt))
+        return self.check_prompt_ids(list(prompt))
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the chat template (tokenizer's thread)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.card.name} has no chat template; use "
                            "/v1/completions", param="messages")
         try:
             encoded = self.tokenizer.apply_chat_template(
-                body.chat_messages(), add_generation_prompt=True, tokenize=True)
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         except Exception as exc:  # noqa: BLE001 (a template that rejects the conversation)
-            raise APIError(400, f"the chat template rejected the messages: {exc}",
-                           param="messages") from None
+            raise APIError(400, "the chat template rejected the messages: "
+                           f"{type(exc).__name__}", param="messages") from None
         if not isinstance(encoded, list):  # transformers 5 returns a BatchEncoding
             encoded = encoded["input_ids"]
-        return list(encoded)
+        return self.check_prompt_ids(list(encoded), "messages")
 
     async def submit(self, body: Any, prompt_ids: list[int], request_id: str) -> RequestStream:
         params = body.sampling_params(default_max_tokens=self.card.max_model_len)
         try:
             return await self.engine.submit(prompt_ids, params, request_id=request_id,
                                             cache_salt=body.cache_salt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
         except EngineFullError as exc:
             raise APIError(503, str(exc), type_="server_busy", code="engine_full") from None
         except EngineClosedError as exc:
             raise APIError(503, str(exc), type_="server_unavailable") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
 
 
-def usage(finished: FinishedRequest | None, num_completion_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object, with the prompt tokens served from the KV cache."""
-    prompt = len(finished.prompt_token_ids) if finished else 0
-    cached = finished.cached_tokens if finished else 0
-    return {"prompt_tokens": prompt, "completion_tokens": num_completion_tokens,
-            "total_tokens": prompt + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def _body_too_large(limits: ServerLimits) -> APIError:
+    return APIError(413, f"the request body is larger than the server's limit max_body_bytes "
+                    f"= {limits.max_body_bytes} (kvtier serve --max-body-bytes)",
+                    code="limit_exceeded")
 
 
-async def _collect(stream: RequestStream) -> _Result:
-    result = _Result()
-    parts: list[str] = []
-    ids: list[int] = []
+async def _collect(stream: RequestStream, num_completions: int) -> Result:
+    result = Result.empty(num_completions)
     async for delta in stream:
-        parts.append(delta.text)
-        ids.extend(delta.token_ids)
-        if delta.output is not None:
-            result.finished = read_output(delta.output)
-    result.text, result.token_ids = "".join(parts), tuple(ids)
+        result.add(delta)
     return result
 
 
@@ -145,9 +207,11 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_gone(request: Request, stream: RequestStream) -> _Result | None:
-    """All of a request's output, or None (the request aborted) if its client left."""
-    collect = asyncio.ensure_future(_collect(stream))
+async def _collect_unless_gone(request: Request, stream: RequestStream,
+                               num_completions: int) -> Result | None:
+    """All of a request's output, or None (the request aborted) if its client left.
+    Raises the engine's errors for this request (RequestFailedError, EngineClosedError)."""
+    collect = asyncio.ensure_future(_collect(stream, num_completions))
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -160,17 +224,80 @@ async def _collect_unless_gone(request: Request, stream: RequestStream) -> _Resu
     return None if gone else collect.result()
 
 
+def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type_="internal_error", code="request_failed")
+    return APIError(503, _SHUTTING_DOWN if isinstance(exc, EngineClosedError) else str(exc),
+                    type_="server_unavailable")
+
+
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+class _Guard:
+    """The outermost layer of the app: a body whose declared size is over the limit gets a
+    413 before it is read, and an unexpected exception becomes a 500 with no internal text
+    (logged with its traceback) instead of reaching uvicorn, which would close the
+    keep-alive connection and print an ASGI traceback."""
+
+    def __init__(self, app: Any, limits: ServerLimits, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.limits = limits
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() \
+                and int(declared) > self.limits.max_body_bytes:
+            await self._answer(send, _body_too_large(self.limits), close=True)
+            return
+        try:
+            await self.app(scope, receive, send_tracked)
+        except ClientDisconnect:
+            log.debug("the client of %s %s left while sending its body", scope.get("method"),
+                      scope.get("path"))
+        except Exception:  # noqa: BLE001 (answered as a 500; the server goes on)
+            incident = uuid.uuid4().hex[:12]
+            log.exception("request %s %s failed (incident %s)", scope.get("method"),
+                          scope.get("path"), incident)
+            if not started:
+                await self._answer(send, APIError(
+                    500, f"internal server error (incident {incident}; details are in the "
+                    "server's log)", type_="internal_error"))
+
+    async def _answer(self, send: Any, error: APIError, close: bool = False) -> None:
+        self.metrics.errors.labels(str(error.status)).inc()
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if close:  # the unread body stays on the connection
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The caller owns the engine (and
     shuts it down after the HTTP server stopped)."""
-    server = _Server(engine, model_name, api_key, metrics or ServerMetrics())
-    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None)
+    server = _Server(engine, model_name, api_key, metrics or ServerMetrics(),
+                     limits or ServerLimits())
+    app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvtier = server
+    app.add_middleware(_Guard, limits=server.limits, metrics=server.metrics)
 
     def authorize(request: Request) -> None:
         if server.api_key is None:
@@ -178,7 +305,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
             raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer "
-                           "<key>'", code="invalid_api_key")
+                           "<key>'", type_="authentication_error", code="invalid_api_key")
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -186,22 +313,42 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-                             for e in exc.errors())
+                             for e in exc.errors()[:5])
         return await api_error(request, APIError(400, f"invalid request: {problems}"))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("request %s %s failed", request.method, request.url.path)
-        return await api_error(request, APIError(500, f"internal error: {type(exc).__name__}: "
-                                                 f"{exc}", type_="internal_error"))
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            error = APIError(404, f"no route {request.url.path}; this server serves "
+                             "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                             "/detokenize, /health, /version and /metrics",
+                             type_="not_found_error")
+        elif exc.status_code == 405:
+            error = APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                             type_="invalid_request_error")
+        else:
+            error = APIError(exc.status_code, str(exc.detail))
+        response = await api_error(request, error)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.get("/health")
     async def health() -> Response:
+        failure = engine.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": "the engine thread failed "
+                                 f"({type(failure).__name__}); the server exits"},
+                                status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from kvtier import __version__
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -221,19 +368,68 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [server.card.to_dict()]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model_card(model_id: str) -> dict[str, Any]:
+        server.check_model(model_id)
+        return server.card.to_dict()
+
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await server.read(request, TokenizeRequest)
         server.check_model(body.model)
-        body.check_supported()
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = chat_messages(body.messages, server.limits)
+            token_ids = await server.tokenizing(
+                lambda: server.chat_prompt(messages, body.add_generation_prompt))
+        else:
+            prompt = body.prompt
+            check_text(prompt, "prompt")
+            if len(prompt) > server.limits.max_prompt_chars:
+                raise limit_error("max_prompt_chars", server.limits.max_prompt_chars,
+                                  f"a prompt of {len(prompt)} characters", "prompt")
+            token_ids = await server.tokenizing(
+                lambda: server.encode(prompt, body.add_special_tokens))
+        strs = None
+        if body.return_token_strs:
+            strs = await server.tokenizing(
+                lambda: server.tokenizer.convert_ids_to_tokens(token_ids))
+        return {"count": len(token_ids), "max_model_len": server.card.max_model_len,
+                "tokens": token_ids, "token_strs": strs}
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await server.read(request, DetokenizeRequest)
+        server.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < server.card.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is not in the vocabulary [0, "
+                           f"{server.card.vocab_size})", param="tokens")
+        tokenizer = server._require_tokenizer("tokens")
+        text = await server.tokenizing(lambda: tokenizer.decode(body.tokens))
+        return {"prompt": text}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(request: Request) -> Response:
+        body = await server.read(request, CompletionRequest)
+        server.check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt_ids = server.completion_prompt(body)
+        prompt_ids = await server.tokenizing(lambda: server.completion_prompt(body))
         stream = await server.submit(body, prompt_ids, request_id)
         created = int(time.time())
+        num = body.n or 1
+        num_top = body.logprobs
+        offsets = [0] * num  # where each completion's streamed text has got to
 
-        def choice(text: str, token_ids: tuple[int, ...], reason: str | None,
-                   stop_reason: Any = None) -> dict[str, Any]:
-            entry: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+        def choice(index: int, text: str, token_ids: list[int] | tuple[int, ...],
+                   logprobs: Any, reason: str | None, stop_reason: Any) -> dict[str, Any]:
+            entry: dict[str, Any] = {"index": index, "text": text, "logprobs": None,
                                      "finish_reason": reason, "stop_reason": stop_reason}
+            if num_top is not None:
+                entry["logprobs"] = completion_logprobs(token_ids, logprobs or (), num_top,
+                                                        offsets[index])
+                offsets[index] += len(text)
             if body.return_token_ids:
                 entry["token_ids"] = list(token_ids)
             return entry
@@ -243,31 +439,44 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                     "model": server.card.name, "choices": choices, **extra}
 
         if body.stream:
-            return _streaming_response(server, "completions", stream, body, lambda d: (
-                response([choice(d.text, d.token_ids, d.finish_reason, d.stop_reason)])),
-                lambda usage_: response([], usage=usage_), first=None)
-        result = await _collect_unless_gone(request, stream)
-        if result is None:
-            server.metrics.requests.labels("completions", "abort").inc()
-            return Response(status_code=499)
-        _observe(server, "completions", result)
+            def delta_chunk(d: RequestDelta) -> dict[str, Any]:
+                return response([choice(d.index, d.text, d.token_ids, d.logprobs,
+                                        d.finish_reason, d.stop_reason)])
+
+            return _streaming_response(server, "completions", stream, body, num,
+                                       lambda d: [delta_chunk(d)],
+                                       lambda usage_: response([], usage=usage_), first=None)
+        result = await _finish(server, "completions", request, stream, num)
+        if isinstance(result, Response):
+            return result
         extra = {"prompt_token_ids": list(prompt_ids)} if body.return_token_ids else {}
-        return JSONResponse(response(
-            [choice(result.text, result.token_ids, _finish_reason(result))],
-            usage=usage(result.finished, len(result.token_ids)), **extra))
+        choices = [choice(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason,
+                          c.stop_reason) for c in result.completions]
+        return JSONResponse(response(choices, usage=usage(
+            result.finished, result.num_completion_tokens), **extra))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await server.read(request, ChatCompletionRequest)
         server.check_model(body.model)
-        body.check_supported()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = server.chat_prompt(body)
+        messages = body.chat_messages(server.limits)
+        prompt_ids = await server.tokenizing(lambda: server.chat_prompt(messages))
         stream = await server.submit(body, prompt_ids, request_id)
         created = int(time.time())
+        num = body.n or 1
+        num_top = body.num_logprobs()
 
-        def chunk(delta: dict[str, Any], reason: str | None, token_ids: tuple[int, ...] = (),
+        def logprobs_of(token_ids: Any, logprobs: Any) -> dict[str, Any] | None:
+            if num_top is None:
+                return None
+            return chat_logprobs(token_ids, logprobs or (), num_top)
+
+        def chunk(index: int, delta: dict[str, Any], reason: str | None,
+                  token_ids: tuple[int, ...] = (), logprobs: Any = None,
                   stop_reason: Any = None) -> dict[str, Any]:
-            entry: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+            entry: dict[str, Any] = {"index": index, "delta": delta,
+                                     "logprobs": logprobs_of(token_ids, logprobs),
                                      "finish_reason": reason, "stop_reason": stop_reason}
             if body.return_token_ids:
                 entry["token_ids"] = list(token_ids)
@@ -280,65 +489,95 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                         "created": created, "model": server.card.name, "choices": [],
                         "usage": usage_}
 
+            first = [chunk(i, {"role": "assistant", "content": ""}, None) for i in range(num)]
             return _streaming_response(
-                server, "chat", stream, body,
-                lambda d: chunk({"content": d.text} if d.text or not d.finished else {},
-                                d.finish_reason, d.token_ids, d.stop_reason),
-                usage_chunk, first=chunk({"role": "assistant", "content": ""}, None))
-        result = await _collect_unless_gone(request, stream)
-        if result is None:
-            server.metrics.requests.labels("chat", "abort").inc()
-            return Response(status_code=499)
-        _observe(server, "chat", result)
-        entry: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                         "content": result.text},
-                                 "logprobs": None, "finish_reason": _finish_reason(result)}
-        if body.return_token_ids:
-            entry["token_ids"] = list(result.token_ids)
+                server, "chat", stream, body, num,
+                lambda d: [chunk(d.index, {"content": d.text} if d.text or not d.finished
+                                 else {}, d.finish_reason, d.token_ids, d.logprobs,
+                                 d.stop_reason)],
+                usage_chunk, first=first)
+        result = await _finish(server, "chat", request, stream, num)
+        if isinstance(result, Response):
+            return result
+        choices = []
+        for c in result.completions:
+            entry: dict[str, Any] = {
+                "index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs_of(c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                entry["token_ids"] = list(c.token_ids)
+            choices.append(entry)
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created,
-                             "model": server.card.name, "choices": [entry],
-                             "usage": usage(result.finished, len(result.token_ids))})
+                             "model": server.card.name, "choices": choices,
+                             "usage": usage(result.finished, result.num_completion_tokens)})
 
     return app
 
 
-def _finish_reason(result: _Result) -> str | None:
-    return result.finished.finish_reason if result.finished else None
+async def _finish(server: _Server, endpoint: str, request: Request, stream: RequestStream,
+                  num_completions: int) -> Result | Response:
+    """A non-streamed request's result, or the response that ends it early (its client
+    left: 499; the server shuts down: 503; the engine failed it: 500)."""
+    try:
+        result = await _collect_unless_gone(request, stream, num_completions)
+    except (RequestFailedError, EngineClosedError) as exc:
+        server.metrics.requests.labels(endpoint, "error").inc()
+        raise _engine_error(exc) from None
+    if result is None:
+        server.metrics.requests.labels(endpoint, "abort").inc()
+        return Response(status_code=499)
+    if result.aborted:  # nobody but the shutdown aborts a request whose client is here
+        server.metrics.requests.labels(endpoint, "abort").inc()
+        raise APIError(503, _SHUTTING_DOWN, type_="server_unavailable")
+    _observe(server, endpoint, result)
+    return result
 
 
-def _observe(server: _Server, endpoint: str, result: _Result) -> None:
+def _observe(server: _Server, endpoint: str, result: Result) -> None:
     if result.finished is not None:
-        server.metrics.observe_finished(endpoint, result.finished, len(result.token_ids))
+        server.metrics.observe_finished(endpoint, result.finished,
+                                        result.num_completion_tokens)
 
 
 def _streaming_response(server: _Server, endpoint: str, stream: RequestStream, body: Any,
-                        make_chunk: Any, make_usage_chunk: Any,
-                        first: dict[str, Any] | None) -> StreamingResponse:
+                        num_completions: int,
+                        make_chunks: Callable[[RequestDelta], list[dict[str, Any]]],
+                        make_usage_chunk: Callable[[dict[str, Any]], dict[str, Any]],
+                        first: list[dict[str, Any]] | None) -> StreamingResponse:
     """Server-sent events: one chunk per delta that carries something, an optional usage
-    chunk, then `data: [DONE]`. Leaving early (the client disconnected) aborts."""
+    chunk, then `data: [DONE]`. A request the engine failed, or the shutdown aborted, ends
+    with an error event before `[DONE]`. Leaving early (the client disconnected) aborts."""
 
     async def events() -> AsyncIterator[str]:
-        result = _Result()
-        sent: list[int] = []
+        result = Result.empty(num_completions)
         finished = False
         try:
-            if first is not None:
-                yield _sse(first)
+            for chunk in first or ():
+                yield _sse(chunk)
             async for delta in stream:
-                sent.extend(delta.token_ids)
-                if delta.output is not None:
-                    result.finished = read_output(delta.output)
+                result.add(delta)
+                if delta.finish_reason == "abort":
+                    raise EngineClosedError(_SHUTTING_DOWN)
                 if delta.text or delta.token_ids or delta.finished:
-                    yield _sse(make_chunk(delta))
+                    for chunk in make_chunks(delta):
+                        yield _sse(chunk)
             finished = True
-            result.token_ids = tuple(sent)
             _observe(server, endpoint, result)
             if body.include_usage:
-                yield _sse(make_usage_chunk(usage(result.finished, len(sent))))
-        except EngineClosedError as exc:
-            yield _sse(APIError(503, str(exc), type_="server_unavailable").body())
+                yield _sse(make_usage_chunk(usage(result.finished,
+                                                  result.num_completion_tokens)))
+        except (RequestFailedError, EngineClosedError) as exc:
+            finished = True
+            server.metrics.requests.labels(endpoint, "error").inc()
+            yield _sse(_engine_error(exc).body())
+        except Exception:  # noqa: BLE001 (the stream has started: end it with an error)
+            finished = True
+            log.exception("a %s stream failed", endpoint)
+            yield _sse(APIError(500, "internal server error while streaming (details are in "
+                                "the server's log)", type_="internal_error").body())
         finally:
-            if not finished:  # the client left (or the engine stopped): abort it
+            if not finished:  # the client left: abort it
                 stream.abort()
                 server.metrics.requests.labels(endpoint, "abort").inc()
         yield "data: [DONE]\n\n"

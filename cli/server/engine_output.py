@@ -31,11 +31,13 @@ class FinishedRequest:
     ttft_s: float | None
     tpot_s: float | None
     latency_s: float | None
+    cached_tokens_remote: int = 0
 
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens served from any cache tier (at most the prompt's length)."""
-        total = self.cached_tokens_gpu + self.cached_tokens_host + self.cached_tokens_disk
+        total = (self.cached_tokens_gpu + self.cached_tokens_host + self.cached_tokens_disk
+                 + self.cached_tokens_remote)
         return min(total, len(self.prompt_token_ids))
 
 
@@ -53,4 +55,4 @@ def read_output(output: RequestOutput) -> FinishedRequest:
         finish_reason=completion.finish_reason, cached_tokens_gpu=m.cached_tokens_gpu,
         cached_tokens_host=m.cached_tokens_host, cached_tokens_disk=m.cached_tokens_disk,
         num_preemptions=m.num_preemptions, ttft_s=m.ttft_s, tpot_s=tpot,
-        latency_s=m.latency_s)
+        latency_s=m.latency_s, cached_tokens_remote=m.cached_tokens_remote)

@@ -18,6 +18,7 @@ from typing import TypeVar
 import httpx
 import uvicorn
 from kvtier.cli.server.app import build_app
+from kvtier.cli.server.protocol import ServerLimits
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.engine.llm import LLM
 
@@ -61,11 +62,11 @@ def _is_idle(llm: LLM) -> bool:
         and not stats.num_loads_in_flight
 
 
-def start_server(llm: LLM, api_key: str | None = None,
-                 max_num_requests: int = 256) -> RunningServer:
+def start_server(llm: LLM, api_key: str | None = None, max_num_requests: int = 256,
+                 limits: ServerLimits | None = None) -> RunningServer:
     """Serve `llm` on 127.0.0.1 at a free port; returns once the server accepts requests."""
     engine = AsyncLLM(llm, max_num_requests=max_num_requests)
-    app = build_app(engine, MODEL_NAME, api_key=api_key)
+    app = build_app(engine, MODEL_NAME, api_key=api_key, limits=limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

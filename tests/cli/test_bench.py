@@ -334,3 +334,10 @@ def test_serve_with_a_remote_tier_keeps_the_answers(runner, redis_server):
     assert report["outputs_identical"] is True
     assert report["config"]["remote_cache"] == redis_server.url
     assert report["modes"]["off"]["tokens"]["remote"] == 0
+
+
+def test_ratios_read_as_people_say_them():
+    from kvtier.cli.bench.tables import ratio_words
+    assert ratio_words(3.2) == "3.20x sooner"
+    assert ratio_words(1 / 11) == "11x slower"
+    assert ratio_words(0.5) == "2.00x slower"

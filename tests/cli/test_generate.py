@@ -54,7 +54,7 @@ def test_json_output_matches_the_library(runner, model_dir) -> None:
         assert completion["finish_reason"] in ("stop", "length")
         assert completion["index"] == 0 and completion["logprobs"] is None
         assert entry["finished"] is True
-        assert entry["cached_tokens"] == {"gpu": 0, "host": 0, "disk": 0}
+        assert entry["cached_tokens"] == {"gpu": 0, "host": 0, "disk": 0, "remote": 0}
         assert entry["computed_tokens"] == len(entry["prompt_token_ids"]) \
             + len(completion["token_ids"]) - 1
         assert entry["ttft_s"] >= 0

@@ -175,7 +175,7 @@ def test_raw_http_stream_stop_strings_and_errors(served, reference, model) -> No
         assert response.status_code == status, response.text
         return response.json()["error"]
 
-    assert error({**body, "n": 2}, 400)["param"] == "n"
+    assert error({**body, "n": 17}, 400)["param"] == "n"
     assert error({**body, "model": "other"}, 404)["code"] == "model_not_found"
     assert "temperature" in error({**body, "temperature": -1}, 400)["message"]
     assert "prompt" in error({"model": MODEL_NAME}, 400)["message"]

@@ -117,7 +117,7 @@ def test_metrics_and_output_dict_report_where_tokens_came_from() -> None:
     completion = CompletionOutput(0, "", (4,), None, None, "length")
     output = RequestOutput("r", None, request.prompt_token_ids, [completion], True, metrics)
     entry = output.to_dict()
-    assert entry["cached_tokens"] == {"gpu": 0, "host": 16, "disk": 32}
+    assert entry["cached_tokens"] == {"gpu": 0, "host": 16, "disk": 32, "remote": 0}
     assert entry["outputs"][0]["token_ids"] == [4] and entry["computed_tokens"] == 3
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import lmdb
@@ -91,6 +92,8 @@ def test_inspect_lists_newest_first(filled):
                                                SMALL.describe()]
     assert [row["num_tokens"] for row in rows] == [8, 8, 4]
     assert rows[0]["last_access"] > rows[1]["last_access"] > rows[2]["last_access"]
+    # The sequence numbers are times: the blocks were used during this test.
+    assert all(time.time() - 3600 < row["last_access_time"] <= time.time() for row in rows)
     assert all(row["status"] == "ok" for row in rows)
     assert len(disk_admin.inspect(path, limit=100)) == 6
 

@@ -29,7 +29,7 @@ import xxhash
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk.index import DISK_FORMAT_VERSION, LmdbIndex
+from kvtier.tiers.disk.index import DISK_FORMAT_VERSION, LmdbIndex, access_time
 from kvtier.tiers.disk.recovery import move_aside
 from kvtier.tiers.record import RECORD_VERSION, CorruptRecord, decode_header, decode_record
 
@@ -119,7 +119,9 @@ def cache_stats(path: str | os.PathLike[str]) -> dict:
 
 def inspect(path: str | os.PathLike[str], limit: int = 20) -> list[dict]:
     """The `limit` most recently used blocks, newest first: hash, layout, token count,
-    record bytes and last access sequence number (headers only; see `verify` for payloads).
+    record bytes, last access sequence number and its time (seconds since the epoch; None
+    for blocks last used before sequence numbers were times) (headers only; see `verify`
+    for payloads).
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -132,7 +134,8 @@ def inspect(path: str | os.PathLike[str], limit: int = 20) -> list[dict]:
                 if len(rows) >= limit:
                     break
                 value = index.get(txn, block_hash)
-                row = {"hash": block_hash.hex(), "last_access": seq, "layout": None,
+                row = {"hash": block_hash.hex(), "last_access": seq,
+                       "last_access_time": access_time(seq), "layout": None,
                        "num_tokens": None, "bytes": None if value is None else len(value),
                        "status": "missing" if value is None else "ok"}
                 if value is not None:

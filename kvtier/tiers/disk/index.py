@@ -18,9 +18,11 @@ the `disk_admin` functions both use this class, so the schema is written down on
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from kvtier.hashing import BlockHash
 from kvtier.tiers.disk.check import check_disk_files
 from kvtier.tiers.disk.key_changes import KeyChanges
 from kvtier.tiers.disk.lmdb_value import ValueSpot, find_value
+
+_logger = logging.getLogger(__name__)
 
 #: Bump when the schema or the meaning of stored values changes: a directory written with
 #: another version is cleared by a writer and served as empty to a reader.
@@ -251,7 +255,10 @@ class LmdbIndex:
     # ---- helpers -------------------------------------------------------------------------
 
     def _next_seqs(self, txn: lmdb.Transaction, count: int) -> int:
-        first = max(1, self.counter(txn, "next_seq"))
+        # Sequence numbers are the wall clock in microseconds where it is ahead of the
+        # counter, so that a block's last access can be shown as a time (`access_time`);
+        # they still only grow, whatever the clock does.
+        first = max(1, self.counter(txn, "next_seq"), time.time_ns() // 1000)
         self.set_counter(txn, "next_seq", first + count)
         return first
 
@@ -286,6 +293,16 @@ class LmdbIndex:
             self.recount_bytes(txn)
             return
         self.set_counter(txn, "bytes_used", total)
+
+
+#: Access sequence numbers from this value up are microseconds since the epoch (2001 on).
+_FIRST_TIMED_SEQ = 10**15
+
+
+def access_time(seq: int) -> float | None:
+    """The time (seconds since the epoch) of an access sequence number, or None for one
+    written before sequence numbers were times."""
+    return seq / 1e6 if seq >= _FIRST_TIMED_SEQ else None
 
 
 class _ResizeGate:
@@ -329,30 +346,92 @@ class _ResizeGate:
                 self._cond.notify_all()
 
 
+class DiskFilesGone(OSError):
+    """data.mdb was removed, replaced or cut short while the tier had it open: the tier is
+    set aside (LMDB following its map past the end of a shorter file would be a SIGBUS)."""
+
+
+class DataFileWatch:
+    """Notices data.mdb removed, replaced or cut short under an open environment.
+
+    LMDB never shrinks its data file, and every page it reads lies below the end the file
+    had when the page was written; so while the file keeps its inode and is no shorter
+    than the largest size seen, no read of the map can fault past its end. `check` costs
+    two stat calls. The window between a check and the reads that follow it is not closed
+    (a cut in that window still faults): a check runs before every transaction.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        info = os.fstat(self._fd)
+        self._identity = (info.st_dev, info.st_ino)
+        self._size = info.st_size
+
+    def check(self) -> str | None:
+        """None while the file is intact, else what happened to it (a sentence fragment)."""
+        info = os.fstat(self._fd)
+        if info.st_nlink == 0:
+            return "data.mdb was removed"
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return "data.mdb was removed"
+        except OSError:
+            named = info  # the directory cannot be searched now: judge by the open file
+        if (named.st_dev, named.st_ino) != self._identity:
+            return "data.mdb was replaced by another file"
+        if info.st_size < self._size:
+            return f"data.mdb was cut from {self._size} to {info.st_size} bytes"
+        self._size = max(self._size, info.st_size)
+        return None
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class GuardedEnv:
     """An LMDB environment whose map grows on demand while threads use it.
 
     LMDB may only resize the map while no transaction of this process is open, so every
     transaction is taken through `txn()` inside a gate that a resize closes. `map_limit`
-    caps growth (bytes).
+    caps growth (bytes). With a `watch` on data.mdb, every transaction and resize is
+    preceded by its check; once it fails, `gone` says why and every later call raises
+    DiskFilesGone without touching the map.
     """
 
-    def __init__(self, env: lmdb.Environment, map_limit: int) -> None:
+    def __init__(self, env: lmdb.Environment, map_limit: int,
+                 watch: DataFileWatch | None = None) -> None:
         self.env = env
         self.map_limit = map_limit
         self.closed = False
+        self.gone: str | None = None
+        self._watch = watch
         self._path = env.path()
         self._gate = _ResizeGate()
         self._page_size = env.stat()["psize"]
 
+    def check_files(self) -> None:
+        """Raise DiskFilesGone if data.mdb was removed, replaced or cut short."""
+        if self.gone is None and self._watch is not None:
+            problem = self._watch.check()
+            if problem is not None and self.gone is None:
+                self.gone = problem
+                _logger.warning("disk cache %s: %s while in use; the disk tier is set aside "
+                                "for this run (requests go on without it; a restart opens "
+                                "a fresh one)", self._path, problem)
+        if self.gone is not None:
+            raise DiskFilesGone(errno.ENOENT, f"disk cache {self._path}: {self.gone}")
+
     @contextmanager
     def txn(self, write: bool = False) -> Iterator[lmdb.Transaction]:
         """A transaction (buffers=True); adopts a map grown by another process. Raises
-        ValueError once closed."""
+        ValueError once closed, DiskFilesGone once data.mdb is gone."""
         for _ in range(8):
             with self._gate.shared():
                 if self.closed:
                     raise ValueError(f"disk cache {self._path} is closed")
+                self.check_files()
                 try:
                     txn = self.env.begin(write=write, buffers=True)
                 except lmdb.MapResizedError:
@@ -369,6 +448,7 @@ class GuardedEnv:
     @property
     def map_size(self) -> int:
         """The map's size in bytes now."""
+        self.check_files()
         return self.env.info()["map_size"]
 
     def grow(self, num_bytes: int, full: bool = False, failed_at: int | None = None) -> bool:
@@ -377,11 +457,13 @@ class GuardedEnv:
         cheaper than aborting it. `failed_at`: the map size a transaction that ran out of
         map saw; when another thread has grown the map since, it is not grown again (retry
         the write). False when the map cannot grow."""
+        self.check_files()  # `info` reads the meta pages through the map
         info = self.env.info()
         room = info["map_size"] - (info["last_pgno"] + 1) * self._page_size
         if not full and room >= 2 * num_bytes:
             return True
         with self._gate.exclusive():
+            self.check_files()
             current = self.env.info()["map_size"]
             if failed_at is not None and current > failed_at:
                 # Writers that failed together must not each double the map, or the last
@@ -399,6 +481,8 @@ class GuardedEnv:
             if not self.closed:
                 self.closed = True
                 self.env.close()
+                if self._watch is not None:
+                    self._watch.close()
 
 
 def _damaged_message(path: str | os.PathLike[str], detail: str) -> str:

@@ -25,7 +25,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 import torch
@@ -38,6 +41,8 @@ from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.disk.access import PendingTouches, touch_in, write_touches
 from kvtier.tiers.disk.index import (
     DISK_FORMAT_VERSION,
+    DataFileWatch,
+    DiskFilesGone,
     GuardedEnv,
     LmdbIndex,
     is_disk_full,
@@ -60,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _INITIAL_MAP_BYTES = 64 * _MiB
+#: Seconds a lookup (or a stats read) may take before the disk counts as stalled.
+LOOKUP_DEADLINE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,16 @@ class DiskTier(LowerTier):
     is then true) or, read-only, served as empty. Thread-safe; several processes may share
     `path`, but one process must not open it twice.
 
+    Trouble under a running tier stays in the tier. data.mdb removed, replaced or cut
+    short is noticed before the next transaction (`DataFileWatch`): the tier is then set
+    aside (`unavailable` says why): every lookup and read misses, every store is refused,
+    its stats count no block, and nothing touches the map again. A stalled disk stalls
+    only the threads doing its I/O: `contains` and `stats`, which the engine and the
+    server call, run on a thread of the tier's own and are answered within
+    `lookup_deadline_s`; past it the disk counts as unavailable (every lookup a miss, at
+    once) until the stalled call returns. `write_hook`, like `read_hook`, is for tests: it
+    is called with the metas of each write transaction, inside it, before its puts.
+
     Raises ValueError for a bad budget, the errors of `kvtier.fsutil.ensure_private_dir` for a
     bad directory, and FileNotFoundError when opened read-only where no cache exists.
 
@@ -112,7 +129,9 @@ class DiskTier(LowerTier):
                  readonly: bool = False, max_map_bytes: int | None = None,
                  initial_map_bytes: int | None = None, durable: bool = True,
                  touch_flush_every: int = 1024,
-                 read_hook: Callable[[BlockMeta], None] | None = None) -> None:
+                 read_hook: Callable[[BlockMeta], None] | None = None,
+                 write_hook: Callable[[Sequence[BlockMeta]], None] | None = None,
+                 lookup_deadline_s: float = LOOKUP_DEADLINE_S) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -132,12 +151,22 @@ class DiskTier(LowerTier):
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
                                      map_size=map_size, mode=PRIVATE_FILE_MODE,
                                      readahead=False)
-        self._map = GuardedEnv(self._index.env, self._map_limit)
+        try:
+            watch = DataFileWatch(self.path / "data.mdb")
+        except BaseException:
+            self._index.env.close()
+            raise
+        self._map = GuardedEnv(self._index.env, self._map_limit, watch)
         self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
         self._scratch = threading.local()
         self._touches = PendingTouches(touch_flush_every)
         self._read_hook = read_hook
+        self._write_hook = write_hook
+        self.lookup_deadline_s = lookup_deadline_s
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-lookup")
+        self._stalled: Future | None = None  # a lookup past its deadline, until it returns
+        self._last_stats: tuple[int, int] = (0, 0)
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
         self._keys = StoredKeys(self._map, self._index, self._data_file, self._page_size,
                                 self.path)
@@ -182,9 +211,10 @@ class DiskTier(LowerTier):
             return
         self._keys.close()
         try:
-            if not self.readonly:
+            if not self.readonly and self._map.gone is None:
                 self._flush_touches()
         finally:
+            self._lookups.shutdown(wait=False)
             self._map.close()
             with self._lock:
                 fd, self._data_fd = self._data_fd, None
@@ -199,29 +229,89 @@ class DiskTier(LowerTier):
 
     # ---- queries -------------------------------------------------------------------------
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the tier serves nothing now (its files went away under it, or a lookup
+        outlasted `lookup_deadline_s` and has not returned); None while it serves."""
+        if self._map.gone is not None:
+            return self._map.gone
+        stalled = self._stalled
+        if stalled is not None and not stalled.done():
+            return f"a disk lookup has taken more than {self.lookup_deadline_s} s"
+        return None
+
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each hash has a stored value (not validated: `get_into` may still miss).
 
         Answered from this process's copy of the stored hashes when it is current, else from
-        LMDB's tree (and the copy is loaded again in the background)."""
-        if self._stale:
+        LMDB's tree (and the copy is loaded again in the background); within
+        `lookup_deadline_s`, else every hash is a miss (see the class docstring)."""
+        if self._stale or self._map.gone is not None:
             return [False] * len(block_hashes)
-        return self._keys.contains(block_hashes)
+        return self._bounded(self._contains_now, [False] * len(block_hashes),
+                             list(block_hashes))
+
+    def _contains_now(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        try:
+            return self._keys.contains(block_hashes)
+        except DiskFilesGone:
+            return [False] * len(block_hashes)
+
+    def _bounded(self, fn: Callable, fallback: Any, *args: object) -> Any:
+        """`fn(*args)` on the lookup thread, or `fallback` if the disk does not answer within
+        the deadline (or still has not answered an earlier call)."""
+        with self._lock:
+            stalled = self._stalled
+            if stalled is not None:
+                if not stalled.done():
+                    return fallback
+                self._stalled = None
+        if self._map.closed:
+            raise ValueError(f"disk cache {self.path} is closed")
+        try:
+            future = self._lookups.submit(fn, *args)
+        except RuntimeError:  # the executor shut down: the tier is closing
+            raise ValueError(f"disk cache {self.path} is closed") from None
+        try:
+            return future.result(timeout=self.lookup_deadline_s)
+        except FutureTimeout:
+            with self._lock:
+                self._stalled = future
+            logger.warning("disk cache %s: a lookup took more than %s s; the disk tier counts "
+                           "as unavailable until it returns", self.path, self.lookup_deadline_s)
+            return fallback
 
     def keys_in_memory(self, wait: float = 0.0) -> bool:
         """Whether lookups are answered from memory now: the copy of the stored hashes is at
         the stored key generation. Waits up to `wait` seconds for it to load (a load starts
         when it is behind)."""
-        return not self._stale and self._keys.in_memory(wait)
+        if self._stale or self._map.gone is not None:
+            return False
+        try:
+            return self._keys.in_memory(wait)
+        except DiskFilesGone:
+            return False
 
     def stats(self) -> DiskStats:
-        with self._map.txn() as txn:
-            num_blocks = self._index.num_blocks(txn)
-            bytes_used = self._index.counter(txn, "bytes_used")
+        """The tier's counters; the stored figures are those last read when the disk does
+        not answer within the deadline, and zero once the tier is set aside."""
+        if self._map.gone is not None:
+            num_blocks, bytes_used = 0, 0
+        else:
+            num_blocks, bytes_used = self._bounded(self._stored_figures, self._last_stats)
         with self._lock:
             counts = dict(self._counts)
         return DiskStats(num_blocks=num_blocks, bytes_used=bytes_used,
                          budget_bytes=self.budget_bytes, **counts)
+
+    def _stored_figures(self) -> tuple[int, int]:
+        try:
+            with self._map.txn() as txn:
+                figures = (self._index.num_blocks(txn), self._index.counter(txn, "bytes_used"))
+        except DiskFilesGone:
+            return 0, 0
+        self._last_stats = figures
+        return figures
 
     # ---- loads ---------------------------------------------------------------------------
 
@@ -245,23 +335,27 @@ class DiskTier(LowerTier):
         if len(metas) != len(dests):
             raise ValueError(f"{len(metas)} metas but {len(dests)} destinations")
         arrays = [dest_array(dest, self.layout.bytes_per_block) for dest in dests]
-        if self._stale:
+        if self._stale or self._map.gone is not None:
             self._count(misses=len(metas))
             return [False] * len(metas)
         results: list[bool] = []
         rejects: list[BlockMeta] = []
-        source = RecordSource(self._index, self._data_file(), self._page_size,
-                              self._fingerprint)
-        with self._map.txn() as txn, txn.cursor(db=self._index.blocks) as cursor:
-            if self._read_hook is not None:
-                for meta in metas:
-                    self._read_hook(meta)
-            hints = self._keys.spots([meta.block_hash for meta in metas])
-            for meta, (ok, rejected) in zip(metas, read_records_into(source, txn, cursor,
-                                                                     metas, arrays, hints)):
-                results.append(ok)
-                if rejected:
-                    rejects.append(meta)
+        try:
+            source = RecordSource(self._index, self._data_file(), self._page_size,
+                                  self._fingerprint)
+            with self._map.txn() as txn, txn.cursor(db=self._index.blocks) as cursor:
+                if self._read_hook is not None:
+                    for meta in metas:
+                        self._read_hook(meta)
+                hints = self._keys.spots([meta.block_hash for meta in metas])
+                for meta, (ok, rejected) in zip(metas, read_records_into(
+                        source, txn, cursor, metas, arrays, hints)):
+                    results.append(ok)
+                    if rejected:
+                        rejects.append(meta)
+        except DiskFilesGone:
+            self._count(misses=len(metas))
+            return [False] * len(metas)
         num_hits = sum(results)
         self._count(hits=num_hits, misses=len(metas) - num_hits)
         if rejects:
@@ -279,7 +373,7 @@ class DiskTier(LowerTier):
 
     def _reject(self, metas: list[BlockMeta]) -> None:
         self._count(rejected=len(metas))
-        if self.readonly:
+        if self.readonly or self._map.gone is not None:
             return
         with self._keys.write() as (txn, changes):
             for meta in metas:
@@ -318,10 +412,21 @@ class DiskTier(LowerTier):
             items.setdefault(meta.block_hash, (meta, view))
         if not items:
             return []
-        present = self.contains(list(items))
+        block_hashes = [meta.block_hash for meta in metas]
+        if self._map.gone is not None:
+            self._count(refused=len(items))
+            return [False] * len(metas)
+        try:
+            return self._put_items(items, block_hashes)
+        except DiskFilesGone:
+            return [False] * len(metas)
+
+    def _put_items(self, items: dict[BlockHash, tuple[BlockMeta, memoryview]],
+                   block_hashes: list[BlockHash]) -> list[bool]:
+        present = self._keys.contains(list(items))
         if self.readonly:
             self._count(refused=len(items) - sum(present))
-            return self.contains([meta.block_hash for meta in metas])
+            return self._keys.contains(block_hashes)
         # Sizes (and token ids) are checked here, outside the write transaction.
         new = [(meta, view, record_size(meta, view.nbytes))
                for (meta, view), hit in zip(items.values(), present) if not hit]
@@ -331,21 +436,22 @@ class DiskTier(LowerTier):
         else:  # all present (another writer may have stored them meanwhile)
             self.touch(touched)
         # Asked afterwards: another process may have stored or pruned some meanwhile.
-        return self.contains([meta.block_hash for meta in metas])
+        return self._keys.contains(block_hashes)
 
     def write_job(self, metas: Sequence[BlockMeta],
                   payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
         """`LowerTier.write_job`, writing only the blocks not stored yet, in one write
-        transaction, and counting only their bytes as moved."""
+        transaction, and counting only their bytes as moved. Runs on an I/O thread, so it
+        asks the index directly rather than through the lookup deadline."""
         stored: list[bool] = []
 
         def run() -> int:
             block_hashes = [meta.block_hash for meta in metas]
-            before = self.contains(block_hashes)
+            before = self._contains_now(block_hashes)
             new = [i for i, present in enumerate(before) if not present]
             if new:
                 self.put([metas[i] for i in new], [payloads[i] for i in new])
-            stored.extend(self.contains(block_hashes) if new else before)
+            stored.extend(self._contains_now(block_hashes) if new else before)
             return sum(stored[i] for i in new) * self.layout.bytes_per_block
 
         return IOJob(self.writes, run), stored
@@ -391,6 +497,8 @@ class DiskTier(LowerTier):
                      touched: list[BlockHash], keep: frozenset[BlockHash],
                      pressure: int) -> int:
         with self._keys.write() as (txn, changes):
+            if self._write_hook is not None:
+                self._write_hook([meta for meta, _, _ in new])
             # Earlier reads first, then this batch: the batch is the most recent use.
             touch_in(self._index, txn, self._touches.take() + touched)
             absent = [item for item in new if not self._index.has(txn, item[0].block_hash)]
@@ -446,16 +554,22 @@ class DiskTier(LowerTier):
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         """Mark blocks as just used. Batched: written with the next write transaction, or
         once `touch_flush_every` are pending."""
-        if not self.readonly and self._touches.add(block_hashes):
-            self._flush_touches()
+        if not self.readonly and self._map.gone is None and self._touches.add(block_hashes):
+            try:
+                self._flush_touches()
+            except DiskFilesGone:
+                pass  # set aside: the access order is of no use any more
 
     def delete(self, block_hashes: Sequence[BlockHash]) -> int:
         """Remove blocks; how many were present. Raises ValueError when read-only."""
         if self.readonly:
             raise ValueError(f"disk cache {self.path} is open read-only; cannot delete")
-        with self._keys.write() as (txn, changes):
-            touch_in(self._index, txn, self._touches.take())
-            return sum(self._index.remove(txn, h, changes) for h in block_hashes)
+        try:
+            with self._keys.write() as (txn, changes):
+                touch_in(self._index, txn, self._touches.take())
+                return sum(self._index.remove(txn, h, changes) for h in block_hashes)
+        except DiskFilesGone:
+            return 0
 
     def _flush_touches(self) -> None:
         write_touches(self._map, self._index, self._touches.take(), self.path)
