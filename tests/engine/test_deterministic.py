@@ -1,5 +1,6 @@
-"""The deterministic mode on the CPU: a token's logits are the same bits whatever its batch,
-its prompt's chunking, and which part of its prefix came from a tier (float32 and bf16).
+"""The deterministic mode: a token's logits are the same bits whatever its batch, its prompt's
+chunking, and which part of its prefix came from a tier (CPU float32 and bf16, and the GPU
+where there is one).
 
 Every engine here records the float32 logits each request sampled from, keyed by (prompt,
 output position); runs that differ only in how the work was cut must record equal tensors
@@ -25,9 +26,14 @@ BLOCK_SIZE = 4
 Key = tuple[tuple[int, ...], int]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=[
+    ("cpu", "float32"), ("cpu", "bfloat16"),
+    # The Triton kernels, CUDA graphs (decode rows, short chunks as rows) included.
+    pytest.param(("cuda", "bfloat16"), marks=pytest.mark.gpu),
+    pytest.param(("cuda", "float32"), marks=pytest.mark.gpu)], ids=lambda p: "-".join(p))
 def tiny(request: pytest.FixtureRequest) -> LoadedModel:
-    return load_model("random:tiny-llama", "cpu", request.param, seed=3)
+    device, dtype = request.param
+    return load_model("random:tiny-llama", device, dtype, seed=3)
 
 
 def prompts_of(lengths: Sequence[int], seed: int = 0, shared: int = 0) -> list[list[int]]:
@@ -43,7 +49,7 @@ def run(model: LoadedModel, batches: Sequence[Sequence[list[int]]],
     """Generate each batch in turn on one deterministic engine; returns the logits every
     request sampled from by (prompt, output position), and the outputs."""
     options = {"block_size": BLOCK_SIZE, "max_num_seqs": 8, "host_cache": False,
-               "disk_cache": False, "deterministic": True, **options}
+               "disk_cache": False, "deterministic": True, "warmup": False, **options}
     logits: dict[Key, torch.Tensor] = {}
     outputs: list[RequestOutput] = []
     with LLM(model, **options) as llm:
