@@ -6,17 +6,21 @@ request's keys into `num_splits` ranges whose length follows its seq_len: a toke
 then depends on its neighbours. Here the keys of every row are cut at fixed absolute
 positions into splits of SPLIT_LEN keys, each split is reduced in tiles of TILE_N keys with
 the online softmax (`paged_attention._attend_tile`), and the splits' normalised outputs and
-log2-sum-exps are merged one after the other in split order (`_merge_split`). The tiling
-(query tile, key tile, warps) depends on the model's head counts and dtype only.
+log2-sum-exps are merged one after the other in split order (`_merge_split`). The key tile is
+fixed (its boundaries are where the online softmax rescales); the query tile follows the
+step (16 score rows for decodes, 128 for prefill chunks), which changes no row's bits on the
+GPU: a row's dots are the same 16-deep tensor-core chains whatever the tile's height (the
+GPU tests compare decode rows with prefill rows bit for bit).
 
 Two launch shapes give the same bits: a program that walks all the splits of its rows and
-merges them in registers (prefill: enough programs already), or one program per split that
-leaves its partial in float32 scratch for `_merge_splits_kernel` (decodes and short chunks,
-which otherwise give the GPU too few programs). Both run the same merge step, compiled
-without floating-point contraction, in the same order. A split no key of which a row sees,
-and a key tile past a row's position, leave its running state exactly as it was, so rows
-read through whatever pages the block table names, cached or just stored, in one kernel for
-prefill and decode rows alike.
+merges them in registers (prefill: enough programs already), or `num_split_programs`
+programs per query tile taking every so many splits, each split's partial left in float32
+scratch for `_merge_splits_kernel` (decodes and short chunks, which otherwise give the GPU
+too few programs; the merge reads only the splits of the row's own keys). Both run the same
+merge step, compiled without floating-point contraction, in the same order. A split no key
+of which a row sees, and a key tile past a row's position, leave its running state exactly
+as it was, so rows read through whatever pages the block table names, cached or just
+stored, in one kernel for prefill and decode rows alike.
 """
 
 from __future__ import annotations
@@ -53,14 +57,29 @@ class InvariantAttentionConfig:
             raise ValueError(f"block_q must be a power of two, got {self.block_q}")
 
 
-@functools.lru_cache(maxsize=64)
-def pick_invariant_config(group: int, head_dim: int,
-                          dtype: torch.dtype) -> InvariantAttentionConfig:
-    """The one tiling for a model: 64 score rows (query tokens x the GQA group), 64-key
-    tiles; float32 (CUDA-core dots) and wide heads take 16 rows to stay in registers."""
+#: Keys per inner step in every tiling (a row's rescaling points).
+TILE_N = 64
+
+
+@functools.lru_cache(maxsize=256)
+def pick_invariant_config(group: int, head_dim: int, dtype: torch.dtype,
+                          max_query_len: int) -> InvariantAttentionConfig:
+    """The tiling of a step: 16 score rows (query tokens x the GQA group) when every request
+    has at most that many query rows (decodes), else 128 rows on 3 stages; 64-key tiles
+    always. float32 (exact CUDA-core dots, whose order may follow the thread layout), wide
+    heads and Triton's interpreter (numpy dots round by tile shape) keep one 16- or 64-row
+    tiling for every step."""
     group_pad = triton.next_power_of_2(group)
-    rows = 16 if dtype == torch.float32 or head_dim > 128 else 64
-    return InvariantAttentionConfig(block_q=max(1, rows // group_pad), tile_n=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return InvariantAttentionConfig(block_q=max(1, 16 // group_pad), tile_n=TILE_N)
+    if _checks.interpreting():
+        return InvariantAttentionConfig(block_q=max(1, 64 // group_pad), tile_n=TILE_N)
+    decode_q = max(1, 16 // group_pad)
+    if max_query_len <= decode_q:
+        return InvariantAttentionConfig(block_q=decode_q, tile_n=TILE_N, num_warps=4,
+                                        num_stages=2)
+    return InvariantAttentionConfig(block_q=max(1, 128 // group_pad), tile_n=TILE_N,
+                                    num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -90,7 +109,7 @@ def _invariant_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SPLIT_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, WRITE_PARTS: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,16 +139,10 @@ def _invariant_attention_kernel(
         block_table_ptr = block_tables_ptr + r.to(tl.int64) * stride_bt_r
         k_base = k_cache_ptr + kv_head * stride_k_h
         v_base = v_cache_ptr + kv_head * stride_v_h
-        if num_split_programs == 1:
-            split_lo = 0
-            split_hi = tl.cdiv(tile_hi, SPLIT_LEN)
-        else:
-            split_lo = split_program
-            split_hi = tl.minimum(split_program + 1, tl.cdiv(tile_hi, SPLIT_LEN))
         m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-        for split in range(split_lo, split_hi):
+        for split in range(split_program, tl.cdiv(tile_hi, SPLIT_LEN), num_split_programs):
             lo = split * SPLIT_LEN
             hi = tl.minimum(tile_hi, lo + SPLIT_LEN)
             unmasked_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) \
@@ -152,28 +165,40 @@ def _invariant_attention_kernel(
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             part = acc / l_safe[:, None]
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            if num_split_programs == 1:
+            if not WRITE_PARTS:
                 merged, total, m_run = _merge_split(merged, total, m_run, part, lse)
             else:
                 po = split * stride_po_s + token * stride_po_t + head * stride_po_h
                 tl.store(part_out_ptr + po[:, None] + dims[None, :], part, mask=io_mask)
                 tl.store(part_lse_ptr + split * stride_pl_s + token * stride_pl_t + head, lse,
                          mask=row_ok)
-        if num_split_programs == 1:
+        if not WRITE_PARTS:
             total = tl.where(total == 0.0, 1.0, total)
             tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
                      + dims[None, :], (merged / total[:, None]).to(out_ptr.dtype.element_ty),
                      mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_po_s", "stride_pl_s"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_po_s", "stride_pl_s"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_reqs, num_splits,
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, seq_lens_ptr, num_reqs,
     stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t, stride_o_t, stride_o_h,
-    num_heads, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    num_heads, SPLIT_LEN: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     if token < tl.load(query_start_loc_ptr + num_reqs):
+        # The token's request: the last r whose queries start at or before it.
+        lo = token * 0
+        hi = token * 0 + num_reqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            starts_before = tl.load(query_start_loc_ptr + mid) <= token
+            lo = tl.where(starts_before, mid, lo)
+            hi = tl.where(starts_before, hi, mid)
+        q_start = tl.load(query_start_loc_ptr + lo)
+        q_end = tl.load(query_start_loc_ptr + lo + 1)
+        position = tl.load(seq_lens_ptr + lo) - (q_end - q_start) + (token - q_start)
         token64 = token.to(tl.int64)
         heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
         head_ok = heads < num_heads
@@ -182,8 +207,8 @@ def _merge_splits_kernel(
         m_run = tl.full([HEADS], float("-inf"), dtype=tl.float32)
         total = tl.zeros([HEADS], dtype=tl.float32)
         merged = tl.zeros([HEADS, HEAD_DIM_PAD], dtype=tl.float32)
-        # Splits no program wrote keep lse -inf (their outputs are stale and ignored).
-        for split in range(0, num_splits):
+        # The splits of the row's own keys, all written; later ones would weigh nothing.
+        for split in range(0, tl.cdiv(position + 1, SPLIT_LEN)):
             lse = tl.load(part_lse_ptr + split * stride_pl_s + token64 * stride_pl_t + heads,
                           mask=head_ok, other=float("-inf"))
             part = tl.load(part_out_ptr + split * stride_po_s + token64 * stride_po_t
@@ -234,24 +259,28 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    config = pick_invariant_config(group, head_dim, query.dtype)
+    config = pick_invariant_config(group, head_dim, query.dtype, max_query_len)
     if split_len % config.tile_n:
         raise ValueError(f"split_len={split_len} must be a multiple of the {config.tile_n}-key "
                          "tile")
     num_splits = max(1, triton.cdiv(max_seq_len, split_len))
     num_tiles = num_tokens // config.block_q + num_reqs
+    programs = num_tiles * num_kv_heads
     if split_programs is None:
-        split_programs = num_splits > 1 and num_tiles * num_kv_heads < 2 * _num_sms(query.device)
-    num_split_programs = num_splits if split_programs and num_splits > 1 else 1
-    if num_split_programs > 1:
+        split_programs = num_splits > 1 and programs < 2 * _num_sms(query.device)
+    write_parts = split_programs and num_splits > 1
+    num_split_programs = 1
+    if write_parts:
+        # Enough programs for about four per SM; each takes every num_split_programs-th
+        # split, so a long max_seq_len (a CUDA graph's) costs scratch, not idle programs.
+        num_split_programs = min(num_splits, triton.cdiv(4 * _num_sms(query.device), programs))
+    if write_parts:
         scratch = torch.empty(num_splits * num_tokens * num_heads * (head_dim + 1),
                               dtype=torch.float32, device=query.device)
         part_out = scratch[:num_splits * num_tokens * num_heads * head_dim].view(
             num_splits, num_tokens, num_heads, head_dim)
         part_lse = scratch[num_splits * num_tokens * num_heads * head_dim:].view(
             num_splits, num_tokens, num_heads)
-        # A split past a row's keys is never written; -inf makes the merge skip it.
-        part_lse.fill_(float("-inf"))
     else:
         part_out = part_lse = out  # never read or written
     dot_fp32 = query.dtype == torch.float32 or (
@@ -268,14 +297,15 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=config.block_q,
         BLOCK_M=config.block_q * group_pad, BLOCK_SIZE=k_cache.shape[1], TILE_N=config.tile_n,
         SPLIT_LEN=split_len, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32,
+        DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32, WRITE_PARTS=write_parts,
         num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False)
-    if num_split_programs > 1:
+    if write_parts:
         heads_per_program = min(triton.next_power_of_2(num_heads), 8)
         _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, heads_per_program))](
-            part_out, part_lse, out, query_start_loc, num_reqs, num_splits,
+            part_out, part_lse, out, query_start_loc, seq_lens, num_reqs,
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            num_heads, HEADS=heads_per_program, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_heads, SPLIT_LEN=split_len, HEADS=heads_per_program, HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
             num_warps=4, enable_fp_fusion=False)
     return out

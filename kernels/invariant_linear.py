@@ -8,8 +8,14 @@ in float32 through `acc = tl.dot(a, b, acc)` (a chain of tensor-core MMAs into t
 accumulator); there is no split-K. An output element is therefore always the same chain of
 operations over the same K order, and a row never meets another row's values.
 
-The tiling is a function of (N, K, dtype) only, never of M: `pick_linear_config`. Rows past
-M in the last tile are masked loads of zeros, which touch no real row.
+The tiling may follow M, because on the GPU it does not change a row's bits: whatever the
+tile's rows, columns and load depth, an element is the same chain of 16-deep tensor-core
+steps over K into one float32 accumulator, starting from zero (measured on an H200: 16- to
+128-row tiles, 32 to 256 columns, 64- and 128-deep loads, mma and warpgroup-mma alike gave
+identical rows; `tests/kernels/test_kernel_invariant.py` checks every tiling of
+`pick_linear_config` against the others on the GPU). float32 operands (exact dots on CUDA
+cores, whose order may follow the thread layout) keep one tiling for every M. Rows past M
+in the last tile are masked loads of zeros, which touch no real row.
 """
 
 from __future__ import annotations
@@ -42,18 +48,40 @@ class LinearConfig:
                                  f"got {value}")
 
 
-@functools.lru_cache(maxsize=256)
-def pick_linear_config(n: int, k: int, dtype: torch.dtype) -> LinearConfig:
-    """The one tiling used for weights of shape [n, k] in `dtype`, whatever the rows.
+#: Tilings by the most rows they serve (bf16 / fp16), fastest measured on an H200 with the
+#: Llama-3-8B projections (`docs/DETERMINISM.md`): decode-sized steps read the weights with
+#: many narrow programs, prefill-sized ones reuse each weight tile across 128 rows.
+_TILINGS_16BIT = (
+    (16, LinearConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),
+    (128, LinearConfig(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=4)),
+    (1024, LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (None, LinearConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+)
+_WIDE_64_ROWS = LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+_FLOAT32 = LinearConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+_INTERPRETED = LinearConfig(block_m=64, block_n=64, block_k=64)
 
-    64 x 64 tiles with 64-deep K steps on 4 warps: Hopper tensor-core instructions (64-row
-    warpgroup MMAs), enough programs for a decode step of an 8B model's narrowest
-    projection (4096 / 64 = 64 column tiles x row tiles), and reuse enough for prefill.
-    float32 (exact CUDA-core dots) uses 32-deep steps to keep tiles in registers.
-    """
+
+def linear_tilings(dtype: torch.dtype) -> tuple[LinearConfig, ...]:
+    """Every tiling `pick_linear_config` may choose for `dtype` (they must agree bit for
+    bit; the GPU tests compare them)."""
     if dtype == torch.float32:
-        return LinearConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
-    return LinearConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4)
+        return (_FLOAT32,)
+    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS,)
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The tiling for `m` rows of weights [n, k] in `dtype` (see the module docstring for
+    why m may choose it)."""
+    if dtype == torch.float32:
+        return _FLOAT32
+    for max_rows, config in _TILINGS_16BIT:
+        if max_rows is None or m <= max_rows:
+            if config.block_m == 64 and n >= 16384:
+                return _WIDE_64_ROWS  # wide projections: fewer, wider programs
+            return config
+    raise AssertionError("the last tiling serves any number of rows")
 
 
 @triton.jit
@@ -116,9 +144,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     weight: [out_features, in_features] (the same); bias: [out_features] or None; one
     float dtype. Returns out [num_tokens, out_features] in that dtype: float32
     accumulation over K in a fixed order, the bias added in float32, rounded once.
-    config: tiling override (tests, benchmarks); None: `pick_linear_config`, which depends
-    on the weight only. Runs asynchronously on the current stream. Raises ValueError on a
-    wrong device, dtype, shape or stride.
+    config: tiling override (tests, benchmarks); None: `pick_linear_config` (one tiling for
+    every M under Triton's interpreter, whose numpy dots round by tile shape). Runs
+    asynchronously on the current stream. Raises ValueError on a wrong device, dtype, shape
+    or stride.
     """
     if not (x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
             and x.dtype in _checks.FLOAT_DTYPES and weight.dtype == x.dtype
@@ -133,7 +162,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if num_tokens == 0 or n == 0:
         return out
     if config is None:
-        config = pick_linear_config(n, k, x.dtype)
+        config = (_INTERPRETED if _checks.interpreting()
+                  else pick_linear_config(num_tokens, n, k, x.dtype))
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _checks.interpreting())
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))

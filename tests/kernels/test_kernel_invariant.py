@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from kvtier.kernels import invariant_attention, invariant_linear, reference
 from kvtier.kernels.invariant_attention import pick_invariant_config
-from kvtier.kernels.invariant_linear import LinearConfig
+from kvtier.kernels.invariant_linear import LinearConfig, linear_tilings
 
 from tests.kernels.kernel_cases import TOLERANCES, needs_interpreter, requires_cuda
 
@@ -153,7 +153,7 @@ def test_invariant_linear_rejects_bad_input() -> None:
 def test_invariant_attention_matches_reference_and_keeps_rows_apart(dtype: torch.dtype) -> None:
     seqs = Sequences(3, 150, num_kv_heads=2, group=2, head_dim=16, block_size=16, dtype=dtype,
                      device="cpu")
-    block_q = pick_invariant_config(2, 16, dtype).block_q
+    block_q = pick_invariant_config(2, 16, dtype, 150).block_q
     whole = seqs.attend(invariant_attention, [(0, 0, 150)], split_len=64)
     plain = seqs.attend(reference.paged_attention, [(0, 0, 150)])
     for key, row in whole.items():
@@ -201,6 +201,22 @@ def test_gpu_invariant_linear_rows_are_the_same_bits_at_any_row_count(
                                atol=3e-2, rtol=3e-2)
     linear_rows_equal(invariant_linear, x, weight, None,
                       [(0, 1), (5, 6), (3, 11), (7, 71), (100, 164), (13, 2100), (1, 2049)])
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_every_linear_tiling_gives_the_same_bits(dtype: torch.dtype) -> None:
+    # pick_linear_config chooses the tiling by the number of rows: on this GPU every
+    # tiling it may choose must round every element alike.
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn((300, 4096), generator=gen, device="cuda").to(dtype)
+    weight = (torch.randn((1000, 4096), generator=gen, device="cuda") * 0.02).to(dtype)
+    bias = torch.randn(1000, generator=gen, device="cuda").to(dtype)
+    tilings = linear_tilings(dtype)
+    first = invariant_linear(x, weight, bias, config=tilings[0])
+    for config in tilings[1:]:
+        assert torch.equal(invariant_linear(x, weight, bias, config=config), first), config
 
 
 @pytest.mark.gpu
