@@ -6,11 +6,12 @@ request's keys into `num_splits` ranges whose length follows its seq_len: a toke
 then depends on its neighbours. Here the keys of every row are cut at fixed absolute
 positions into splits of SPLIT_LEN keys, each split is reduced in tiles of TILE_N keys with
 the online softmax (`paged_attention._attend_tile`), and the splits' normalised outputs and
-log2-sum-exps are merged one after the other in split order (`_merge_split`). The key tile is
-fixed (its boundaries are where the online softmax rescales); the query tile follows the
-step (16 score rows for decodes, 128 for prefill chunks), which changes no row's bits on the
-GPU: a row's dots are the same 16-deep tensor-core chains whatever the tile's height (the
-GPU tests compare decode rows with prefill rows bit for bit).
+log2-sum-exps are merged one after the other in split order (`_merge_split`). The tiling is
+one per model (head counts, head dim, dtype), never the step's: unlike the matrix products'
+(`invariant_linear`), a query tile's height changes a row's bits on the GPU (16-row decode
+tiles against 128-row prefill tiles disagreed on an H200, most likely because the softmax's
+row sums are reduced in the order of the tile's register layout). Decodes therefore run the same
+64-row tile as prefill chunks, which costs them compute (see docs/DETERMINISM.md).
 
 Two launch shapes give the same bits: a program that walks all the splits of its rows and
 merges them in registers (prefill: enough programs already), or `num_split_programs`
@@ -57,29 +58,15 @@ class InvariantAttentionConfig:
             raise ValueError(f"block_q must be a power of two, got {self.block_q}")
 
 
-#: Keys per inner step in every tiling (a row's rescaling points).
-TILE_N = 64
-
-
-@functools.lru_cache(maxsize=256)
-def pick_invariant_config(group: int, head_dim: int, dtype: torch.dtype,
-                          max_query_len: int) -> InvariantAttentionConfig:
-    """The tiling of a step: 16 score rows (query tokens x the GQA group) when every request
-    has at most that many query rows (decodes), else 128 rows on 3 stages; 64-key tiles
-    always. float32 (exact CUDA-core dots, whose order may follow the thread layout), wide
-    heads and Triton's interpreter (numpy dots round by tile shape) keep one 16- or 64-row
-    tiling for every step."""
+@functools.lru_cache(maxsize=64)
+def pick_invariant_config(group: int, head_dim: int,
+                          dtype: torch.dtype) -> InvariantAttentionConfig:
+    """The one tiling for a model, whatever the step: 64 score rows (query tokens x the GQA
+    group) and 64-key tiles on 4 warps; float32 (CUDA-core dots) and wide heads take 16
+    rows to stay in registers."""
     group_pad = triton.next_power_of_2(group)
-    if dtype == torch.float32 or head_dim > 128:
-        return InvariantAttentionConfig(block_q=max(1, 16 // group_pad), tile_n=TILE_N)
-    if _checks.interpreting():
-        return InvariantAttentionConfig(block_q=max(1, 64 // group_pad), tile_n=TILE_N)
-    decode_q = max(1, 16 // group_pad)
-    if max_query_len <= decode_q:
-        return InvariantAttentionConfig(block_q=decode_q, tile_n=TILE_N, num_warps=4,
-                                        num_stages=2)
-    return InvariantAttentionConfig(block_q=max(1, 128 // group_pad), tile_n=TILE_N,
-                                    num_warps=4, num_stages=3)
+    rows = 16 if dtype == torch.float32 or head_dim > 128 else 64
+    return InvariantAttentionConfig(block_q=max(1, rows // group_pad), tile_n=64)
 
 
 @triton.jit
@@ -259,7 +246,7 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    config = pick_invariant_config(group, head_dim, query.dtype, max_query_len)
+    config = pick_invariant_config(group, head_dim, query.dtype)
     if split_len % config.tile_n:
         raise ValueError(f"split_len={split_len} must be a multiple of the {config.tile_n}-key "
                          "tile")

@@ -153,7 +153,7 @@ def test_invariant_linear_rejects_bad_input() -> None:
 def test_invariant_attention_matches_reference_and_keeps_rows_apart(dtype: torch.dtype) -> None:
     seqs = Sequences(3, 150, num_kv_heads=2, group=2, head_dim=16, block_size=16, dtype=dtype,
                      device="cpu")
-    block_q = pick_invariant_config(2, 16, dtype, 150).block_q
+    block_q = pick_invariant_config(2, 16, dtype).block_q
     whole = seqs.attend(invariant_attention, [(0, 0, 150)], split_len=64)
     plain = seqs.attend(reference.paged_attention, [(0, 0, 150)])
     for key, row in whole.items():
