@@ -134,3 +134,17 @@ def test_default_mode_is_unchanged_by_the_switch(tiny: LoadedModel) -> None:
     again, _ = run(tiny, [prompts], deterministic=False)
     assert_same_logits(first, again)
     assert not tiny.model.deterministic
+
+
+def test_the_mode_is_set_by_keyword_variable_or_file(tmp_path: Path) -> None:
+    from kvtier.engine.config_sources import load_engine_config
+
+    assert not load_engine_config({}, environ={}).deterministic
+    assert load_engine_config({}, environ={"KVTIER_DETERMINISTIC": "1"}).deterministic
+    assert not load_engine_config({"deterministic": False},
+                                  environ={"KVTIER_DETERMINISTIC": "true"}).deterministic
+    settings = tmp_path / "kvtier.yaml"
+    settings.write_text("deterministic: true\n")
+    assert load_engine_config({}, settings, environ={}).deterministic
+    with pytest.raises(ValueError, match="deterministic"):
+        load_engine_config({}, environ={"KVTIER_DETERMINISTIC": "sometimes"})
