@@ -110,19 +110,40 @@ def test_prefix_restored_from_host_or_computed_gives_the_same_tokens(tiny: Loade
     assert warm_out[-1].outputs[0].token_ids == cold_out[-1].outputs[0].token_ids
 
 
-def test_prefix_restored_from_disk_gives_the_same_tokens(tiny: LoadedModel,
-                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("budget", [8, 512])
+def test_prefix_restored_from_disk_gives_the_same_tokens(tiny: LoadedModel, tmp_path: Path,
+                                                         budget: int) -> None:
     # A first engine writes its blocks through to disk (closing flushes them); a second
-    # engine restores the shared document from that disk, its compute front starting at the
-    # head, and then the same prompt again with the prefix on its GPU.
+    # engine restores the shared document from that disk while its compute front runs from
+    # the head (in chunks of `budget` tokens), then the same prompt again with the prefix
+    # on its GPU.
     prompts = prompts_of([64, 72], seed=4, shared=48)
     cold, _ = run(tiny, [[p] for p in prompts], gpu_blocks=400)
     disk = {"host_cache": True, "disk_cache": True, "disk_cache_dir": tmp_path / "kv",
-            "restore_min_saving_s": 0.0, "gpu_blocks": 400}
+            "restore_min_saving_s": 0.0, "gpu_blocks": 400, "max_num_batched_tokens": budget}
     run(tiny, [[prompts[0]]], **disk)
     warm, outputs = run(tiny, [[prompts[1]], [prompts[1]]], **disk)
     assert outputs[0].metrics.cached_tokens_disk > 0, "nothing came from the disk"
     assert outputs[1].metrics.cached_tokens_gpu > 0
+    assert_same_logits(cold, warm)
+
+
+def test_prefix_restored_from_the_remote_tier_gives_the_same_tokens(
+        tiny: LoadedModel, tmp_path: Path, redis_server) -> None:
+    # Engine A computes a prompt and writes its blocks to Redis (closing flushes them);
+    # engine B, with empty GPU and host tiers and no disk, takes the shared document from
+    # Redis while it computes the rest.
+    from kvtier.remote_config import RemoteConfig
+
+    if tiny.model.attn_backend != "torch":
+        pytest.skip("the remote tier's test server runs beside the CPU tests")
+    prompts = prompts_of([64, 72], seed=7, shared=48)
+    cold, _ = run(tiny, [[p] for p in prompts], gpu_blocks=400)
+    shared = {"host_cache": True, "restore_min_saving_s": 0.0, "gpu_blocks": 400,
+              "remote_cache": RemoteConfig(redis_server.url, key_prefix=f"det{id(tmp_path)}")}
+    run(tiny, [[prompts[0]]], **shared)
+    warm, outputs = run(tiny, [[prompts[1]]], **shared)
+    assert outputs[0].metrics.cached_tokens_remote > 0, "nothing came from the remote tier"
     assert_same_logits(cold, warm)
 
 
