@@ -103,7 +103,8 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
                    host_cache_gb: float | None, no_host_cache: bool,
                    disk_cache: Path | None, no_disk_cache: bool, disk_cache_gb: float | None,
                    hash_algorithm: str | None, cache_salt: str | None,
-                   attn_backend: str | None, remote_cache: str | None) -> dict[str, Any]:
+                   attn_backend: str | None, remote_cache: str | None,
+                   deterministic: bool = False) -> dict[str, Any]:
     """`LLM` keyword arguments from the model and cache options of `generate` (which
     `kvtier serve` shares under the same names); options left None come from the config
     file, the environment or the defaults. Raises ValueError for a bad or contradictory
@@ -119,7 +120,7 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
         "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
         "disk_cache_gb": disk_cache_gb, "hash_algorithm": hash_algorithm,
         "cache_salt": cache_salt, "attn_backend": attn_backend,
-        "remote_cache": remote_cache}
+        "remote_cache": remote_cache, "deterministic": True if deterministic else None}
     settings = load_engine_config(options, config)  # reject bad settings before loading
     resolve_device(settings.device)
     return {"config": config, **options}
@@ -184,6 +185,9 @@ def generate(
     attn_backend: AttnBackend | None = typer.Option(None, "--attn-backend",
                                                     help="[default: auto]"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    deterministic: bool = typer.Option(
+        False, "--deterministic", help="Batch-invariant kernels: the same logits, bit for "
+        "bit, whatever the batch, chunking or cache tier (also KVTIER_DETERMINISTIC=1)."),
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Shared remote tier below the disk: a Redis URL "
         "(redis://host:port/0, rediss://..., redis+cluster://host:port)."),
@@ -203,7 +207,7 @@ def generate(
         max_num_batched_tokens=max_num_batched_tokens, host_cache_gb=host_cache_gb,
         no_host_cache=no_host_cache, disk_cache=disk_cache, no_disk_cache=no_disk_cache,
         disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm, cache_salt=cache_salt,
-        attn_backend=attn_backend, remote_cache=remote_cache)
+        attn_backend=attn_backend, remote_cache=remote_cache, deterministic=deterministic)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -156,6 +156,20 @@ def _backend_functions(backend: str) -> tuple[Callable[..., None], Attend]:
     raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTN_BACKENDS}")
 
 
+def _invariant_attend(backend: str) -> Attend:
+    """attend() of the deterministic mode: `invariant_attention`, whose every query row is
+    the same bits whatever its batch and chunk (the Triton kernel on the GPU backends, its
+    torch version for "torch"). It reads all keys through the paged cache, so cached and
+    newly stored keys are reduced alike."""
+    if backend == "torch":
+        reference = importlib.import_module("kvtier.kernels.reference")
+        return _attend_with(reference.invariant_attention)
+    if backend not in ATTN_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTN_BACKENDS}")
+    invariant = importlib.import_module("kvtier.kernels.invariant_attention")
+    return _attend_with(invariant.invariant_attention)
+
+
 class PagedAttention(nn.Module):
     """Store new K/V into the paged cache, then attend causally over it (no weights).
 
@@ -176,6 +190,13 @@ class PagedAttention(nn.Module):
         self.backend = backend
         self.softmax_scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
         self._store_kv, self._attend = _backend_functions(backend)
+        self.deterministic = False
+
+    def set_deterministic(self, on: bool) -> None:
+        """Attend through the batch-invariant kernel (on) or the backend's own (off)."""
+        self._attend = (_invariant_attend(self.backend) if on
+                        else _backend_functions(self.backend)[1])
+        self.deterministic = on
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -192,4 +213,5 @@ class PagedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend!r}")
+                f"head_dim={self.head_dim}, backend={self.backend!r}, "
+                f"deterministic={self.deterministic}")

@@ -70,6 +70,10 @@ class EngineConfig(CheckedModel):
         chunks as decode rows (used only on CUDA with the triton or cudnn attention backend;
         ignored elsewhere).
     warmup: compile every kernel and time one prefill at start (CUDA).
+    deterministic: every token's logits the same bits whatever its batch, its prompt's
+        chunking and the tier its prefix came from (batch-invariant matrix products and
+        attention; see docs/DETERMINISM.md for what it costs); off: the fastest kernels,
+        token-identical across tiers in float32 only.
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
         expected to save over computing it (at the measured rates) before those tiers are
         asked at all; 0 asks them for every prefix.
@@ -110,6 +114,9 @@ class EngineConfig(CheckedModel):
         0, description="default sampling seed, >= 0; None: nondeterministic")
     cuda_graphs: bool = Field(True, description="replay CUDA graphs for small steps")
     warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
+    deterministic: bool = Field(
+        False, description="batch- and chunk-invariant kernels: bit-identical logits across "
+        "batches, chunk sizes and tiers, in bf16 too")
     restore_min_saving_s: float = Field(
         MIN_SAVING_S, ge=0, description="seconds reading a prefix from the disk or remote "
         "tier must be expected to save over computing it before they are asked; 0: always")

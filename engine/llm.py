@@ -87,7 +87,8 @@ class LLM:
                  cache_salt: str | None = None, attn_backend: str | None = None,
                  seed: int | None = None, cuda_graphs: bool | None = None,
                  warmup: bool | None = None, restore_min_saving_s: float | None = None,
-                 remote_cache: str | RemoteConfig | None = None) -> None:
+                 remote_cache: str | RemoteConfig | None = None,
+                 deterministic: bool | None = None) -> None:
         explicit = dict(
             model=model if isinstance(model, str) else None,
             device=str(device) if isinstance(device, torch.device) else device,
@@ -99,7 +100,8 @@ class LLM:
             disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
             hash_algorithm=hash_algorithm, cache_salt=cache_salt, attn_backend=attn_backend,
             seed=seed, cuda_graphs=cuda_graphs, warmup=warmup,
-            restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache)
+            restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache,
+            deterministic=deterministic)
         self.config = cfg = load_engine_config(explicit, config)
         block_size = cfg.block_size
         if cfg.warmup and torch.cuda.is_available():
@@ -110,6 +112,8 @@ class LLM:
         else:
             self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
             backend = select_backend(self.device, block_size, cfg.attn_backend)
+            if cfg.deterministic and backend in ("cudnn", "flash"):
+                backend = "triton"  # the mode attends through its own Triton kernel anyway
             loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -126,7 +130,8 @@ class LLM:
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    min_restore_saving_s=cfg.restore_min_saving_s)
-        self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
+        self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
+                                  deterministic=cfg.deterministic)
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
             self.max_model_len)

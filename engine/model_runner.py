@@ -45,11 +45,16 @@ class ModelRunner:
     `sample_fn(logits [n, vocab] float32, requests) -> [n]` token ids picks the next tokens.
     zero_started_blocks: zero each block before a step first writes it (see
     `_zero_started_blocks`); None: when the model's attention backend is "cudnn".
+    deterministic: run the model's batch-invariant kernels (`set_deterministic`); the mode
+    is set again before every step, so engines of either mode can share one model.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                 sample_fn, zero_started_blocks: bool | None = None) -> None:
+                 sample_fn, zero_started_blocks: bool | None = None,
+                 deterministic: bool = False) -> None:
         self.model = model
+        self.deterministic = deterministic
+        self._apply_mode()
         self.kv_cache = kv_cache  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = kv_cache.device
@@ -64,6 +69,10 @@ class ModelRunner:
         #: Pinned buffer the sampled ids are stored into, and the event that says they are.
         self._host_ids: torch.Tensor | None = None
         self._ids_stored = torch.cuda.Event() if self.device.type == "cuda" else None
+
+    def _apply_mode(self) -> None:
+        if getattr(self.model, "deterministic", False) != self.deterministic:
+            self.model.set_deterministic(self.deterministic)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> DecodeGraphs:
         """Record decode graphs for up to `max_num_seqs` rows and sequences up to
@@ -147,6 +156,7 @@ class ModelRunner:
 
         while_waiting: host work to do once the step is queued on the GPU, before waiting
         for its sampled ids (it runs only when the step samples)."""
+        self._apply_mode()
         if self._zero_started:
             self._zero_started_blocks(scheduled)
         if self.graphs is not None and self.graphs.can_run(scheduled):

@@ -11,6 +11,8 @@ from kvtier.kernels.copy_blocks import copy_blocks
 from kvtier.kernels.flash_backend import flash_available
 from kvtier.kernels.flash_backend import paged_attention as flash_paged_attention
 from kvtier.kernels.host_store import load_from_host, store_to_host
+from kvtier.kernels.invariant_attention import invariant_attention
+from kvtier.kernels.invariant_linear import invariant_linear
 from kvtier.kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
 from kvtier.kernels.paged_attention import paged_attention
 from kvtier.kernels.paged_decode import AttentionConfig
@@ -23,6 +25,8 @@ __all__ = [
     "copy_blocks",
     "flash_available",
     "flash_paged_attention",
+    "invariant_attention",
+    "invariant_linear",
     "load_from_host",
     "paged_attention",
     "reference",

@@ -205,3 +205,106 @@ def rotary_embedding_(query: torch.Tensor, key: torch.Tensor, positions: torch.T
         x32 = x.to(torch.float32)
         x1, x2 = x32[..., :half], x32[..., half:]
         x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+#: Rows per product of `invariant_linear`: every call multiplies blocks of exactly this many.
+INVARIANT_ROWS = 16
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` whose every row is the same bits whatever the rows.
+
+    x: [num_tokens, in_features]; weight: [out_features, in_features]; bias or None.
+    CPU matrix products change algorithm with the number of rows (float32 rows differ
+    between 1 and 3 rows on x86), so the rows go through products of exactly
+    INVARIANT_ROWS rows each, the last block padded with zeros. Returns
+    [num_tokens, out_features] in x's dtype.
+    """
+    num_tokens, in_features = x.shape
+    rows = INVARIANT_ROWS
+    padded = x.new_zeros((-(-num_tokens // rows) * rows, in_features))
+    padded[:num_tokens] = x
+    out = [F.linear(padded[i:i + rows], weight, bias) for i in range(0, num_tokens, rows)]
+    if not out:
+        return x.new_empty((0, weight.shape[0]))
+    return torch.cat(out)[:num_tokens]
+
+
+def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
+                        softmax_scale: float, out: torch.Tensor | None = None,
+                        split_len: int = 512) -> torch.Tensor:
+    """Causal paged attention whose every query row is the same bits whatever its batch,
+    its chunk, and which keys were cached (the CPU path of the deterministic mode).
+
+    Arguments as `paged_attention`. Keys are cut at fixed absolute positions into splits of
+    `split_len`; each split is one fixed-shape product per block of INVARIANT_ROWS query
+    tokens (keys past a row's position masked, the split padded with zeros), a softmax over
+    exactly `split_len` scores, and the splits are merged in order. float32 throughout,
+    cast to out's dtype once.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of "
+                         f"num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    rows = INVARIANT_ROWS
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_start, q_len = starts[r], starts[r + 1] - starts[r]
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"request {r}: q_len={q_len} exceeds seq_len={seq_len}")
+        num_chunks = -(-q_len // rows)
+        q = query.new_zeros((num_chunks * rows, num_heads, head_dim), dtype=torch.float32)
+        q[:q_len] = query[q_start:q_start + q_len].float()
+        # [chunks * kv_heads, rows * group, head_dim]: a chunk's queries of one kv head.
+        q = q.view(num_chunks, rows, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+        q = q.reshape(num_chunks * num_kv_heads, rows * group, head_dim) * softmax_scale
+        positions = seq_len - q_len + torch.arange(num_chunks * rows, device=query.device)
+        q_pos = positions.view(num_chunks, 1, rows, 1).expand(
+            num_chunks, num_kv_heads, rows, group).reshape(num_chunks * num_kv_heads, -1, 1)
+        num_splits = -(-seq_len // split_len)
+        k_all = torch.zeros((num_splits * split_len, num_kv_heads, head_dim),
+                            dtype=torch.float32, device=query.device)
+        v_all = torch.zeros_like(k_all)
+        k_all[:seq_len] = _gather_kv(k_cache, block_tables[r], seq_len).float()
+        v_all[:seq_len] = _gather_kv(v_cache, block_tables[r], seq_len).float()
+        batch = num_chunks * num_kv_heads
+        m_run = torch.full((batch, rows * group, 1), float("-inf"), device=query.device)
+        total = torch.zeros_like(m_run)
+        merged = torch.zeros_like(q)
+        for split in range(num_splits):
+            keys = slice(split * split_len, (split + 1) * split_len)
+            k = k_all[keys].permute(1, 2, 0)  # [kv_heads, head_dim, split_len]
+            v = v_all[keys].permute(1, 0, 2)  # [kv_heads, split_len, head_dim]
+            k = k.unsqueeze(0).expand(num_chunks, -1, -1, -1).reshape(batch, head_dim, -1)
+            v = v.unsqueeze(0).expand(num_chunks, -1, -1, -1).reshape(batch, -1, head_dim)
+            key_pos = torch.arange(keys.start, keys.stop, device=query.device)
+            visible = key_pos.view(1, 1, -1) <= q_pos  # [batch, rows * group, split_len]
+            scores = torch.bmm(q, k).masked_fill(~visible, float("-inf"))
+            m = scores.amax(-1, keepdim=True)
+            seen = m > float("-inf")
+            m_safe = torch.where(seen, m, torch.zeros_like(m))
+            p = torch.exp(scores - m_safe)
+            l_split = p.sum(-1, keepdim=True)
+            part = torch.bmm(p, v) / torch.where(seen, l_split, torch.ones_like(l_split))
+            lse = torch.where(seen, m_safe + torch.log(l_split), m)
+            m_new = torch.maximum(m_run, lse)
+            m_new_safe = torch.where(m_new > float("-inf"), m_new, torch.zeros_like(m_new))
+            alpha = torch.exp(m_run - m_new_safe)
+            weight = torch.exp(lse - m_new_safe)
+            merged = merged * alpha + part * weight
+            total = total * alpha + weight
+            m_run = m_new
+        result = merged / torch.where(total > 0, total, torch.ones_like(total))
+        result = result.view(num_chunks, num_kv_heads, rows, group, head_dim).permute(
+            0, 2, 1, 3, 4).reshape(num_chunks * rows, num_heads, head_dim)
+        out[q_start:q_start + q_len] = result[:q_len].to(out.dtype)
+    return out

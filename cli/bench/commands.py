@@ -30,6 +30,8 @@ from kvtier.kernels import SWAP_METHODS
 from rich.console import Console
 
 _JSON_HELP = "Print the result as one JSON object instead of a table."
+_DETERMINISTIC_HELP = ("Also run every mode with the deterministic (batch-invariant) "
+                       "kernels: outputs equal to the baseline per mode, and the cost.")
 
 
 def _parse_names(text: str, known: tuple[str, ...], option: str) -> tuple[str, ...]:
@@ -104,6 +106,7 @@ def longctx(
     attn_backend: str = typer.Option("auto", "--attn-backend", help="auto, torch, triton, "
                                      "cudnn or flash."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+    deterministic: bool = typer.Option(False, "--deterministic", help=_DETERMINISTIC_HELP),
 ) -> None:
     """TTFT of long prompts whose KV is recomputed vs restored from the host or disk tier."""
     lengths = _parse_ints(doc_tokens, "--doc-tokens")
@@ -116,7 +119,7 @@ def longctx(
                            strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
                            compare_hf=compare_hf,
-                           cold=cold, attn_backend=attn_backend)
+                           cold=cold, attn_backend=attn_backend, deterministic=deterministic)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
             config, lengths, update))
@@ -176,6 +179,7 @@ def serve(
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
         "(a fresh key prefix per engine)."),
+    deterministic: bool = typer.Option(False, "--deterministic", help=_DETERMINISTIC_HELP),
 ) -> None:
     """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk
     (or, with --url, against a running server)."""
@@ -201,7 +205,7 @@ def serve(
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
                          repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache,
-                         attn_backend=attn_backend)
+                         attn_backend=attn_backend, deterministic=deterministic)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

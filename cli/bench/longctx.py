@@ -27,6 +27,9 @@ then warm, and the result says so).
 The engine's stats are sampled after every step (tier occupancy, bytes moved per direction,
 the restore fronts), which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy
 and its ratio to recompute are the headline; every strategy must generate the same tokens (greedy).
+With `deterministic`, every strategy runs again in the deterministic mode (batch-invariant
+kernels): the result says per mode how many round-two requests generated recompute's tokens,
+and the deterministic mode's TTFT beside the default's (`deterministic_cost`).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class LongctxConfig:
     compare_hf: bool = False
     cold: bool = False
     attn_backend: str = "auto"
+    deterministic: bool = False  # also run every strategy in the deterministic mode
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -164,7 +168,7 @@ def make_documents(config: LongctxConfig, vocab_size: int) -> tuple[list[list[in
 
 
 def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
-                    disk_dir: Path) -> dict[str, Any]:
+                    disk_dir: Path, deterministic: bool = False) -> dict[str, Any]:
     # Room for every request's blocks in the host tier (and on disk), plus a quarter: at 32K
     # tokens of an 8B model a document is 4 GiB, so the slack is kept small.
     tier_bytes = (5 * config.num_docs * config.request_blocks // 4 + 4) * layout.bytes_per_block
@@ -174,7 +178,8 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
                                "host_cache": strategy != "recompute",
                                "host_cache_gb": tier_bytes / GIB,
                                "disk_cache": strategy == "disk",
-                               "disk_cache_gb": tier_bytes / GIB}
+                               "disk_cache_gb": tier_bytes / GIB,
+                               "deterministic": deterministic}
     if strategy == "disk":
         options["disk_cache_dir"] = disk_dir
     return options
@@ -182,10 +187,11 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
 
 def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                   docs: list[list[int]], first: list[list[int]], second: list[list[int]],
-                  disk_dir: Path, progress: Progress) -> dict[str, Any]:
+                  disk_dir: Path, progress: Progress,
+                  deterministic: bool = False) -> dict[str, Any]:
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
-    options = _engine_options(strategy, config, layout, disk_dir)
+    options = _engine_options(strategy, config, layout, disk_dir, deterministic)
     recorder = StepRecorder()
     outputs: dict[str, list[RequestOutput]] = {}
     cold: bool | None = None  # whether every round-two request followed a dropped page cache
@@ -334,6 +340,15 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
                                                  disk_dir, report)
             if strategy == "disk":
                 disk_read = _measure_disk(loaded, config, disk_dir, report)
+    deterministic: dict[str, dict[str, Any]] | None = None
+    if config.deterministic:
+        deterministic = {}
+        with tempfile.TemporaryDirectory(prefix="kvtier-longctx-",
+                                         dir=config.disk_dir) as scratch:
+            for strategy in config.strategies:
+                deterministic[strategy] = _run_strategy(
+                    strategy, loaded, config, docs, first, second, Path(scratch) / "kv",
+                    lambda m: report(f"deterministic mode: {m}"), deterministic=True)
     baseline = strategies["recompute"]["ttft_s"]["p50"]
     for result in strategies.values():
         result["speedup_vs_recompute"] = baseline / result["ttft_s"]["p50"]
@@ -382,7 +397,34 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
         "disk_read": disk_read,
         "outputs_identical": all(result["token_ids"] == reference
                                  for result in strategies.values()),
+        "equal_to_baseline": _equal_requests(strategies),
+        **(_deterministic_report(strategies, deterministic) if deterministic else {}),
         "transformers": transformers,
+    }
+
+
+def _equal_requests(strategies: dict[str, dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per strategy: round-two requests that generated recompute's tokens."""
+    reference = strategies["recompute"]["token_ids"]["round2"]
+    return {name: {"identical": sum(a == b for a, b in zip(s["token_ids"]["round2"],
+                                                           reference)),
+                   "of": len(reference)}
+            for name, s in strategies.items()}
+
+
+def _deterministic_report(default: dict[str, dict[str, Any]],
+                          deterministic: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The deterministic mode's strategies (without their timelines), their requests equal
+    to its recompute, and its round-two TTFT p50 over the default mode's per strategy."""
+    for result in deterministic.values():
+        result.pop("timeline")
+    return {
+        "deterministic_strategies": deterministic,
+        "deterministic_equal_to_baseline": _equal_requests(deterministic),
+        "deterministic_cost_columns": ("TTFT p50",),
+        "deterministic_cost": {name: {"ttft_p50": deterministic[name]["ttft_s"]["p50"]
+                                      / default[name]["ttft_s"]["p50"]}
+                               for name in default},
     }
 
 

@@ -9,6 +9,11 @@ contexts: finished histories are evicted from the GPU, and a tier brings them ba
 conversation returns. Token ids are seeded random; sampling is greedy with a fixed answer
 length, so every mode must produce the same conversations.
 
+With `deterministic`, every mode also runs in the deterministic mode (batch-invariant
+kernels, `EngineConfig.deterministic`): the result says, per numerics and mode, how many
+conversations came out identical to the tiers-off ones, and the deterministic mode's
+throughput beside the default's (`deterministic_cost`).
+
 With `compare_hf`, the same loaded model also runs through transformers' `generate()` (the
 weights are shared, not copied): prefill tokens/s and decode tokens/s at batch 1 and batch
 `hf_batch`, for the engine (tiers off) and for transformers, reported with their ratios.
@@ -73,6 +78,7 @@ class ServeConfig:
     seed: int = 0
     remote_cache: str | None = None  # a Redis URL: the tiered modes also get a remote tier
     attn_backend: str = "auto"
+    deterministic: bool = False  # also run every mode in the deterministic mode
 
     def __post_init__(self) -> None:
         check_attn_backend(self.attn_backend)
@@ -150,6 +156,48 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
         options["remote_cache"] = RemoteConfig(config.remote_cache,
                                                key_prefix=f"bench-serve-{time.time_ns()}")
     return options
+
+
+def _equal_to_baseline(runs: dict[str, list[dict[str, Any]]], baseline: str,
+                       ) -> dict[str, dict[str, int]]:
+    """Per mode: conversations whose every answer equals the baseline mode's (first run)."""
+    reference = runs[baseline][0]["histories"]
+    return {mode: {"identical": sum(a == b for a, b in zip(mode_runs[0]["histories"],
+                                                             reference)),
+                   "of": len(reference)}
+            for mode, mode_runs in runs.items()}
+
+
+def _play_modes(loaded: LoadedModel, config: ServeConfig, system: list[int],
+                questions: list[list[list[int]]], bytes_per_block: int, deterministic: bool,
+                report: Progress) -> dict[str, list[dict[str, Any]]]:
+    """Every mode's runs (after one untimed warm-up pass of the first mode)."""
+    weight = next(loaded.model.parameters())
+    numerics = "deterministic" if deterministic else "default"
+    # One-time costs (kernel compilation for every batch shape, allocator growth) must not
+    # land on the first mode: play the whole workload once, untimed, with its options.
+    report(f"warming up ({numerics} kernels)")
+    with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
+        options = _tier_options(config.modes[0], config, bytes_per_block)
+        with LLM(loaded, disk_cache_dir=scratch, deterministic=deterministic,
+                 **options) as llm:
+            _run_mode(llm, config, system, questions)
+        del llm
+        free_engine_memory(weight.device)
+    # Runs go round the modes, so that a drift of the machine touches every mode alike.
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in config.modes}
+    for run in range(config.runs):
+        for mode in config.modes:
+            report(f"run {run + 1}/{config.runs}, mode {mode} ({numerics}): "
+                   f"{config.num_conversations} conversations x {config.num_rounds} rounds")
+            with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
+                options = _tier_options(mode, config, bytes_per_block)
+                with LLM(loaded, disk_cache_dir=scratch, deterministic=deterministic,
+                         **options) as llm:
+                    runs[mode].append(_run_mode(llm, config, system, questions))
+                del llm
+                free_engine_memory(weight.device)
+    return runs
 
 
 def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
@@ -341,7 +389,10 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     `modes[name]` has throughput (generated tokens/s), TTFT and TPOT p50/p90/p99, where
     prompt tokens came from, bytes moved; `ratios_vs_baseline` compares each mode with the
     first one (`baseline`, normally the tiers off); `outputs_identical` says whether every
-    mode produced the same conversations.
+    mode produced the same conversations, `equal_to_baseline` how many per mode. With
+    `config.deterministic`, `deterministic_modes` and `deterministic_equal_to_baseline` are
+    the same for the deterministic mode, and `deterministic_cost[mode]` its throughput and
+    TPOT p50 over the default mode's.
     Raises ValueError for bad sizes and the loader's errors for a model it cannot load.
     """
     report = progress or (lambda message: None)
@@ -354,27 +405,16 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     weight = next(loaded.model.parameters())
     layout = loaded.config.kv_layout(config.block_size, weight.dtype)
     system, questions = make_conversations(config, loaded.config.vocab_size)
-    # One-time costs (kernel compilation for every batch shape, allocator growth) must not
-    # land on the first mode: play the whole workload once, untimed, with its options.
-    report("warming up")
-    with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
-        options = _tier_options(config.modes[0], config, layout.bytes_per_block)
-        with LLM(loaded, disk_cache_dir=scratch, **options) as llm:
-            _run_mode(llm, config, system, questions)
-        del llm
-        free_engine_memory(weight.device)
-    # Runs go round the modes, so that a drift of the machine touches every mode alike.
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in config.modes}
-    for run in range(config.runs):
-        for mode in config.modes:
-            report(f"run {run + 1}/{config.runs}, mode {mode}: {config.num_conversations} "
-                   f"conversations x {config.num_rounds} rounds")
-            with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
-                options = _tier_options(mode, config, layout.bytes_per_block)
-                with LLM(loaded, disk_cache_dir=scratch, **options) as llm:
-                    runs[mode].append(_run_mode(llm, config, system, questions))
-                del llm
-                free_engine_memory(weight.device)
+    runs = _play_modes(loaded, config, system, questions, layout.bytes_per_block, False, report)
+    equal = _equal_to_baseline(runs, config.modes[0])
+    det_runs = None
+    if config.deterministic:
+        det_runs = _play_modes(loaded, config, system, questions, layout.bytes_per_block,
+                               True, report)
+        det_equal = _equal_to_baseline(det_runs, config.modes[0])
+        for mode_runs in det_runs.values():
+            for r in mode_runs:
+                r.pop("histories")
     histories = [r.pop("histories") for mode_runs in runs.values() for r in mode_runs]
     modes = {mode: _median_run(mode_runs) for mode, mode_runs in runs.items()}
     baseline = modes[config.modes[0]]
@@ -394,7 +434,20 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
                    "ttft_p50": m["ttft_s"]["p50"] / baseline["ttft_s"]["p50"]}
             for name, m in modes.items()},
         "outputs_identical": all(h == histories[0] for h in histories),
+        "equal_to_baseline": equal,
     }
+    if det_runs is not None:
+        det_modes = {mode: _median_run(mode_runs) for mode, mode_runs in det_runs.items()}
+        result["deterministic_modes"] = det_modes
+        result["deterministic_equal_to_baseline"] = det_equal
+        result["deterministic_cost_columns"] = ("tok/s", "TPOT p50")
+        result["deterministic_cost"] = {
+            mode: {"throughput": det_modes[mode]["throughput_tok_s"]
+                   / modes[mode]["throughput_tok_s"],
+                   "tpot_p50": (det_modes[mode]["tpot_s"]["p50"] / modes[mode]["tpot_s"]["p50"]
+                                if modes[mode]["tpot_s"] and det_modes[mode]["tpot_s"]
+                                else None)}
+            for mode in config.modes}
     if config.compare_hf:
         result["hf_comparison"] = compare_with_hf(loaded, config, report)
     return result

@@ -44,6 +44,7 @@ def print_longctx(result: dict[str, Any]) -> None:
                        f"{ratio_words(headline[key])} first token (p50{goal})")
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"generated tokens across strategies: {verdict}")
+    print_numerics(result, "equal_to_baseline", "requests equal to")
     hf = result.get("transformers")
     if hf is not None:
         typer.echo(f"transformers' forward pass, same prompts and weights: TTFT p50 "
@@ -59,6 +60,23 @@ def ratio_words(speedup: float) -> str:
         return f"{speedup:.2f}x sooner"
     slowdown = 1 / speedup
     return f"{slowdown:.2f}x slower" if slowdown < 10 else f"{slowdown:.0f}x slower"
+
+
+def print_numerics(result: dict[str, Any], key: str, what: str) -> None:
+    """Per mode: outputs equal to the baseline's, in the default and (when it ran) the
+    deterministic mode, and the deterministic mode's cost beside the default."""
+    if "deterministic_cost" not in result:
+        return
+    baseline = result.get("baseline", "recompute")
+    default, det = result[key], result[f"deterministic_{key}"]
+    print_table(f"default vs deterministic mode: {what} {baseline}, and the deterministic "
+                "mode's cost (its figure / the default's)",
+                ("mode", "default", "deterministic", *result["deterministic_cost_columns"]),
+                [(name, f"{default[name]['identical']} of {default[name]['of']}",
+                  f"{det[name]['identical']} of {det[name]['of']}",
+                  *("-" if value is None else f"{value:.2f}x"
+                    for value in result["deterministic_cost"][name].values()))
+                 for name in default])
 
 
 def print_disk_read(result: dict[str, Any]) -> None:
@@ -140,6 +158,7 @@ def print_serve(result: dict[str, Any]) -> None:
                   mib(sum(m["bytes_moved"].values()))) for name, m in modes.items()])
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"conversations across modes: {verdict}")
+    print_numerics(result, "equal_to_baseline", "conversations equal to")
     if config["runs"] > 1:
         print_table(f"Every run (each mode above is its median run of {config['runs']})",
                     ("mode", "tok/s per run", "TTFT p99 per run (ms)"),

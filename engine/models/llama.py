@@ -18,7 +18,7 @@ to rounding of the attention's reduction order.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 
 import torch
@@ -36,6 +36,17 @@ def layer_ops(attn_backend: str) -> ModuleType:
     from: the fused Triton kernels for the GPU backends, their torch references for "torch"
     (the CPU path, which rounds exactly where transformers does)."""
     return kernels.reference if attn_backend == "torch" else kernels
+
+
+def linear_op(attn_backend: str, deterministic: bool) -> Callable[..., torch.Tensor]:
+    """The matrix product of the projections and the logits head: `F.linear` (cuBLAS or
+    CPU BLAS, whose per-row results depend on the number of rows), or in the deterministic
+    mode `invariant_linear` (the Triton kernel on the GPU backends, its fixed-block torch
+    version for "torch")."""
+    if not deterministic:
+        return F.linear
+    return (kernels.reference.invariant_linear if attn_backend == "torch"
+            else kernels.invariant_linear)
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +167,7 @@ class Attention(nn.Module):
                                    backend=attn_backend)
         self.qkv_weight: torch.Tensor | None = None  # [q_size + 2 * kv_size, hidden_size]
         self.qkv_bias: torch.Tensor | None = None
+        self.linear = linear_op(attn_backend, deterministic=False)
 
     def pack(self) -> None:
         """Pack q/k/v into `qkv_weight` (see `pack_linears`)."""
@@ -167,7 +179,7 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
+        qkv = self.linear(hidden, self.qkv_weight, self.qkv_bias)  # [num_tokens, q + 2 kv]
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -178,15 +190,18 @@ class Attention(nn.Module):
         self.ops.rotary_embedding_(q, k, positions, cos_sin_cache)  # in place
         k_cache, v_cache = layer_views(kv_cache, self.layer_idx)
         out = self.attn(q, k, v, k_cache, v_cache, attn_metadata)  # [num_tokens, heads, dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
+    def __init__(self, config: ModelConfig, ops: ModuleType,
+                 linear: Callable[..., torch.Tensor] = F.linear) -> None:
         super().__init__()
         self.ops = ops
+        self.linear = linear
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -198,8 +213,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate_up_weight is not None, "call pack_projections() after loading weights"
-        gate_up = F.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate_up = self.linear(x, self.gate_up_weight)  # [num_tokens, 2 * intermediate]
+        return self.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -257,12 +272,15 @@ class LlamaForCausalLM(nn.Module):
     """The causal LM over the paged cache; `attn_backend` as in `engine.attention`.
 
     With tied embeddings there is no `lm_head` module: logits use `model.embed_tokens`.
+    `deterministic` (see `set_deterministic`) starts off.
     """
 
     def __init__(self, config: ModelConfig, attn_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         self.attn_backend = attn_backend
+        self.deterministic = False
+        self.linear = linear_op(attn_backend, deterministic=False)
         self.model = LlamaModel(config, attn_backend)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
@@ -282,7 +300,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size] float32."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.linear(hidden, weight).float()
+
+    def set_deterministic(self, on: bool) -> None:
+        """Switch every matrix product and the attention to their batch-invariant kernels
+        (on) or back to the fastest ones (off). With it on, a token's hidden states and
+        logits are the same bits whatever the step it runs in: how many tokens share it,
+        how its prompt was chunked, which of its keys were restored from a tier. The
+        elementwise kernels (norms, rope, SiLU) work per row in both modes. Weights are
+        untouched; CUDA graphs recorded in one mode replay that mode's kernels."""
+        linear = linear_op(self.attn_backend, on)
+        self.linear = linear
+        for layer in self.model.layers:
+            layer.self_attn.linear = linear
+            layer.mlp.linear = linear
+            layer.self_attn.attn.set_deterministic(on)
+        self.deterministic = on
 
     @torch.no_grad()
     def pack_projections(self) -> None:

@@ -341,3 +341,21 @@ def test_ratios_read_as_people_say_them():
     assert ratio_words(3.2) == "3.20x sooner"
     assert ratio_words(1 / 11) == "11x slower"
     assert ratio_words(0.5) == "2.00x slower"
+
+
+def test_serve_and_longctx_report_both_numerics_with_deterministic(runner):
+    serve = runner.invoke(app, [*SERVE, "--modes", "off,host", "--dtype", "bfloat16",
+                                "--deterministic", "--json"])
+    assert serve.exit_code == 0, serve.output
+    report = json.loads(serve.stdout)
+    assert report["deterministic_equal_to_baseline"] == {
+        mode: {"identical": 4, "of": 4} for mode in ("off", "host")}
+    assert set(report["equal_to_baseline"]) == {"off", "host"}
+    for mode, cost in report["deterministic_cost"].items():
+        assert cost["throughput"] == pytest.approx(
+            report["deterministic_modes"][mode]["throughput_tok_s"]
+            / report["modes"][mode]["throughput_tok_s"])
+    longctx = runner.invoke(app, [*LONGCTX, "--num-docs", "2", "--deterministic"])
+    assert longctx.exit_code == 0, longctx.output
+    assert "default vs deterministic mode: requests equal to recompute" in longctx.stdout
+    assert "2 of 2" in longctx.stdout

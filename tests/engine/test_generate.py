@@ -133,6 +133,20 @@ def test_tiny_models_match_transformers_with_a_small_gpu_budget_and_a_host_tier(
     assert sum(o.metrics.cached_tokens for o in again) > 2000
 
 
+def test_tiny_models_match_transformers_in_the_deterministic_mode(tiny: TinyModel) -> None:
+    # The batch-invariant kernels keep float32 exactness: the same greedy tokens as
+    # transformers, batched and through a small GPU budget with a host tier.
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    with tiny_llm(tiny, deterministic=True) as llm:
+        assert_same_tokens(llm.generate(tiny.prompts, params), tiny.prompts, tiny.references)
+    with tiny_llm(tiny, deterministic=True, gpu_blocks=140, host_cache=True,
+                  host_cache_gb=0.05) as llm:
+        llm.generate(tiny.prompts, params)
+        again = llm.generate(tiny.prompts[::-1], params)
+    assert_same_tokens(again, tiny.prompts[::-1], tiny.references[::-1])
+    assert sum(o.metrics.cached_tokens for o in again) > 2000
+
+
 # ---- SmolLM2 -----------------------------------------------------------------------------
 
 

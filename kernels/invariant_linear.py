@@ -1,0 +1,182 @@
+"""invariant_linear: `x @ weight.T (+ bias)` whose every row is the same bits whatever M.
+
+Library GEMMs (cuBLAS, CPU BLAS) pick their algorithm from the problem's shape: the number
+of rows M decides the tile sizes and whether K is split across programs, so a token's
+projection depends on how many other tokens share its step. Here each program owns one
+[BLOCK_M, BLOCK_N] output tile and walks K from 0 upward in BLOCK_K steps, accumulating
+in float32 through `acc = tl.dot(a, b, acc)` (a chain of tensor-core MMAs into the same
+accumulator); there is no split-K. An output element is therefore always the same chain of
+operations over the same K order, and a row never meets another row's values.
+
+The tiling may follow M, because on the GPU it does not change a row's bits: whatever the
+tile's rows, columns and load depth, an element is the same chain of 16-deep tensor-core
+steps over K into one float32 accumulator, starting from zero (measured on an H200: 16- to
+128-row tiles, 32 to 256 columns, 64- and 128-deep loads, mma and warpgroup-mma alike gave
+identical rows; `tests/kernels/test_kernel_invariant.py` checks every tiling of
+`pick_linear_config` against the others on the GPU). float32 operands (exact dots on CUDA
+cores, whose order may follow the thread layout) keep one tiling for every M. Rows past M
+in the last tile are masked loads of zeros, which touch no real row.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from kvtier.kernels import _checks
+from kvtier.kernels.layer_ops import _round
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """Tiling of one invariant_linear launch (independent of the number of rows)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LinearConfig.{name} must be a power of two >= 16, "
+                                 f"got {value}")
+
+
+#: Tilings by the most rows they serve (bf16 / fp16), fastest measured on an H200 with the
+#: Llama-3-8B projections (`docs/DETERMINISM.md`): decode-sized steps read the weights with
+#: many narrow programs, prefill-sized ones reuse each weight tile across 128 rows.
+_TILINGS_16BIT = (
+    (16, LinearConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),
+    (128, LinearConfig(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=4)),
+    (1024, LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (None, LinearConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+)
+_WIDE_64_ROWS = LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+_FLOAT32 = LinearConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+_INTERPRETED = LinearConfig(block_m=64, block_n=64, block_k=64)
+
+
+def linear_tilings(dtype: torch.dtype) -> tuple[LinearConfig, ...]:
+    """Every tiling `pick_linear_config` may choose for `dtype` (they must agree bit for
+    bit; the GPU tests compare them)."""
+    if dtype == torch.float32:
+        return (_FLOAT32,)
+    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS,)
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
+    """The tiling for `m` rows of weights [n, k] in `dtype` (see the module docstring for
+    why m may choose it)."""
+    if dtype == torch.float32:
+        return _FLOAT32
+    for max_rows, config in _TILINGS_16BIT:
+        if max_rows is None or m <= max_rows:
+            if config.block_m == 64 and n >= 16384:
+                return _WIDE_64_ROWS  # wide projections: fewer, wider programs
+            return config
+    raise AssertionError("the last tiling serves any number of rows")
+
+
+@triton.jit
+def _invariant_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+             _round(acc, dtype, SOFT_BF16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    _checks.check_shape("x", x, (None, None), "[num_tokens, in_features]")
+    _checks.check_shape("weight", weight, (None, x.shape[1]),
+                        f"[out_features, in_features={x.shape[1]}]")
+    _checks.check_dtype("x", x, _checks.FLOAT_DTYPES)
+    _checks.check_same_dtype("x", x, weight=weight)
+    _checks.check_kernel_device("x", x)
+    _checks.check_same_device("x", x, weight=weight)
+    _checks.check_inner_contiguous("x", x)
+    _checks.check_inner_contiguous("weight", weight)
+    if bias is not None:
+        _checks.check_shape("bias", bias, (weight.shape[0],),
+                            f"[out_features={weight.shape[0]}]")
+        _checks.check_same_dtype("x", x, bias=bias)
+        _checks.check_same_device("x", x, bias=bias)
+        _checks.check_inner_contiguous("bias", bias)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     config: LinearConfig | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` with each output row independent of the number of rows.
+
+    x: [num_tokens, in_features] (rows may be strided, the last dim contiguous);
+    weight: [out_features, in_features] (the same); bias: [out_features] or None; one
+    float dtype. Returns out [num_tokens, out_features] in that dtype: float32
+    accumulation over K in a fixed order, the bias added in float32, rounded once.
+    config: tiling override (tests, benchmarks); None: `pick_linear_config` (one tiling for
+    every M under Triton's interpreter, whose numpy dots round by tile shape). Runs
+    asynchronously on the current stream. Raises ValueError on a wrong device, dtype, shape
+    or stride.
+    """
+    if not (x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and x.dtype in _checks.FLOAT_DTYPES and weight.dtype == x.dtype
+            and x.device == weight.device and _on_kernel_device(x)
+            and x.stride(1) == 1 and weight.stride(1) == 1
+            and (bias is None or (bias.shape == weight.shape[:1] and bias.dtype == x.dtype
+                                  and bias.device == x.device and bias.stride(0) == 1))):
+        _check_linear(x, weight, bias)
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or n == 0:
+        return out
+    if config is None:
+        config = (_INTERPRETED if _checks.interpreting()
+                  else pick_linear_config(num_tokens, n, k, x.dtype))
+    # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
+    dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _checks.interpreting())
+    grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))
+    _invariant_linear_kernel[grid](
+        x, weight, x if bias is None else bias, out, num_tokens, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
+        DOT_FP32=dot_fp32, SOFT_BF16=_checks.interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def _on_kernel_device(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda" or (tensor.device.type == "cpu"
+                                            and _checks.interpreting())
