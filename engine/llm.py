@@ -60,8 +60,10 @@ class LLM:
 
     model: "smollm2-135m", a Hugging Face hub id found in the local cache, a model
     directory, a .gguf file, "random:<name>", or an already loaded `LoadedModel` (its
-    device, dtype and attention backend are used; the model is shared, never modified, so
-    several engines may run one after the other on it). config: a YAML file of settings.
+    device, dtype and attention backend are used; the model is shared, its weights never
+    modified, so several engines may run one after the other on it; each engine's runner
+    sets the model's kernels to its own `deterministic` mode before every step). config: a
+    YAML file of settings.
     The other keywords are `EngineConfig`'s fields (see there, and for how kvtier's
     `gpu_memory_utilization` differs from vLLM's); a keyword left None takes its value from
     the config file, else `$KVTIER_CONFIG`'s file, else a `KVTIER_<FIELD>` environment

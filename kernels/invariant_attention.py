@@ -4,7 +4,7 @@ whatever the batch, the chunking of its prompt, and which of its keys were cache
 `paged_attention` picks its tiling from the step's shape and, for short batches, cuts each
 request's keys into `num_splits` ranges whose length follows its seq_len: a token's output
 then depends on its neighbours. Here the keys of every row are cut at fixed absolute
-positions into splits of SPLIT_LEN keys, each split is reduced in tiles of TILE_N keys with
+positions into splits of SPLIT_LEN keys, each split is reduced in tiles of 64 keys with
 the online softmax (`paged_attention._attend_tile`), and the splits' normalised outputs and
 log2-sum-exps are merged one after the other in split order (`_merge_split`). The tiling is
 one per model (head counts, head dim, dtype), never the step's: unlike the matrix products'

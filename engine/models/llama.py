@@ -167,7 +167,7 @@ class Attention(nn.Module):
                                    backend=attn_backend)
         self.qkv_weight: torch.Tensor | None = None  # [q_size + 2 * kv_size, hidden_size]
         self.qkv_bias: torch.Tensor | None = None
-        self.linear = linear_op(attn_backend, deterministic=False)
+        self.linear = F.linear  # `LlamaForCausalLM.set_deterministic` swaps it
 
     def pack(self) -> None:
         """Pack q/k/v into `qkv_weight` (see `pack_linears`)."""
@@ -197,11 +197,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig, ops: ModuleType,
-                 linear: Callable[..., torch.Tensor] = F.linear) -> None:
+    def __init__(self, config: ModelConfig, ops: ModuleType) -> None:
         super().__init__()
         self.ops = ops
-        self.linear = linear
+        self.linear = F.linear  # `LlamaForCausalLM.set_deterministic` swaps it
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -280,7 +279,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.attn_backend = attn_backend
         self.deterministic = False
-        self.linear = linear_op(attn_backend, deterministic=False)
+        self.linear = F.linear
         self.model = LlamaModel(config, attn_backend)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))

@@ -60,6 +60,21 @@ def test_json_output_matches_the_library(runner, model_dir) -> None:
         assert entry["ttft_s"] >= 0
 
 
+def test_deterministic_option_gives_the_library_s_deterministic_tokens(runner,
+                                                                       model_dir) -> None:
+    prompt = "Where do rivers go?"
+    result = runner.invoke(app, generate_args(model_dir, prompt, "--no-disk-cache", "--raw",
+                                              "--max-num-batched-tokens", "3",
+                                              "--deterministic", "--json"))
+    assert result.exit_code == 0, result.output
+    (entry,) = json.loads(result.stdout)["outputs"]
+    with LLM(str(model_dir), device="cpu", gpu_blocks=64, disk_cache=False, host_cache=False,
+             deterministic=True) as llm:
+        assert llm.runner.model.deterministic
+        (expected,) = llm.generate([prompt], SamplingParams(max_tokens=5))
+    assert entry["outputs"][0]["token_ids"] == list(expected.outputs[0].token_ids)
+
+
 def test_prompt_files_raw_prompts_and_the_table(runner, model_dir, tmp_path) -> None:
     as_json = tmp_path / "prompts.json"
     as_json.write_text(json.dumps(["first prompt", "second\nprompt"]))
