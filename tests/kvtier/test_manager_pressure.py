@@ -182,13 +182,18 @@ def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_
         return put(*args)
 
     m.disk.put = held_put
-    # Fifteen dirty blocks fill the free slots; their write-backs cannot finish.
-    write(m, chain(layout, "y", 15), random_blocks(layout, 15, seed=3))
+    # Fifteen dirty blocks fill the free slots; their write-backs cannot finish. They come
+    # in two steps, so two write jobs start (the store path keeps writing while any wait).
+    y = chain(layout, "y", 15)
+    y_data = random_blocks(layout, 15, seed=3)
+    write(m, y[:8], y_data[:8])
     assert writing.acquire(timeout=60)
+    write(m, y[8:], y_data[8:])
     # The one evictable slot left (X's) is kept for reads: W's write-through is deferred.
     write(m, w, random_blocks(layout, 1, seed=4))
     assert m.host.contains(x[0].block_hash) and not m.host.contains(w[0].block_hash)
-    assert m.stores.write_back_all()  # more write jobs than threads
+    m.stores.write_back_all()
+    assert m.stats(lower_tiers=False).num_jobs_in_flight >= 2  # more write jobs than threads
     assert not writing.acquire(timeout=0.3)  # writes hold one of the two threads, not both
     target = m.allocate(1)
     load_id = m.prepare_load(z, target)
