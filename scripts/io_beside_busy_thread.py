@@ -21,12 +21,12 @@ import tempfile
 import threading
 import time
 
+import kvtier.tiers.lmdb_value as lmdb_value
 import numpy as np
 import torch
 import xxhash
 from kvtier.cli.bench.diskread import drop_page_cache
 
-import kvtier.tiers.lmdb_value as lmdb_value
 import kvtier.tiers.record as record
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import DiskTier
