@@ -26,6 +26,7 @@ import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config_sources import load_engine_config
+from kvtier.engine.flush_progress import FlushProgressLine
 from kvtier.engine.loader import (
     LoadedModel,
     check_loaded,
@@ -43,7 +44,7 @@ from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
 from kvtier.hashing import BlockHasher, namespace_hash
-from kvtier.manager import TierManager
+from kvtier.manager import FlushReport, TierManager
 from kvtier.stats import ManagerStats
 from kvtier.tiers.remote.config import RemoteConfig
 
@@ -427,12 +428,20 @@ class LLM:
         """The tier manager's counters (`TierManager.stats`; `lower_tiers` as there)."""
         return self.manager.stats(lower_tiers)
 
-    def close(self) -> None:
-        """Wait for in-flight transfers, flush the host tier to disk and close it."""
-        if not self._closed:
-            self._closed = True
-            self.runner.graphs = None  # the graphs' memory pool goes with them
-            self.manager.close()
+    def close(self) -> FlushReport:
+        """Wait for in-flight transfers, write what is still pending to the disk tier (the
+        host's dirty blocks and the GPU-resident blocks that found no host slot yet, within
+        `flush_timeout_s`, with progress on stderr), then close the tiers. Returns what the
+        flush wrote and what it could not (also said on stderr); a second call reports
+        nothing."""
+        if self._closed:
+            return FlushReport(0, 0, 0.0)
+        self._closed = True
+        self.runner.graphs = None  # the graphs' memory pool goes with them
+        progress = FlushProgressLine(self.config.flush_timeout_s)
+        report = self.manager.close(self.config.flush_timeout_s, progress)
+        progress.done(report)
+        return report
 
     def _check_open(self) -> None:
         if self._closed:

@@ -174,8 +174,12 @@ class TierManager:
         return find_prefix(block_hashes, self.tiers, read_slow, gaps)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
-        """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few
-        are free. Raises ValueError for a negative count."""
+        """`num_blocks` GPU blocks with ref_cnt 1, or None when too few are free (write-
+        throughs still waiting for a host slot first give up the blocks they hold, see
+        `StorePath.release_deferred`). Raises ValueError for a negative count."""
+        short = num_blocks - self.pool.num_free_blocks
+        if short > 0 and self.stores is not None:  # deferred stores give their blocks up
+            self.stores.release_deferred(short)
         blocks = self.pool.allocate(num_blocks)
         events = self.pool.take_events()
         if self.stores is not None and events:  # those not stored below are counted
@@ -487,26 +491,29 @@ class TierManager:
         is accounted for: queued and deferred write-throughs of blocks the GPU still caches
         are copied to the host as write-backs free slots, and every dirty host block is
         written back. With `timeout_s`, what is still unwritten once it has passed (and the
-        jobs in flight have ended) is given up and counted skipped
-        (`SkipReason.FLUSH_TIMEOUT`). `progress` is called after each round of writes."""
+        jobs in flight have ended), or what can make no progress, is given up and counted
+        skipped (`SkipReason.FLUSH_TIMEOUT`). `progress` is called after each round of
+        writes."""
         began = time.monotonic()
         stores = self.stores
         written_before = 0 if stores is None else stores.ledger.written
         self.drain()
         while stores is not None:
-            backlog = stores.backlog()
+            backlog = stores.backlog() if stores.write_back is not None else stores.num_deferred
             if progress is not None:
                 progress(stores.ledger.written - written_before, backlog)
-            started = stores.write_back_all()
-            if not started and not stores.num_deferred:
+            if not backlog or (timeout_s is not None and time.monotonic() - began > timeout_s):
                 break
-            if timeout_s is not None and time.monotonic() - began > timeout_s:
-                break
-            self.drain()  # its polls copy deferred write-throughs into the cleaned slots
-            if not started and stores.backlog() >= backlog:
-                break  # no slot came free for the deferred ones: nothing more can move
+            # A few batches at a time (`write_depth`), so that the deadline is kept to a
+            # batch's write; the drain's polls copy deferred write-throughs into the slots
+            # the writes cleaned.
+            stores.schedule_writebacks(stores.num_deferred)
+            self.drain()
+            after = stores.backlog() if stores.write_back is not None else stores.num_deferred
+            if after >= backlog:
+                break  # nothing moved (no slot comes free for what is deferred)
         unwritten = 0
-        if stores is not None:
+        if stores is not None and timeout_s is not None:
             self.drain()
             if stores.backlog():
                 unwritten = stores.abandon_backlog()
@@ -521,6 +528,10 @@ class TierManager:
         if self._closed:
             return FlushReport(0, 0, 0.0)
         report = self.flush(timeout_s, progress)
+        if self.stores is not None and self.stores.backlog():  # what no slot came free for
+            report = FlushReport(report.num_written,
+                                 report.num_unwritten + self.stores.abandon_backlog(),
+                                 report.seconds)
         self.transfers.close()
         self.lower_tiers.close()
         self._closed = True

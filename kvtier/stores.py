@@ -11,9 +11,12 @@
     host tier off, a small staging slab carries the bytes on to every tier below, then
     forgets them.
   * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
-    reserved), the block is not waited for. It is remembered, without a reference, and
-    copied once write-backs free a slot, if the GPU still caches it then; if the GPU reuses
-    it first, it is counted skipped (`SkipReason.GPU_REUSED`), never dropped silently.
+    reserved), the block is not waited for. It keeps its pool reference while the GPU pool
+    has room, and is copied once write-backs free a slot; when an allocation finds the pool
+    short, deferred blocks give their references up (`release_deferred`: those a restore
+    would compute first, the oldest first), so the GPU evicts what is stored below before
+    them and is never held for the disk. A block the GPU reuses before its copy is counted
+    skipped (`SkipReason.GPU_REUSED`), never dropped silently.
   * Placement: a block may come with a hint that a later restore will load it rather than
     compute it (the tail of a long prefix, past where the restore fronts are expected to
     meet). Such blocks take the host slots first, queued or deferred: when blocks come
@@ -91,6 +94,7 @@ class StorePath:
         # an entry leaves when the GPU reuses its block (`drop_evicted`).
         self._deferred_tail: OrderedDict[BlockHash, _Store] = OrderedDict()
         self._deferred_head: OrderedDict[BlockHash, _Store] = OrderedDict()
+        self._held: set[int] = set()  # ids of deferred blocks still holding a pool reference
         self._num_writing_back = 0
         self._write_depth = write_depth
         #: Where the offered blocks went (kept only with a write-back tier).
@@ -170,7 +174,7 @@ class StorePath:
         # The copy follows every step that computed its blocks.
         after = tuple(dict.fromkeys(event for _, event in pending if event is not None))
         for store in self._copy_to_host(stores, held=True, after=after or None):
-            self._defer(store)
+            self._defer(store)  # keeping its reference
 
     def _batch_due(self) -> bool:
         low = max(STORE_BATCH_BLOCKS, self.pool.num_blocks // 16)
@@ -195,10 +199,32 @@ class StorePath:
                     del deferred[block_hash]
                     self._skip(SkipReason.GPU_REUSED)
 
+    def release_deferred(self, num_blocks: int) -> int:
+        """Drop the pool references of up to `num_blocks` deferred write-throughs (the GPU
+        pool is short): those a restore would compute first, each kind oldest first. They
+        stay deferred and enter the free queue as its most recent blocks, so the GPU evicts
+        every other cached block before them. Returns how many were released."""
+        released: list[KVCacheBlock] = []
+        for deferred in (self._deferred_head, self._deferred_tail):
+            for block, _, _ in deferred.values():
+                if len(released) >= num_blocks:
+                    break
+                if block.block_id in self._held:
+                    self._held.discard(block.block_id)
+                    released.append(block)
+        self.pool.free(released)
+        return len(released)
+
+    @property
+    def num_held(self) -> int:
+        """Deferred write-throughs that still hold their GPU block."""
+        return len(self._held)
+
     def abandon_backlog(self) -> int:
         """Give up what is still deferred or dirty (closing ran out of time): counted
         skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. Call with nothing in
         flight. Returns how many blocks were given up."""
+        self.release_deferred(len(self._held))
         num = self.num_deferred
         self._deferred_tail.clear()
         self._deferred_head.clear()
@@ -238,11 +264,13 @@ class StorePath:
 
     def _defer(self, store: _Store) -> None:
         """No host slot for this write-through now: count it under the host's rejections,
-        and retry it when write-backs free slots, if the GPU still caches it then (holding
-        no reference; `drop_evicted` counts it skipped once the GPU reuses its block)."""
+        and retry it when write-backs free slots, holding its pool reference until the pool
+        runs short (`release_deferred`; then `drop_evicted` counts it skipped once the GPU
+        reuses its block)."""
         self._counters[Tier.HOST].rejected += 1
         deferred = self._deferred_tail if store[2] else self._deferred_head
         deferred[store[1].block_hash] = store
+        self._held.add(store[0].block_id)
 
     def _retry_deferred(self) -> None:
         """Write through the deferred blocks the GPU still caches, those a restore will load
@@ -257,7 +285,14 @@ class StorePath:
                     stores.append(store)
                 else:  # reused by the GPU (its eviction was not reported to us)
                     self._skip(SkipReason.GPU_REUSED)
-        for store in reversed(self._copy_to_host(stores, held=False)):  # back in front
+        no_slot = self._copy_to_host(stores, held=False)
+        waiting = {store[0].block_id for store in no_slot}
+        # The copies took references of their own; the deferred ones are dropped.
+        done = [s[0] for s in stores if s[0].block_id in self._held
+                and s[0].block_id not in waiting]
+        self._held.difference_update(block.block_id for block in done)
+        self.pool.free(done)
+        for store in reversed(no_slot):  # back in front
             deferred = self._deferred_tail if store[2] else self._deferred_head
             deferred[store[1].block_hash] = store
             deferred.move_to_end(store[1].block_hash, last=False)
@@ -266,10 +301,10 @@ class StorePath:
                       after: tuple[torch.cuda.Event, ...] | None = None) -> list[_Store]:
         """Copy cached GPU blocks to host slots, all in one job (`after`: as `SwapJob`'s),
         those a restore will load taking slots first; a block already stored or being stored
-        is a duplicate. `held`: each block comes with a pool reference, kept for its copy and
-        dropped otherwise; else the copies take one. Returns, in order, the stores no slot
-        could be had for (once one finds none, the later ones would not either), holding no
-        reference."""
+        is a duplicate. `held`: each block comes with a pool reference, kept for its copy or
+        its deferral and dropped for a duplicate; else the copies take one. Returns, in
+        order, the stores no slot could be had for (once one finds none, the later ones
+        would not either), still holding their reference when `held`."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
         no_slot: list[_Store] = []
         room = self._store_room()
@@ -287,8 +322,9 @@ class StorePath:
             items.append((block, meta, slot))
             self._storing.add(meta.block_hash)
         if held:  # in sequence order, as the pool frees a chain
-            copied = {block.block_id for block, _, _ in items}
-            self.pool.free([block for block, _, _ in stores if block.block_id not in copied])
+            kept = {block.block_id for block, _, _ in items}
+            kept.update(block.block_id for block, _, _ in no_slot)
+            self.pool.free([block for block, _, _ in stores if block.block_id not in kept])
         elif items:
             self.pool.touch([block for block, _, _ in items])
         if items:

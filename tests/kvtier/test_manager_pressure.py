@@ -117,8 +117,11 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     for i in range(3):
         write(m, metas[i:i + 1], data[i:i + 1])
     assert m.stats().tiers[Tier.HOST].rejected == 1  # C: both slots are being written back
-    # Another request takes every GPU block and overwrites C's bytes before a slot frees.
-    blocks = m.allocate(m.pool.num_free_blocks)
+    # C's deferred write-through holds its GPU block while the pool has others to give.
+    assert m.pool.num_free_blocks == m.pool.num_blocks - 1
+    # Another request takes every GPU block and overwrites C's bytes before a slot frees:
+    # the deferred store gives its block up, and C is counted skipped, not lost.
+    blocks = m.allocate(m.pool.num_blocks)
     assert blocks is not None
     m.kv_cache[[b.block_id for b in blocks]] = 0
     release.set()
@@ -127,6 +130,9 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     assert not m.host.contains(metas[2].block_hash)
     assert m.disk.contains([metas[2].block_hash]) == [False]
     assert m.lookup([meta.block_hash for meta in metas]).locations == [Tier.HOST] * 2
+    stores = m.stats().stores
+    assert stores.skipped["gpu_reused"] == 1 and stores.written == 2
+    assert stores.offered == 3 and stores.pending == 0 and stores.lost == 0
     check_idle(m)
 
 
