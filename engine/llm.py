@@ -26,6 +26,7 @@ import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config_sources import load_engine_config
+from kvtier.engine.cpu_threads import leave_a_core_to_io
 from kvtier.engine.flush_progress import FlushProgressLine
 from kvtier.engine.loader import (
     LoadedModel,
@@ -85,7 +86,8 @@ class LLM:
                  cache_salt: str | None = None, attn_backend: str | None = None,
                  seed: int | None = None, cuda_graphs: bool | None = None,
                  warmup: bool | None = None, restore_min_saving_s: float | None = None,
-                 remote_cache: str | RemoteConfig | None = None) -> None:
+                 remote_cache: str | RemoteConfig | None = None,
+                 flush_timeout_s: float | None = None) -> None:
         explicit = dict(
             model=model if isinstance(model, str) else None,
             device=str(device) if isinstance(device, torch.device) else device,
@@ -97,7 +99,8 @@ class LLM:
             disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
             hash_algorithm=hash_algorithm, cache_salt=cache_salt, attn_backend=attn_backend,
             seed=seed, cuda_graphs=cuda_graphs, warmup=warmup,
-            restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache)
+            restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache,
+            flush_timeout_s=flush_timeout_s)
         self.config = cfg = load_engine_config(explicit, config)
         block_size = cfg.block_size
         if cfg.warmup and torch.cuda.is_available():
@@ -122,6 +125,8 @@ class LLM:
                                                     self.layout)
         self.manager = TierManager(
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
+        if self.device.type == "cpu" and len(self.manager.lower_tiers):
+            leave_a_core_to_io()  # the tiers' I/O threads share the cores with the model
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    min_restore_saving_s=cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)
