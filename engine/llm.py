@@ -125,8 +125,8 @@ class LLM:
                                                     self.layout)
         self.manager = TierManager(
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
-        if self.device.type == "cpu" and len(self.manager.lower_tiers):
-            leave_a_core_to_io()  # the tiers' I/O threads share the cores with the model
+        if self.device.type == "cpu":
+            leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    min_restore_saving_s=cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample)

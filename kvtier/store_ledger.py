@@ -40,13 +40,15 @@ class SkipReason(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class StoreLedgerStats:
     """Blocks offered to the write-back tier and where they went (see the module
-    docstring). `skipped` has every `SkipReason`'s value as a key."""
+    docstring). `skipped` has every `SkipReason`'s value as a key. `write_busy_s`: seconds at
+    least one write to that tier was running (its GB/s is the bytes it wrote over these)."""
 
     offered: int
     written: int
     duplicate: int
     skipped: dict[str, int]
     pending: int
+    write_busy_s: float = 0.0
 
     @property
     def num_skipped(self) -> int:
@@ -60,7 +62,8 @@ class StoreLedgerStats:
 
     def as_dict(self) -> dict[str, object]:
         return {"offered": self.offered, "written": self.written, "duplicate": self.duplicate,
-                "skipped": dict(self.skipped), "pending": self.pending, "lost": self.lost}
+                "skipped": dict(self.skipped), "pending": self.pending, "lost": self.lost,
+                "write_busy_s": self.write_busy_s}
 
 
 @dataclass(slots=True)
@@ -76,7 +79,7 @@ class StoreLedger:
     def skip(self, reason: SkipReason, num_blocks: int = 1) -> None:
         self.skipped[reason] += num_blocks
 
-    def snapshot(self, pending: int) -> StoreLedgerStats:
+    def snapshot(self, pending: int, write_busy_s: float = 0.0) -> StoreLedgerStats:
         return StoreLedgerStats(self.offered, self.written, self.duplicate,
                                 {reason.value: n for reason, n in self.skipped.items()},
-                                pending)
+                                pending, write_busy_s)

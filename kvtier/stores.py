@@ -51,7 +51,7 @@ from kvtier.tier_stack import TierStack
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import JobId, SwapJob, chunks
+from kvtier.transfer import JobId, SwapJob, chunks, timed_job
 
 #: A batched `submit_pending` starts the queued write-throughs once this many blocks wait,
 #: or once they were offered `STORE_MAX_OFFERS` times (the engine offers twice a step), or
@@ -103,6 +103,9 @@ class StorePath:
         # the staging slab to the write-back tier: the ledger's pending ones.
         self._offered_dirty: set[BlockHash] = set()
         self._num_staged = 0
+        # (start, end) on `time.monotonic` of every write job the write-back tier ran
+        # (appended by the I/O threads): how long it was busy writing.
+        self._write_spans: list[tuple[float, float]] = []
         num_slots, caches = self.host.num_slots, self.host.caches
         self._writeback_reserve = max(1, num_slots // 8) if caches else 0
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
@@ -155,7 +158,7 @@ class StorePath:
 
     def ledger_stats(self) -> StoreLedgerStats:
         """Where the offered blocks went (see `kvtier.store_ledger`)."""
-        return self.ledger.snapshot(self.backlog())
+        return self.ledger.snapshot(self.backlog(), _busy_seconds(self._write_spans))
 
     def submit_pending(self, batch: bool = False) -> None:
         """Start the copies `write_through` queued, as one job: a block already stored or
@@ -453,6 +456,8 @@ class StorePath:
         `offered` (per slot, or for all): the slot carries a block the ledger follows."""
         payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
         job, stored = tier.write_job([self.host.meta(slot) for slot in slots], payloads)
+        if tier is self.write_back:
+            job = timed_job(job, self._write_spans)
         counters = self._counters[tier.kind]
         followed = [offered] * len(slots) if isinstance(offered, bool) else offered
 
@@ -471,3 +476,13 @@ class StorePath:
             then()
 
         self.tiers.submit(job, finish)
+
+
+def _busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) `spans`."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

@@ -15,6 +15,7 @@ from kvtier.cli.bench import tables
 from kvtier.cli.bench.diskread import run_diskread_bench
 from kvtier.cli.bench.kernels import run_kernel_bench
 from kvtier.cli.bench.longctx import (
+    EXTRA_STRATEGIES,
     STRATEGIES,
     LongctxConfig,
     run_longctx_bench,
@@ -87,7 +88,12 @@ def longctx(
     max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step "
                                            "(prefill chunk size)."),
     strategies: str = typer.Option(",".join(STRATEGIES), help="Comma-separated strategies "
-                                   "to compare; recompute is the baseline and required."),
+                                   "to compare; recompute is the baseline and required. Also "
+                                   "host_small_disk: the disk behind a host tier smaller "
+                                   "than the documents (--host-cache-gb)."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
+                                               "host tier in GiB (default: an eighth of the "
+                                               "documents' KV)."),
     disk_dir: Path | None = typer.Option(None, help="Where the disk strategy keeps its "
                                          "temporary tier (default: the system temporary "
                                          "directory); it is removed afterwards."),
@@ -111,9 +117,10 @@ def longctx(
                            doc_tokens=lengths[0], question_tokens=question_tokens,
                            max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
                            max_batched_tokens=max_batched_tokens,
-                           strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
+                           strategies=_parse_names(strategies, STRATEGIES + EXTRA_STRATEGIES,
+                                                   "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
-                           compare_hf=compare_hf,
+                           compare_hf=compare_hf, host_cache_gb=host_cache_gb,
                            cold=cold, attn_backend=attn_backend)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
