@@ -160,7 +160,8 @@ def serve(
     modes: str = typer.Option(",".join(SERVE_MODES), help="Comma-separated tier modes; the "
                               "first is the baseline of the ratios. Also host_third: the "
                               "host tier of host_disk without the disk; host_disk_all: "
-                              "host_disk asking the disk for every prefix."),
+                              "host_disk asking the disk for every prefix; host_small_disk: a "
+                              "host tier of --host-cache-gb, then disk."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),
@@ -181,6 +182,13 @@ def serve(
     remote_cache: str | None = typer.Option(
         None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
         "(a fresh key prefix per engine)."),
+    doc_tokens: int = typer.Option(0, help="Tokens of a document of each conversation's own, "
+                                   "after the system prompt."),
+    lockstep: bool = typer.Option(False, "--lockstep", help="Send every conversation's next "
+                                  "request together, once the round's answers are all in."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
+                                               "host tier in GiB (default: an eighth of what "
+                                               "all conversations need)."),
 ) -> None:
     """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk
     (or, with --url, against a running server)."""
@@ -206,7 +214,8 @@ def serve(
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
                          repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache,
-                         attn_backend=attn_backend)
+                         attn_backend=attn_backend, doc_tokens=doc_tokens, lockstep=lockstep,
+                         host_cache_gb=host_cache_gb)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)
