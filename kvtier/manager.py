@@ -497,26 +497,36 @@ class TierManager:
         began = time.monotonic()
         stores = self.stores
         written_before = 0 if stores is None else stores.ledger.written
-        self.drain()
+        self.submit_stores()
+        self.poll()
         while stores is not None:
             backlog = stores.backlog() if stores.write_back is not None else stores.num_deferred
             if progress is not None:
                 progress(stores.ledger.written - written_before, backlog)
-            if not backlog or (timeout_s is not None and time.monotonic() - began > timeout_s):
+            if not backlog and not self._on_done:
                 break
-            # A few batches at a time (`write_depth`), so that the deadline is kept to a
-            # batch's write; the drain's polls copy deferred write-throughs into the slots
-            # the writes cleaned.
+            if timeout_s is not None and time.monotonic() - began >= timeout_s:
+                break
+            if self._on_done:
+                # What is in flight now (a few write batches and copies), then the next:
+                # the poll copies deferred blocks into the slots the writes cleaned and
+                # starts more writes. The deadline is kept to a round of these.
+                self.transfers.wait(list(self._on_done))
+                self.poll()
+                continue
             stores.schedule_writebacks(stores.num_deferred)
-            self.drain()
-            after = stores.backlog() if stores.write_back is not None else stores.num_deferred
-            if after >= backlog:
-                break  # nothing moved (no slot comes free for what is deferred)
+            if not self._on_done:
+                self.poll()
+                if not self._on_done:
+                    break  # nothing can move (no slot comes free for what is deferred)
         unwritten = 0
         if stores is not None and timeout_s is not None:
+            # Give up what has not started; what is in flight ends and is counted.
+            while stores.backlog():
+                unwritten += stores.abandon_backlog()
+                self.drain()
+        else:
             self.drain()
-            if stores.backlog():
-                unwritten = stores.abandon_backlog()
         return FlushReport(0 if stores is None else stores.ledger.written - written_before,
                            unwritten, time.monotonic() - began)
 

@@ -224,18 +224,21 @@ class StorePath:
         return len(self._held)
 
     def abandon_backlog(self) -> int:
-        """Give up what is still deferred or dirty (closing ran out of time): counted
-        skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. Call with nothing in
-        flight. Returns how many blocks were given up."""
+        """Give up what is still deferred or dirty and not being written (closing ran out of
+        time): counted skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. The
+        writes under way end as they end. Returns how many blocks were given up."""
         self.release_deferred(len(self._held))
         num = self.num_deferred
         self._deferred_tail.clear()
         self._deferred_head.clear()
         for slot in self.host.dirty_slots():
-            if self.host.meta(slot).block_hash in self._offered_dirty:
+            if self.host.num_pins(slot):  # being written (or read): its write is counted
+                continue
+            block_hash = self.host.meta(slot).block_hash
+            if block_hash in self._offered_dirty:
+                self._offered_dirty.discard(block_hash)
                 num += 1
             self.host.mark_clean(slot)
-        self._offered_dirty.clear()
         if self.write_back is not None:
             self.ledger.skip(SkipReason.FLUSH_TIMEOUT, num)
         return num
