@@ -238,7 +238,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         # reads the same blocks from the page cache (warm).
         for name, drop in (("round2", config.cold), ("round2_warm", False))[:1 + config.cold]:
             with LLM(loaded, **options) as llm:
-                recorder.start(llm, name.replace("_", " "))
+                recorder.start(llm, {"round2": "round 2", "round2_warm": "round 2 warm"}[name])
                 progress(f"{strategy}: {name} on a fresh engine, restoring from disk")
                 outputs[name] = []
                 for i, (d, q) in enumerate(zip(docs, second)):
