@@ -13,20 +13,21 @@ PROGRESS_EVERY_S = 1.0
 
 
 class FlushProgressLine:
-    """A `kvtier.manager.FlushProgress` callback that prints a line at most every
-    `PROGRESS_EVERY_S` while blocks remain, and `done` the outcome (nothing when there was
-    nothing to write)."""
+    """A `kvtier.manager.FlushProgress` callback that prints a line every
+    `PROGRESS_EVERY_S` while blocks remain (a flush done sooner says nothing), and `done`
+    the outcome: blocks left unwritten always, the blocks written once it spoke."""
 
-    def __init__(self, timeout_s: float, out: TextIO | None = None) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, out: TextIO | None = None,
+                 every_s: float = PROGRESS_EVERY_S) -> None:
+        self.timeout_s, self.every_s = timeout_s, every_s
         self.out = out if out is not None else sys.stderr
         self._began = time.monotonic()
-        self._last: float | None = None
+        self._last = self._began
         self._spoke = False
 
     def __call__(self, num_written: int, num_left: int) -> None:
         now = time.monotonic()
-        if num_left == 0 or (self._last is not None and now - self._last < PROGRESS_EVERY_S):
+        if num_left == 0 or now - self._last < self.every_s:
             return
         self._last, self._spoke = now, True
         left_s = max(0.0, self.timeout_s - (now - self._began))

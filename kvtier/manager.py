@@ -478,7 +478,8 @@ class TierManager:
 
     def drain(self) -> None:
         """Start the queued stores, then block until no transfer is in flight (each one's
-        completion has run)."""
+        completion has run). Each poll meanwhile starts the write-backs that keep the disk
+        busy, so dirty host blocks are written before it returns."""
         self.submit_stores()
         self.poll()
         while self._on_done:

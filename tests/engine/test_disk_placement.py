@@ -142,3 +142,17 @@ def test_a_stored_tail_is_restored_behind_a_computed_head(placement: str, tmp_pa
     # The tail came from disk although blocks before it were missing.
     assert output.metrics.cached_tokens_disk > 0
     assert output.metrics.cached_tokens_disk <= len(kept) * BS
+
+
+def test_flush_progress_speaks_only_for_a_long_flush_and_reports_what_is_left() -> None:
+    out = io.StringIO()
+    progress = FlushProgressLine(60.0, out)
+    progress(0, 12)  # at once: nothing said
+    progress.done(FlushReport(12, 0, 0.01))
+    assert out.getvalue() == ""
+    progress = FlushProgressLine(60.0, out, every_s=0.0)  # a flush that takes its time
+    progress(3, 9)
+    progress.done(FlushReport(3, 9, 60.0))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "9 KV blocks" in lines[0] and "3 written" in lines[0]
+    assert "9 KV blocks not written" in lines[1] and "flush_timeout_s" in lines[1]
