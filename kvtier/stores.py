@@ -317,7 +317,9 @@ class StorePath:
         for store in sorted(stores, key=lambda s: not s[2]):  # stable: loaded ones first
             block, meta, _ = store
             # (A staging slab caches nothing: the tiers' writes skip blocks they hold.)
-            if meta.block_hash in self._storing or self.host.contains(meta.block_hash):
+            if (meta.block_hash in self._storing or meta.block_hash in self._deferred_tail
+                    or meta.block_hash in self._deferred_head
+                    or self.host.contains(meta.block_hash)):
                 if self.write_back is not None:
                     self.ledger.duplicate += 1
                 continue
