@@ -79,6 +79,10 @@ class EngineConfig(CheckedModel):
         asked at all; 0 asks them for every prefix.
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
+    flush_timeout_s: seconds closing the engine (`LLM.close`, the end of `kvtier generate`,
+        `kvtier serve`'s shutdown) may spend writing what is still pending to the disk
+        tier, GPU-resident blocks of finished requests included; what is left then is
+        reported and counted skipped.
 
     Raises `kvtier.validation.ConfigError` (a ValueError) naming the field and what it
     accepts when a value is out of range.
@@ -122,6 +126,8 @@ class EngineConfig(CheckedModel):
         "tier must be expected to save over computing it before they are asked; 0: always")
     remote_cache: str | RemoteConfig | None = Field(
         None, description="Redis / Redis Cluster URL of the shared remote tier; None: off")
+    flush_timeout_s: float = Field(
+        120.0, ge=0, description="seconds closing may spend writing pending blocks to disk")
 
     @field_validator("remote_cache")
     @classmethod

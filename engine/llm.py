@@ -27,6 +27,8 @@ import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.config_sources import load_engine_config
+from kvtier.engine.cpu_threads import leave_a_core_to_io
+from kvtier.engine.flush_progress import FlushProgressLine
 from kvtier.engine.loader import (
     LoadedModel,
     check_loaded,
@@ -44,7 +46,7 @@ from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
 from kvtier.hashing import BlockHasher, namespace_hash
-from kvtier.manager import TierManager
+from kvtier.manager import FlushReport, TierManager
 from kvtier.stats import ManagerStats
 from kvtier.tiers.remote.config import RemoteConfig
 
@@ -90,7 +92,8 @@ class LLM:
                  seed: int | None = None, cuda_graphs: bool | None = None,
                  warmup: bool | None = None, restore_min_saving_s: float | None = None,
                  remote_cache: str | RemoteConfig | None = None,
-                 deterministic: bool | None = None) -> None:
+                 deterministic: bool | None = None,
+                 flush_timeout_s: float | None = None) -> None:
         explicit = dict(
             model=model if isinstance(model, str) else None,
             device=str(device) if isinstance(device, torch.device) else device,
@@ -103,7 +106,7 @@ class LLM:
             hash_algorithm=hash_algorithm, cache_salt=cache_salt, attn_backend=attn_backend,
             seed=seed, cuda_graphs=cuda_graphs, warmup=warmup,
             restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache,
-            deterministic=deterministic)
+            deterministic=deterministic, flush_timeout_s=flush_timeout_s)
         self.config = cfg = load_engine_config(explicit, config)
         block_size = cfg.block_size
         if cfg.warmup and torch.cuda.is_available():
@@ -130,6 +133,8 @@ class LLM:
                                                     self.layout)
         self.manager = TierManager(
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
+        if self.device.type == "cpu":
+            leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    min_restore_saving_s=cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
@@ -571,12 +576,20 @@ class LLM:
         """The tier manager's counters (`TierManager.stats`; `lower_tiers` as there)."""
         return self.manager.stats(lower_tiers)
 
-    def close(self) -> None:
-        """Wait for in-flight transfers, flush the host tier to disk and close it."""
-        if not self._closed:
-            self._closed = True
-            self.runner.graphs = None  # the graphs' memory pool goes with them
-            self.manager.close()
+    def close(self) -> FlushReport:
+        """Wait for in-flight transfers, write what is still pending to the disk tier (the
+        host's dirty blocks and the GPU-resident blocks that found no host slot yet, within
+        `flush_timeout_s`, with progress on stderr), then close the tiers. Returns what the
+        flush wrote and what it could not (also said on stderr); a second call reports
+        nothing."""
+        if self._closed:
+            return FlushReport(0, 0, 0.0)
+        self._closed = True
+        self.runner.graphs = None  # the graphs' memory pool goes with them
+        progress = FlushProgressLine(self.config.flush_timeout_s)
+        report = self.manager.close(self.config.flush_timeout_s, progress)
+        progress.done(report)
+        return report
 
     def _check_open(self) -> None:
         if self._closed:

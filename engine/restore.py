@@ -14,7 +14,8 @@ Each hit block is in one of four states:
     VALID    its KV is in its GPU block (a GPU hit, or a load that landed)
     PENDING  a hit not loaded yet: either front may take it
     LOADING  part of a group in flight
-    COMPUTE  the compute front's: claimed by a chunk, or its load failed or was cancelled
+    COMPUTE  the compute front's: claimed by a chunk, its load failed or was cancelled, or no
+             tier holds it (a gap in the hit: a stored tail behind a head never written)
 
 The compute front skips VALID blocks. A chunk claims PENDING blocks and cancels groups whose
 bytes have not started towards the GPU (`TierManager.cancel_load`); it stops at a VALID block
@@ -120,8 +121,9 @@ class RestoreFronts:
 class Restore:
     """The meeting of the two fronts over one request's prefix hit.
 
-    `tiers[i]` is where block i of the hit lives, `block_table[i]` its GPU block (a GPU hit's
-    own block, else one allocated for its load, held by the request). `meta(i)` gives the
+    `tiers[i]` is where block i of the hit lives (None: nowhere, the compute front's),
+    `block_table[i]` its GPU block (a GPU hit's own block, else one allocated for its load or
+    its computing, held by the request). `meta(i)` gives the
     `BlockMeta` of block i. `group_bytes` sizes the disk groups. `expected_load_rate`
     (tokens/s) is what the slow tiers delivered to recent restores (`TierRates`), None
     when unknown. Driven from the
@@ -130,7 +132,7 @@ class Restore:
     `abandon` when the request gives its blocks back.
     """
 
-    def __init__(self, manager: TierManager, tiers: Sequence[Tier],
+    def __init__(self, manager: TierManager, tiers: Sequence[Tier | None],
                  block_table: Sequence[KVCacheBlock], meta: Callable[[int], BlockMeta],
                  block_size: int, group_bytes: int = DISK_GROUP_BYTES,
                  expected_load_rate: float | None = None,
@@ -141,7 +143,8 @@ class Restore:
         self.blocks = list(block_table[:len(tiers)])
         self.meta = meta
         self.block_size = block_size
-        self.states = [BlockState.VALID if t is Tier.GPU else BlockState.PENDING for t in tiers]
+        self.states = [BlockState.VALID if t is Tier.GPU else
+                       BlockState.COMPUTE if t is None else BlockState.PENDING for t in tiers]
         bytes_per_block = manager.layout.bytes_per_block
         slow_group = max(1, group_bytes // bytes_per_block)
         self._group_blocks = {Tier.HOST: HOST_GROUP_BLOCKS, Tier.DISK: slow_group,

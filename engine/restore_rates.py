@@ -115,16 +115,19 @@ class PrefillRate:
         """`backlog_s` from the (tokens, keys) of the prefill steps queued and not finished."""
         self.backlog_s = sum(self.step_seconds(n, k) or 0.0 for n, k in queued)
 
-    def head_tokens(self, num_tokens: int, context: int, load_tokens_per_s: float) -> int:
+    def head_tokens(self, num_tokens: int, context: int, load_tokens_per_s: float,
+                    backlog_s: float | None = None) -> int:
         """Of `num_tokens` tokens after `context`, how many the model should compute (the
         head) while a tier delivering `load_tokens_per_s` loads the rest, so that both end
         together: h with backlog + a*h + b*(c*h + h*h/2) = (R - h) / L (the head starts once
         the queued steps ran; the loads are under way). 0 while the rate is unknown, or when
-        the tier delivers everything before the queued steps end."""
+        the tier delivers everything before the queued steps end. `backlog_s` replaces the
+        queued steps' seconds (`self.backlog_s`)."""
         if self.per_token_s is None or load_tokens_per_s <= 0:
             return 0
         linear = self.per_token_s + self.per_key_s * context + 1.0 / load_tokens_per_s
-        rest = num_tokens / load_tokens_per_s - self.backlog_s
+        rest = num_tokens / load_tokens_per_s - (self.backlog_s if backlog_s is None
+                                                 else backlog_s)
         if rest <= 0:
             return 0
         if self.per_key_s == 0:
@@ -167,3 +170,20 @@ class TierRates:
         if not slow or any(tier not in self.tokens_per_s for tier in slow):
             return None
         return min(self.tokens_per_s[tier] for tier in slow)
+
+
+#: The share of a prefix a later restore is expected to compute while the prefill rate or the
+#: slow tiers' rate is not measured yet: the fronts of equal speeds meet half way.
+DEFAULT_HEAD_SHARE = 0.5
+
+
+def expected_head_tokens(num_tokens: int, prefill: PrefillRate,
+                         load_tokens_per_s: float | None) -> int:
+    """Of a prefix of `num_tokens` tokens stored below the host, how many a later restore is
+    expected to compute (its head) while the slow tiers load the rest at `load_tokens_per_s`:
+    the meeting point of the two fronts (`PrefillRate.head_tokens`, nothing queued before
+    it), or `DEFAULT_HEAD_SHARE` of the prefix while either rate is unknown. The blocks past
+    it are those worth writing to the disk first."""
+    if prefill.per_token_s is None or not load_tokens_per_s:
+        return int(num_tokens * DEFAULT_HEAD_SHARE)
+    return prefill.head_tokens(num_tokens, 0, load_tokens_per_s, backlog_s=0.0)

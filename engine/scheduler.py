@@ -39,7 +39,13 @@ from kvtier.engine.restore import (
     Restore,
     RestoreFronts,
 )
-from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
+from kvtier.engine.restore_rates import (
+    MIN_SAVING_S,
+    PrefillRate,
+    TierRates,
+    expected_head_tokens,
+    worth_reading,
+)
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -259,8 +265,10 @@ class Scheduler:
         the rest."""
         num_lookup = (request.num_tokens - 1) // request.block_size
         began = time.monotonic()
+        # Past blocks no tier holds: a stored tail behind a head that was never written.
         hit = self.manager.lookup(request.block_hashes[:num_lookup],
-                                  read_slow=lambda i: self._worth_reading(request, i))
+                                  read_slow=lambda i: self._worth_reading(request, i),
+                                  gaps=True)
         tiers = list(hit.locations)
         gpu_blocks = list(hit.gpu_blocks)
         # GPU hits leave the free queue before anything is allocated, or the allocation
@@ -489,7 +497,13 @@ class Scheduler:
         if num_full <= start:
             return
         metas = [request.block_meta(i) for i in range(start, num_full)]
-        self.manager.cache_full_blocks(request.block_table[start:num_full], metas)
+        # Placement: the blocks past where a later restore's fronts are expected to meet go
+        # to the disk first (a restore loads those; it computes the head anyway).
+        slow = [tier.kind for tier in self.manager.lower_tiers]
+        head = expected_head_tokens(request.num_tokens, self.prefill_rate,
+                                    self.tier_rates.expected(slow)) // request.block_size
+        self.manager.cache_full_blocks(request.block_table[start:num_full], metas,
+                                       [i >= head for i in range(start, num_full)])
         request.num_cached_blocks = num_full
 
     def _plan(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -44,6 +44,8 @@ class TierConfig(CheckedModel):
         addressing) or "auto" (the kernels' choice).
     io_threads: threads that run host <-> disk jobs.
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
+    write_depth: write-back batches kept in flight while any dirty host block waits, so the
+        disk writes at its own speed whenever there is a backlog (`kvtier.stores`).
     staging_slots: slab slots used for disk traffic when the host tier is off.
     remote: the shared remote tier below the disk (`RemoteConfig`); None turns it off.
     directory_path: a directory of one file per block (`kvtier.tiers.directory`), in the
@@ -65,6 +67,8 @@ class TierConfig(CheckedModel):
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")
     max_pending_io: PositiveInt = Field(1024, description="bound on queued host <-> disk jobs")
+    write_depth: PositiveInt = Field(
+        2, description="write-back batches kept in flight while dirty host blocks wait")
     staging_slots: PositiveInt = Field(
         DEFAULT_STAGING_SLOTS, description="slab slots for disk traffic without a host tier")
     remote: RemoteConfig | None = Field(

@@ -22,11 +22,13 @@ LoadId = NewType("LoadId", int)
 class PrefixHit:
     """The longest prefix of the looked-up hashes that some tier holds.
 
-    `locations[i]` is the fastest tier holding block i; `gpu_blocks[i]` is its pool block for
-    GPU hits and None otherwise. Both lists have the prefix's length (0: nothing hit).
+    `locations[i]` is the fastest tier holding block i (None: no tier does, a gap the
+    caller computes; only from a lookup asked for gaps, never the last block); `gpu_blocks[i]`
+    is its pool block for GPU hits and None otherwise. Both lists have the prefix's length
+    (0: nothing hit).
     """
 
-    locations: list[Tier]
+    locations: list[Tier | None]
     gpu_blocks: list[KVCacheBlock | None]
 
     @property

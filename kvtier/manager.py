@@ -22,7 +22,9 @@ is never served); pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +52,24 @@ from kvtier.write_once import WriteOnce
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
 _LOAD_COPY_CHUNK = 256
+
+#: progress(blocks written so far, blocks still to write), called while a flush runs.
+FlushProgress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What a `TierManager.flush` did: blocks it saw written to the write-back tier, those it
+    gave up when its time ran out (counted skipped, `SkipReason.FLUSH_TIMEOUT`), and its
+    seconds."""
+
+    num_written: int
+    num_unwritten: int
+    seconds: float
+
+    @property
+    def timed_out(self) -> bool:
+        return self.num_unwritten > 0
 
 
 def open_lower_tiers(config: TierConfig, layout: KVLayout,
@@ -120,7 +140,8 @@ class TierManager:
         #: The way up: reads from below into host slots, host -> GPU copies.
         self.load_path = LoadPath(self.tiers, config.io_threads)
         #: The way down (None: no tier below the GPU).
-        self.stores = StorePath(self.tiers) if self.host is not None else None
+        self.stores = (StorePath(self.tiers, config.write_depth) if self.host is not None
+                       else None)
         self._closed = False
 
     @property
@@ -138,21 +159,31 @@ class TierManager:
     # ---- lookups and GPU blocks ----------------------------------------------------------
 
     def lookup(self, block_hashes: Sequence[BlockHash],
-               read_slow: Callable[[int], bool] | None = None) -> PrefixHit:
+               read_slow: Callable[[int], bool] | None = None,
+               gaps: bool = False) -> PrefixHit:
         """The longest prefix of `block_hashes` held by some tier, each block from the
         fastest tier holding it. Takes no references and pins nothing (call `touch` on GPU
         hits, `prepare_load` for the rest); counts hits and misses per tier.
 
         `read_slow(i)`, asked once at the first block `i` that neither the GPU nor the host
         tier holds, says whether to look in the tiers below the host (False: the prefix
-        ends there, and those tiers are not asked at all)."""
-        return find_prefix(block_hashes, self.tiers, read_slow)
+        ends there, and those tiers are not asked at all). `gaps`: go on past blocks no
+        tier holds (their location None), up to the last block some tier holds: a stored
+        tail is then usable behind a head the caller computes (a block's hash names its
+        whole prefix, so a hit after a gap is still the right block)."""
+        return find_prefix(block_hashes, self.tiers, read_slow, gaps)
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock] | None:
-        """`num_blocks` GPU blocks with ref_cnt 1, or None (nothing changed) when too few
-        are free. Raises ValueError for a negative count."""
+        """`num_blocks` GPU blocks with ref_cnt 1, or None when too few are free (write-
+        throughs still waiting for a host slot first give up the blocks they hold, see
+        `StorePath.release_deferred`). Raises ValueError for a negative count."""
+        short = num_blocks - self.pool.num_free_blocks
+        if short > 0 and self.stores is not None:  # deferred stores give their blocks up
+            self.stores.release_deferred(short)
         blocks = self.pool.allocate(num_blocks)
-        self.pool.take_events()  # evicted GPU blocks need nothing: their bytes are below
+        events = self.pool.take_events()
+        if self.stores is not None and events:  # those not stored below are counted
+            self.stores.drop_evicted([(e.block_hash, e.block_id) for e in events])
         return blocks
 
     def any_on_host(self, hashes: Sequence[BlockHash]) -> bool:
@@ -333,18 +364,27 @@ class TierManager:
     # ---- stores --------------------------------------------------------------------------
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
-                          metas: Sequence[BlockMeta]) -> list[KVCacheBlock]:
+                          metas: Sequence[BlockMeta],
+                          loaded_later: Sequence[bool] | None = None) -> list[KVCacheBlock]:
         """Cache full blocks in the pool and queue the newly cached ones for the host
         (`kvtier.stores`: each held until `submit_stores` starts its copy); returns the newly
         cached blocks. A block already stored below is not copied; one for which no host
-        slot can be had then is copied later if the GPU still caches it. Raises ValueError
+        slot can be had then is copied later if the GPU still caches it. `loaded_later[i]`
+        is a placement hint: a later restore is expected to load `blocks[i]` rather than
+        compute it (such blocks get host slots, and so the disk, first). Raises ValueError
         as `BlockPool.cache_full_blocks` does, or on a length mismatch."""
-        if len(blocks) != len(metas):
-            raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas")
+        if len(blocks) != len(metas) or (loaded_later is not None
+                                         and len(loaded_later) != len(blocks)):
+            raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas"
+                             + ("" if loaded_later is None else
+                                f" and {len(loaded_later)} placement hints"))
         newly = self.pool.cache_full_blocks(blocks, [meta.block_hash for meta in metas])
         if self.stores is not None and newly:
-            meta_of = {block.block_id: meta for block, meta in zip(blocks, metas)}
-            self.stores.write_through(newly, [meta_of[block.block_id] for block in newly])
+            index_of = {block.block_id: i for i, block in enumerate(blocks)}
+            indexes = [index_of[block.block_id] for block in newly]
+            self.stores.write_through(
+                newly, [metas[i] for i in indexes],
+                None if loaded_later is None else [loaded_later[i] for i in indexes])
         return newly
 
     @property
@@ -438,28 +478,75 @@ class TierManager:
 
     def drain(self) -> None:
         """Start the queued stores, then block until no transfer is in flight (each one's
-        completion has run)."""
+        completion has run). Each poll meanwhile starts the write-backs that keep the disk
+        busy, so dirty host blocks are written before it returns."""
         self.submit_stores()
         self.poll()
         while self._on_done:
             self.transfers.wait(list(self._on_done))
             self.poll()
 
-    def flush(self) -> None:
-        """Block until nothing is in flight and every dirty host block is written back."""
-        self.drain()
-        while self.stores is not None and self.stores.write_back_all():
-            self.drain()  # (a deferred write-through may follow the write-backs)
+    def flush(self, timeout_s: float | None = None,
+              progress: FlushProgress | None = None) -> FlushReport:
+        """Block until nothing is in flight and every block offered to the write-back tier
+        is accounted for: queued and deferred write-throughs of blocks the GPU still caches
+        are copied to the host as write-backs free slots, and every dirty host block is
+        written back. With `timeout_s`, what is still unwritten once it has passed (and the
+        jobs in flight have ended), or what can make no progress, is given up and counted
+        skipped (`SkipReason.FLUSH_TIMEOUT`). `progress` is called after each round of
+        writes."""
+        began = time.monotonic()
+        stores = self.stores
+        written_before = 0 if stores is None else stores.ledger.written
+        self.submit_stores()
+        self.poll()
+        while stores is not None:
+            backlog = stores.backlog() if stores.write_back is not None else stores.num_deferred
+            if progress is not None:
+                progress(stores.ledger.written - written_before, backlog)
+            if not backlog and not self._on_done:
+                break
+            if timeout_s is not None and time.monotonic() - began >= timeout_s:
+                break
+            if self._on_done:
+                # What is in flight now (a few write batches and copies), then the next:
+                # the poll copies deferred blocks into the slots the writes cleaned and
+                # starts more writes. The deadline is kept to a round of these.
+                self.transfers.wait(list(self._on_done))
+                self.poll()
+                continue
+            stores.schedule_writebacks(stores.num_deferred)
+            if not self._on_done:
+                self.poll()
+                if not self._on_done:
+                    break  # nothing can move (no slot comes free for what is deferred)
+        unwritten = 0
+        if stores is not None and timeout_s is not None:
+            # Give up what has not started; what is in flight ends and is counted.
+            while stores.backlog():
+                unwritten += stores.abandon_backlog()
+                self.drain()
+        else:
+            self.drain()
+        return FlushReport(0 if stores is None else stores.ledger.written - written_before,
+                           unwritten, time.monotonic() - began)
 
-    def close(self) -> None:
-        """Wait for in-flight work, flush write-backs, stop the I/O threads and close the
-        tiers below the host. Idempotent. Loads not completed keep their GPU references."""
+    def close(self, timeout_s: float | None = None,
+              progress: FlushProgress | None = None) -> FlushReport:
+        """Wait for in-flight work, flush what is pending (`flush`, within `timeout_s`),
+        stop the I/O threads and close the tiers below the host. Idempotent (a second call
+        reports nothing). Loads not completed keep their GPU references."""
         if self._closed:
-            return
-        self.flush()
+            return FlushReport(0, 0, 0.0)
+        report = self.flush(timeout_s, progress)
+        if self.stores is not None and self.stores.backlog():  # what no slot came free for
+            report = FlushReport(report.num_written,
+                                 report.num_unwritten + self.stores.abandon_backlog(),
+                                 report.seconds)
         self.transfers.close()
         self.lower_tiers.close()
         self._closed = True
+        return report
 
     # ---- inspection ----------------------------------------------------------------------
 
@@ -477,4 +564,7 @@ class TierManager:
             host_free_slots=host.num_free_slots if host else 0,
             host_cached=host.num_cached if host else 0, host_dirty=host.num_dirty if host else 0,
             disk=below.get("disk"), num_loads_in_flight=len(self._loads),
-            num_jobs_in_flight=len(self._on_done), remote=below.get("remote"), lower_tiers=below)
+            num_jobs_in_flight=len(self._on_done), remote=below.get("remote"), lower_tiers=below,
+            stores=(self.stores.ledger_stats()
+                    if self.stores is not None and self.stores.write_back is not None
+                    else None))

@@ -5,7 +5,10 @@ tier below the host in turn, each asked once per lookup, in one batched call, fo
 from the first one no faster tier holds onwards (one read transaction on disk, one pipelined
 round trip to a remote store). The prefix ends at the first block that no tier holds, or,
 when the caller decides that reading it is not worth it, at the first block that neither
-the GPU nor the host tier holds.
+the GPU nor the host tier holds. Asked to (`gaps`), the lookup goes on past blocks no tier
+holds, up to the last one some tier holds: their location is None, and the caller computes
+them (a block's hash chains its whole prefix, so a hit behind a gap is still the block that
+prefix would compute).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from kvtier.tier_stack import TierStack
 
 
 def find_prefix(block_hashes: Sequence[BlockHash], tiers: TierStack,
-                read_slow: Callable[[int], bool] | None = None) -> PrefixHit:
+                read_slow: Callable[[int], bool] | None = None,
+                gaps: bool = False) -> PrefixHit:
     """The longest prefix of `block_hashes` held by some tier of `tiers`, each block from the
     fastest tier holding it; counts each looked-up block in `tiers.counters`. `read_slow(i)`,
     asked once at the first block `i` that neither the GPU nor the host holds, says whether
-    to ask the tiers below the host at all."""
+    to ask the tiers below the host at all. `gaps`: blocks no tier holds do not end the
+    prefix (their location is None), only the last held block does."""
     pool, host, counters = tiers.pool, tiers.caching_host, tiers.counters
     gpu_run = pool.lookup_prefix(block_hashes)  # the common case; counts pool stats
-    locations = [Tier.GPU] * len(gpu_run)
+    locations: list[Tier | None] = [Tier.GPU] * len(gpu_run)
     gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
     counters[Tier.GPU].hits += len(gpu_run)
     order = tiers.lookup_order()
@@ -44,6 +49,10 @@ def find_prefix(block_hashes: Sequence[BlockHash], tiers: TierStack,
             slow = read_slow is None or read_slow(i)
         if tier is None and not slow:
             count_lookup(counters, fast_order, None)
+            if gaps:
+                locations.append(None)
+                gpu_blocks.append(None)
+                continue
             break
         if tier is None:
             for k, lower in enumerate(tiers.lower):
@@ -53,10 +62,13 @@ def find_prefix(block_hashes: Sequence[BlockHash], tiers: TierStack,
                     tier = lower.kind
                     break
         count_lookup(counters, order, tier)
-        if tier is None:
+        if tier is None and not gaps:
             break
         locations.append(tier)
         gpu_blocks.append(block)
+    while locations and locations[-1] is None:  # a prefix ends at a held block
+        locations.pop()
+        gpu_blocks.pop()
     return PrefixHit(locations, gpu_blocks)
 
 

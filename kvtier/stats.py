@@ -122,6 +122,8 @@ class ManagerStats:
     remote: the remote tier's own stats (None when it is off or closed).
     lower_tiers: every open tier below the host's own stats, under its name (`disk` and
     `remote` among them).
+    stores: where the blocks offered to the write-back tier went (`kvtier.store_ledger`);
+    None without a write-back tier.
     """
 
     tiers: dict[Tier, TierStats]
@@ -136,6 +138,7 @@ class ManagerStats:
     num_jobs_in_flight: int
     remote: Any = None
     lower_tiers: dict[str, Any] = field(default_factory=dict)
+    stores: Any = None
 
     def bytes_moved(self, direction: Direction) -> int:
         return self.transfers[direction].num_bytes

@@ -11,11 +11,23 @@
     host tier off, a small staging slab carries the bytes on to every tier below, then
     forgets them.
   * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
-    reserved), the block is not waited for. It is remembered, without a reference, and
-    copied once write-backs free a slot, if the GPU still caches it then.
-  * Write-back: the least recently used dirty host blocks are written to the write-back
-    tier (the disk) ahead of demand; a slot is evicted only once its block is clean (its
-    write committed).
+    reserved), the block is not waited for. It keeps its pool reference while the GPU pool
+    has room, and is copied once write-backs free a slot; when an allocation finds the pool
+    short, deferred blocks give their references up (`release_deferred`: those a restore
+    would compute first, the oldest first), so the GPU evicts what is stored below before
+    them and is never held for the disk. A block the GPU reuses before its copy is counted
+    skipped (`SkipReason.GPU_REUSED`), never dropped silently.
+  * Placement: a block may come with a hint that a later restore will load it rather than
+    compute it (the tail of a long prefix, past where the restore fronts are expected to
+    meet). Such blocks take the host slots first, queued or deferred: when blocks come
+    faster than the disk takes them, the disk gets what restores will read.
+  * Write-back: dirty host blocks are written to the write-back tier (the disk) ahead of
+    demand, least recently used first: as many as slots are needed, and while any are dirty
+    at least `write_depth` batches in flight, so the disk writes at its own speed whenever
+    there is a backlog. A slot is evicted only once its block is clean (its write
+    committed).
+  * Ledger: every block offered is accounted for on its way to the write-back tier
+    (`kvtier.store_ledger`): written, a duplicate, skipped with a reason, or pending.
   * Every block once: a block that landed in the host is offered to each tier that takes
     every block (the shared remote store), and written in batches once per step.
 
@@ -34,11 +46,12 @@ import torch
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.stats import Direction, Tier
+from kvtier.store_ledger import SkipReason, StoreLedger, StoreLedgerStats
 from kvtier.tier_stack import TierStack
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockMeta
-from kvtier.transfer import JobId, SwapJob, chunks
+from kvtier.transfer import JobId, SwapJob, chunks, timed_job
 
 #: A batched `submit_pending` starts the queued write-throughs once this many blocks wait,
 #: or once they were offered `STORE_MAX_OFFERS` times (the engine offers twice a step), or
@@ -47,6 +60,14 @@ from kvtier.transfer import JobId, SwapJob, chunks
 #: it filled (docs/ARCHITECTURE.md).
 STORE_BATCH_BLOCKS = 8
 STORE_MAX_OFFERS = 16
+#: Write-back batches kept in flight while dirty host blocks wait, unless the caller says
+#: otherwise: LMDB runs one write transaction at a time, so two keep the next batch ready
+#: (copied and checksummed) while one commits.
+DEFAULT_WRITE_DEPTH = 2
+
+#: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
+#: is expected to load it (written first).
+_Store = tuple[KVCacheBlock, BlockMeta, bool]
 
 
 class StorePath:
@@ -54,7 +75,7 @@ class StorePath:
     manager's tiers (`tiers.host` must exist: the host tier, or the staging slab in front of
     the tiers below)."""
 
-    def __init__(self, tiers: TierStack) -> None:
+    def __init__(self, tiers: TierStack, write_depth: int = DEFAULT_WRITE_DEPTH) -> None:
         assert tiers.host is not None, "stores need the host tier or its staging slab"
         self.tiers, self.pool, self.kv_cache = tiers, tiers.pool, tiers.kv_cache
         self.host: HostTier = tiers.host
@@ -63,14 +84,28 @@ class StorePath:
         self._storing: set[BlockHash] = set()  # write-through in flight
         # Write-through copies in flight, oldest first: job id -> the GPU blocks it holds.
         self._copying: dict[JobId, list[KVCacheBlock]] = {}
-        # Write-throughs not submitted yet: (blocks held with a reference, with their metas;
-        # the compute stream's event after the step that computed them, None on a CPU).
-        self._pending: list[tuple[list[tuple[KVCacheBlock, BlockMeta]],
-                                  torch.cuda.Event | None]] = []
+        # Write-throughs not submitted yet: (blocks held with a reference, with their metas
+        # and hints; the compute stream's event after the step that computed them, None on
+        # a CPU).
+        self._pending: list[tuple[list[_Store], torch.cuda.Event | None]] = []
         self._num_offers = 0  # batched offers the queued write-throughs were held back from
-        # Write-throughs that found no host slot, oldest first (see `_defer`).
-        self._deferred: OrderedDict[BlockHash, tuple[KVCacheBlock, BlockMeta]] = OrderedDict()
+        # Write-throughs that found no host slot, oldest first (see `_defer`): those a
+        # restore is expected to load, then the others. Bounded by the GPU's cached blocks:
+        # an entry leaves when the GPU reuses its block (`drop_evicted`).
+        self._deferred_tail: OrderedDict[BlockHash, _Store] = OrderedDict()
+        self._deferred_head: OrderedDict[BlockHash, _Store] = OrderedDict()
+        self._held: set[int] = set()  # ids of deferred blocks still holding a pool reference
         self._num_writing_back = 0
+        self._write_depth = write_depth
+        #: Where the offered blocks went (kept only with a write-back tier).
+        self.ledger = StoreLedger()
+        # Offered blocks committed dirty on the host (not yet written), and those carried by
+        # the staging slab to the write-back tier: the ledger's pending ones.
+        self._offered_dirty: set[BlockHash] = set()
+        self._num_staged = 0
+        # (start, end) on `time.monotonic` of every write job the write-back tier ran
+        # (appended by the I/O threads): how long it was busy writing.
+        self._write_spans: list[tuple[float, float]] = []
         num_slots, caches = self.host.num_slots, self.host.caches
         self._writeback_reserve = max(1, num_slots // 8) if caches else 0
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
@@ -78,11 +113,14 @@ class StorePath:
         #: write-back cleaned went to the next store, and no disk read ever started.
         self._read_reserve = num_slots // 16 if caches and self.write_back is not None else 0
 
-    def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta]) -> None:
+    def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],
+                      loaded_later: Sequence[bool] | None = None) -> None:
         """Queue newly cached GPU blocks (`metas[i]` names `blocks[i]`) for copying to host
         slots: each is held with a pool reference until `submit_pending` copies or drops it,
         and the copy will follow the work queued on the current stream now (the step that
-        computed the blocks), not the steps launched meanwhile."""
+        computed the blocks), not the steps launched meanwhile. `loaded_later[i]`: a later
+        restore is expected to load block i rather than compute it (it takes a host slot
+        before the others; default False)."""
         if not blocks:
             return
         self.pool.touch(blocks)
@@ -90,12 +128,37 @@ class StorePath:
         if self.kv_cache.is_cuda:
             computed = torch.cuda.Event()
             computed.record(torch.cuda.current_stream(self.kv_cache.device))
-        self._pending.append((list(zip(blocks, metas)), computed))
+        hints = [False] * len(blocks) if loaded_later is None else list(loaded_later)
+        assert len(hints) == len(blocks), "one placement hint per block"
+        if self.write_back is not None:
+            self.ledger.offered += len(blocks)
+        self._pending.append((list(zip(blocks, metas, hints)), computed))
 
     @property
     def num_pending(self) -> int:
         """Blocks queued by `write_through` and not submitted yet."""
-        return sum(len(pairs) for pairs, _ in self._pending)
+        return sum(len(stores) for stores, _ in self._pending)
+
+    @property
+    def num_deferred(self) -> int:
+        """Write-throughs waiting for a host slot (their blocks still cached on the GPU)."""
+        return len(self._deferred_tail) + len(self._deferred_head)
+
+    def backlog(self) -> int:
+        """Offered blocks not yet in the write-back tier nor accounted otherwise: queued,
+        deferred, being copied, dirty on the host or being written (0 without a write-back
+        tier)."""
+        if self.write_back is None:
+            return 0
+        copying = sum(len(blocks) for blocks in self._copying.values())
+        dirty = sum(1 for block_hash in self._offered_dirty
+                    if (slot := self.host.slot_of(block_hash)) is not None
+                    and self.host.is_dirty(slot))
+        return self.num_pending + self.num_deferred + copying + dirty + self._num_staged
+
+    def ledger_stats(self) -> StoreLedgerStats:
+        """Where the offered blocks went (see `kvtier.store_ledger`)."""
+        return self.ledger.snapshot(self.backlog(), _busy_seconds(self._write_spans))
 
     def submit_pending(self, batch: bool = False) -> None:
         """Start the copies `write_through` queued, as one job: a block already stored or
@@ -109,12 +172,12 @@ class StorePath:
             self._num_offers += 1
             return
         pending, self._pending, self._num_offers = self._pending, [], 0
-        pairs = [pair for entry, _ in pending for pair in entry]
-        self.schedule_writebacks(len(pairs) + len(self._deferred))
+        stores = [store for entry, _ in pending for store in entry]
+        self.schedule_writebacks(len(stores) + self.num_deferred)
         # The copy follows every step that computed its blocks.
         after = tuple(dict.fromkeys(event for _, event in pending if event is not None))
-        for block, meta in self._copy_to_host(pairs, held=True, after=after or None):
-            self._defer(block, meta)
+        for store in self._copy_to_host(stores, held=True, after=after or None):
+            self._defer(store)  # keeping its reference
 
     def _batch_due(self) -> bool:
         low = max(STORE_BATCH_BLOCKS, self.pool.num_blocks // 16)
@@ -125,9 +188,64 @@ class StorePath:
         """Once per engine step, after finished jobs ran: retry deferred write-throughs and
         start the write-backs that `num_slots_wanted` more slots (for loads) and the
         deferred ones need."""
-        if self._deferred:
+        if self.num_deferred:
             self._retry_deferred()
-        self.schedule_writebacks(num_slots_wanted + len(self._deferred))
+        self.schedule_writebacks(num_slots_wanted + self.num_deferred)
+
+    def drop_evicted(self, events: Sequence[tuple[BlockHash, int]]) -> None:
+        """The GPU pool reused these (hash, block id) blocks: deferred write-throughs of
+        them can no longer be copied, and are counted skipped (`SkipReason.GPU_REUSED`)."""
+        for block_hash, block_id in events:
+            for deferred in (self._deferred_tail, self._deferred_head):
+                store = deferred.get(block_hash)
+                if store is not None and store[0].block_id == block_id:
+                    del deferred[block_hash]
+                    self._skip(SkipReason.GPU_REUSED)
+
+    def release_deferred(self, num_blocks: int) -> int:
+        """Drop the pool references of up to `num_blocks` deferred write-throughs (the GPU
+        pool is short): those a restore would compute first, each kind oldest first. They
+        stay deferred and enter the free queue as its most recent blocks, so the GPU evicts
+        every other cached block before them. Returns how many were released."""
+        released: list[KVCacheBlock] = []
+        for deferred in (self._deferred_head, self._deferred_tail):
+            for block, _, _ in deferred.values():
+                if len(released) >= num_blocks:
+                    break
+                if block.block_id in self._held:
+                    self._held.discard(block.block_id)
+                    released.append(block)
+        self.pool.free(released)
+        return len(released)
+
+    @property
+    def num_held(self) -> int:
+        """Deferred write-throughs that still hold their GPU block."""
+        return len(self._held)
+
+    def abandon_backlog(self) -> int:
+        """Give up what is still deferred or dirty and not being written (closing ran out of
+        time): counted skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. The
+        writes under way end as they end. Returns how many blocks were given up."""
+        self.release_deferred(len(self._held))
+        num = self.num_deferred
+        self._deferred_tail.clear()
+        self._deferred_head.clear()
+        for slot in self.host.dirty_slots():
+            if self.host.num_pins(slot):  # being written (or read): its write is counted
+                continue
+            block_hash = self.host.meta(slot).block_hash
+            if block_hash in self._offered_dirty:
+                self._offered_dirty.discard(block_hash)
+                num += 1
+            self.host.mark_clean(slot)
+        if self.write_back is not None:
+            self.ledger.skip(SkipReason.FLUSH_TIMEOUT, num)
+        return num
+
+    def _skip(self, reason: SkipReason, num_blocks: int = 1) -> None:
+        if self.write_back is not None:
+            self.ledger.skip(reason, num_blocks)
 
     def write_back_all(self) -> bool:
         """Start writing every dirty, unpinned host block back; False when there is none
@@ -150,52 +268,71 @@ class StorePath:
 
     # ---- write-through -------------------------------------------------------------------
 
-    def _defer(self, block: KVCacheBlock, meta: BlockMeta) -> None:
-        """No host slot for `block`'s write-through now: count it skipped, and retry it when
-        write-backs free slots, if the GPU still caches it then (holding no reference)."""
+    def _defer(self, store: _Store) -> None:
+        """No host slot for this write-through now: count it under the host's rejections,
+        and retry it when write-backs free slots, holding its pool reference until the pool
+        runs short (`release_deferred`; then `drop_evicted` counts it skipped once the GPU
+        reuses its block)."""
         self._counters[Tier.HOST].rejected += 1
-        self._deferred[meta.block_hash] = (block, meta)
-        if len(self._deferred) > self.host.num_slots:  # older ones would be evicted anyway
-            self._deferred.popitem(last=False)
+        deferred = self._deferred_tail if store[2] else self._deferred_head
+        deferred[store[1].block_hash] = store
+        self._held.add(store[0].block_id)
 
     def _retry_deferred(self) -> None:
-        """Write through the deferred blocks the GPU still caches, oldest first, while host
-        slots can be had without waiting. Costs O(slots to be had + stale entries dropped),
-        not O(entries): a host tier that stays dirty keeps up to a slab's worth of them."""
+        """Write through the deferred blocks the GPU still caches, those a restore will load
+        first, each kind oldest first, while host slots can be had without waiting. Costs
+        O(slots to be had + stale entries dropped), not O(entries)."""
         num_room = self._store_room()  # at most: some clean slots are pinned
-        pending: list[tuple[KVCacheBlock, BlockMeta]] = []
-        while self._deferred and len(pending) < num_room:
-            block_hash, (block, meta) = self._deferred.popitem(last=False)
-            if self.pool.get_cached_block(block_hash) is block:  # else reused: dropped
-                pending.append((block, meta))
-        for block, meta in reversed(self._copy_to_host(pending, held=False)):  # in front
-            self._deferred[meta.block_hash] = (block, meta)
-            self._deferred.move_to_end(meta.block_hash, last=False)
+        stores: list[_Store] = []
+        for deferred in (self._deferred_tail, self._deferred_head):
+            while deferred and len(stores) < num_room:
+                block_hash, store = deferred.popitem(last=False)
+                if self.pool.get_cached_block(block_hash) is store[0]:
+                    stores.append(store)
+                else:  # reused by the GPU (its eviction was not reported to us)
+                    self._skip(SkipReason.GPU_REUSED)
+        no_slot = self._copy_to_host(stores, held=False)
+        waiting = {store[0].block_id for store in no_slot}
+        # The copies took references of their own; the deferred ones are dropped.
+        done = [s[0] for s in stores if s[0].block_id in self._held
+                and s[0].block_id not in waiting]
+        self._held.difference_update(block.block_id for block in done)
+        self.pool.free(done)
+        for store in reversed(no_slot):  # back in front
+            deferred = self._deferred_tail if store[2] else self._deferred_head
+            deferred[store[1].block_hash] = store
+            deferred.move_to_end(store[1].block_hash, last=False)
 
-    def _copy_to_host(self, pairs: Sequence[tuple[KVCacheBlock, BlockMeta]], held: bool,
-                      after: tuple[torch.cuda.Event, ...] | None = None
-                      ) -> list[tuple[KVCacheBlock, BlockMeta]]:
-        """Copy cached GPU blocks to host slots, all in one job (`after`: as `SwapJob`'s); a
-        block already stored or being stored is skipped. `held`: each block comes with a
-        pool reference, kept for its copy and dropped otherwise; else the copies take one.
-        Returns, in order, the pairs no slot could be had for (once one finds none, the
-        later ones would not either), holding no reference."""
+    def _copy_to_host(self, stores: Sequence[_Store], held: bool,
+                      after: tuple[torch.cuda.Event, ...] | None = None) -> list[_Store]:
+        """Copy cached GPU blocks to host slots, all in one job (`after`: as `SwapJob`'s),
+        those a restore will load taking slots first; a block already stored or being stored
+        is a duplicate. `held`: each block comes with a pool reference, kept for its copy or
+        its deferral and dropped for a duplicate; else the copies take one. Returns, in
+        order, the stores no slot could be had for (once one finds none, the later ones
+        would not either), still holding their reference when `held`."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        no_slot: list[tuple[KVCacheBlock, BlockMeta]] = []
+        no_slot: list[_Store] = []
         room = self._store_room()
-        for block, meta in pairs:
+        for store in sorted(stores, key=lambda s: not s[2]):  # stable: loaded ones first
+            block, meta, _ = store
             # (A staging slab caches nothing: the tiers' writes skip blocks they hold.)
-            if meta.block_hash in self._storing or self.host.contains(meta.block_hash):
+            if (meta.block_hash in self._storing or meta.block_hash in self._deferred_tail
+                    or meta.block_hash in self._deferred_head
+                    or self.host.contains(meta.block_hash)):
+                if self.write_back is not None:
+                    self.ledger.duplicate += 1
                 continue
             slot = None if no_slot or len(items) >= room else self.host.allocate_slot(meta)
             if slot is None:  # not waited for
-                no_slot.append((block, meta))
+                no_slot.append(store)
                 continue
             items.append((block, meta, slot))
             self._storing.add(meta.block_hash)
         if held:  # in sequence order, as the pool frees a chain
-            copied = {block.block_id for block, _, _ in items}
-            self.pool.free([block for block, _ in pairs if block.block_id not in copied])
+            kept = {block.block_id for block, _, _ in items}
+            kept.update(block.block_id for block, _, _ in no_slot)
+            self.pool.free([block for block, _, _ in stores if block.block_id not in kept])
         elif items:
             self.pool.touch([block for block, _, _ in items])
         if items:
@@ -233,9 +370,13 @@ class StorePath:
         self._storing.difference_update(meta.block_hash for _, meta, _ in items)
         slots = [slot for _, _, slot in items]
         self._counters[Tier.HOST].failures += 0 if ok else len(items)
+        if not ok:
+            self._skip(SkipReason.FAILED, len(items))
         staged = []
         for slot in slots:  # a failed copy, or a block another copy cached first, is dropped
             if ok and self.host.commit(slot, dirty=self.write_back is not None):
+                if self.write_back is not None:
+                    self._offered_dirty.add(self.host.meta(slot).block_hash)
                 self.host.unpin(slot)
                 for offers in self.tiers.offers:  # pinned until its batch is written
                     if offers.is_new(self.host.meta(slot).block_hash):
@@ -244,7 +385,11 @@ class StorePath:
             elif ok and not self.host.caches:
                 staged.append(slot)
             else:
+                if ok and self.write_back is not None:  # another copy cached it first
+                    self.ledger.duplicate += 1
                 self.host.free_slot(slot)
+        if self.write_back is not None:
+            self._num_staged += len(staged)
         # A staging slab carries its blocks down at once, then forgets them.
         below = self.tiers.lower.staging_order()
         for chunk in chunks(staged, below[0].write_batch if below else 1):
@@ -259,19 +404,30 @@ class StorePath:
         offers = self.tiers.offers_to(tiers[0])
         if offers is not None:
             offers.remember([self.host.meta(slot).block_hash for slot in slots])
-        self._write(tiers[0], slots, lambda: self._write_staged(slots, tiers[1:]))
+        offered = tiers[0] is self.write_back
+
+        def then() -> None:
+            if offered:  # the write accounted for them in the ledger
+                self._num_staged -= len(slots)
+            self._write_staged(slots, tiers[1:])
+
+        self._write(tiers[0], slots, then, offered)
 
     # ---- write-back ----------------------------------------------------------------------
 
     def schedule_writebacks(self, num_needed: int) -> None:
         """Start writing dirty host blocks back, least recently used first, so that
-        `num_needed` slots plus a small reserve can be had without waiting."""
-        if self.write_back is None:
+        `num_needed` slots plus a small reserve can be had without waiting, and so that
+        `write_depth` batches are in flight while any dirty block waits (the disk writes at
+        its speed whenever there is a backlog)."""
+        if self.write_back is None or not self.host.num_dirty:
             return
         available = self.host.num_free_slots + self.host.num_clean + self._num_writing_back
         shortfall = num_needed + self._writeback_reserve - available
-        if shortfall > 0:
-            for chunk in chunks(self.host.writeback_candidates(shortfall),
+        depth = self._write_depth * self.write_back.write_batch - self._num_writing_back
+        wanted = max(shortfall, depth)
+        if wanted > 0:
+            for chunk in chunks(self.host.writeback_candidates(wanted),
                                 self.write_back.write_batch):
                 self._write_back(chunk)
 
@@ -282,26 +438,54 @@ class StorePath:
             self.host.pin(slot)
         self._num_writing_back += len(slots)
 
+        offered = [self.host.meta(slot).block_hash in self._offered_dirty for slot in slots]
+
         def finish() -> None:
             for slot in slots:
                 # Clean even when the write failed or was refused: the block is then lost
-                # on eviction, but a broken or full disk must not wedge the host tier.
+                # on eviction (counted skipped), but a broken or full disk must not wedge
+                # the host tier.
+                self._offered_dirty.discard(self.host.meta(slot).block_hash)
                 self.host.unpin(slot)
                 self.host.mark_clean(slot)
             self._num_writing_back -= len(slots)
 
-        self._write(self.write_back, slots, finish)
+        self._write(self.write_back, slots, finish, offered)
 
-    def _write(self, tier: LowerTier, slots: list[SlotId], then: Callable[[], object]) -> None:
+    def _write(self, tier: LowerTier, slots: list[SlotId], then: Callable[[], object],
+               offered: bool | list[bool] = False) -> None:
         """Write host slots (pinned or reserved by the caller) to `tier` on the I/O pool with
-        the job the tier builds; count what it refused or lost, then run `then()`."""
+        the job the tier builds; count what it refused or lost, then run `then()`.
+        `offered` (per slot, or for all): the slot carries a block the ledger follows."""
         payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
         job, stored = tier.write_job([self.host.meta(slot) for slot in slots], payloads)
+        if tier is self.write_back:
+            job = timed_job(job, self._write_spans)
         counters = self._counters[tier.kind]
+        followed = [offered] * len(slots) if isinstance(offered, bool) else offered
 
         def finish(ok: bool) -> None:  # `stored` is empty when the job raised
             counters.rejected += stored.count(False)
             counters.failures += len(slots) - len(stored)
+            for index, follow in enumerate(followed):
+                if not follow:
+                    continue
+                if index >= len(stored):
+                    self.ledger.skip(SkipReason.FAILED)
+                elif stored[index]:
+                    self.ledger.written += 1
+                else:
+                    self.ledger.skip(SkipReason.REFUSED)
             then()
 
         self.tiers.submit(job, finish)
+
+
+def _busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) `spans`."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

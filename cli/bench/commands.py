@@ -15,6 +15,7 @@ from kvtier.cli.bench import tables
 from kvtier.cli.bench.diskread import run_diskread_bench
 from kvtier.cli.bench.kernels import run_kernel_bench
 from kvtier.cli.bench.longctx import (
+    EXTRA_STRATEGIES,
     STRATEGIES,
     LongctxConfig,
     run_longctx_bench,
@@ -89,7 +90,12 @@ def longctx(
     max_batched_tokens: int = typer.Option(2048, help="Token budget of one engine step "
                                            "(prefill chunk size)."),
     strategies: str = typer.Option(",".join(STRATEGIES), help="Comma-separated strategies "
-                                   "to compare; recompute is the baseline and required."),
+                                   "to compare; recompute is the baseline and required. Also "
+                                   "host_small_disk: the disk behind a host tier smaller "
+                                   "than the documents (--host-cache-gb)."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
+                                               "host tier in GiB (default: an eighth of the "
+                                               "documents' KV)."),
     disk_dir: Path | None = typer.Option(None, help="Where the disk strategy keeps its "
                                          "temporary tier (default: the system temporary "
                                          "directory); it is removed afterwards."),
@@ -116,9 +122,10 @@ def longctx(
                            doc_tokens=lengths[0], question_tokens=question_tokens,
                            max_tokens=max_tokens, block_size=block_size, gpu_blocks=gpu_blocks,
                            max_batched_tokens=max_batched_tokens,
-                           strategies=_parse_names(strategies, STRATEGIES, "--strategies"),
+                           strategies=_parse_names(strategies, STRATEGIES + EXTRA_STRATEGIES,
+                                                   "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
-                           compare_hf=compare_hf,
+                           compare_hf=compare_hf, host_cache_gb=host_cache_gb,
                            cold=cold, attn_backend=attn_backend, deterministic=deterministic)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
@@ -158,7 +165,8 @@ def serve(
     modes: str = typer.Option(",".join(SERVE_MODES), help="Comma-separated tier modes; the "
                               "first is the baseline of the ratios. Also host_third: the "
                               "host tier of host_disk without the disk; host_disk_all: "
-                              "host_disk asking the disk for every prefix."),
+                              "host_disk asking the disk for every prefix; host_small_disk: a "
+                              "host tier of --host-cache-gb, then disk."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),
@@ -180,6 +188,13 @@ def serve(
         None, "--remote-cache", help="Give the tiered modes a remote tier on this Redis URL "
         "(a fresh key prefix per engine)."),
     deterministic: bool = typer.Option(False, "--deterministic", help=_DETERMINISTIC_HELP),
+    doc_tokens: int = typer.Option(0, help="Tokens of a document of each conversation's own, "
+                                   "after the system prompt."),
+    lockstep: bool = typer.Option(False, "--lockstep", help="Send every conversation's next "
+                                  "request together, once the round's answers are all in."),
+    host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
+                                               "host tier in GiB (default: an eighth of what "
+                                               "all conversations need)."),
 ) -> None:
     """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk
     (or, with --url, against a running server)."""
@@ -205,7 +220,8 @@ def serve(
                          compare_hf=compare_hf, hf_batch=hf_batch,
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
                          repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache,
-                         attn_backend=attn_backend, deterministic=deterministic)
+                         attn_backend=attn_backend, deterministic=deterministic,
+                         doc_tokens=doc_tokens, lockstep=lockstep, host_cache_gb=host_cache_gb)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

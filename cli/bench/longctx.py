@@ -11,6 +11,9 @@ a time. Strategies, side by side on one loaded model:
     disk       round one on an engine that is then closed (its host tier flushed to disk);
                round two on a fresh engine whose host tier starts empty, so the documents'
                blocks come from the LMDB disk tier
+    host_small_disk  as disk, but behind a host tier smaller than the documents
+               (`host_cache_gb`, by default an eighth of them): the disk tier is fed while
+               the host tier is full, as on a machine whose RAM is short
 
 Round two restores bidirectionally (`engine.restore`): each request computes its document's
 head while the tail loads, and the two fronts meet where the tier's speed puts them; the
@@ -23,6 +26,11 @@ tier's own read bandwidth and the raw sequential read bandwidth of a file of one
 KV size on the same disk are measured, alternately, three times each (`cli.bench.diskread`;
 medians), cold with `cold` only: the page cache is never dropped without it (the reads are
 then warm, and the result says so).
+With `cold`, the disk strategies run round two a second time on another fresh engine
+without dropping the page cache: cold and warm (page cache) restores are reported apart.
+Each disk strategy reports where round one's blocks went (`disk_writes`: written, skipped
+with reasons, lost, the tier's write GB/s beside a raw sequential write of the same disk
+measured in the same run).
 
 The engine's stats are sampled after every step (tier occupancy, bytes moved per direction,
 the restore fronts), which gives the swap timeline. Round-two TTFT p50/p90/p99 per strategy
@@ -44,6 +52,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvtier.cli.bench.disk_writes import disk_writes, raw_sequential_write
 from kvtier.cli.bench.diskread import (
     disk_tier_read,
     drop_page_cache,
@@ -63,6 +72,9 @@ from kvtier.stats import Direction
 from kvtier.tiers.disk.check import DATA_FILE
 
 STRATEGIES = ("recompute", "host", "disk")
+#: Strategies run only when named: the disk behind a small host tier.
+EXTRA_STRATEGIES = ("host_small_disk",)
+DISK_STRATEGIES = ("disk", "host_small_disk")
 GIB = 1 << 30
 #: The goal the engine issue sets for a 32K-token prompt on the GPU: restoring its KV from the
 #: host tier gives the first token at least this many times sooner than recomputing it.
@@ -97,6 +109,7 @@ class LongctxConfig:
     cold: bool = False
     attn_backend: str = "auto"
     deterministic: bool = False  # also run every strategy in the deterministic mode
+    host_cache_gb: float | None = None  # host_small_disk's host tier; None: 1/8 of the docs
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -105,10 +118,13 @@ class LongctxConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, "
                                  f"got {getattr(self, name)}")
         check_attn_backend(self.attn_backend)
-        unknown = [s for s in self.strategies if s not in STRATEGIES]
+        unknown = [s for s in self.strategies if s not in STRATEGIES + EXTRA_STRATEGIES]
         if unknown or "recompute" not in self.strategies:
-            raise ValueError(f"--strategies must name some of {STRATEGIES} including "
-                             f"'recompute' (the baseline of every ratio); got {self.strategies}")
+            raise ValueError(f"--strategies must name some of {STRATEGIES + EXTRA_STRATEGIES} "
+                             f"including 'recompute' (the baseline of every ratio); got "
+                             f"{self.strategies}")
+        if self.host_cache_gb is not None and self.host_cache_gb <= 0:
+            raise ValueError(f"--host-cache-gb must be positive, got {self.host_cache_gb}")
         if self.gpu_blocks is not None and self.gpu_blocks < self.request_blocks:
             raise ValueError(f"--gpu-blocks {self.gpu_blocks} cannot hold one request "
                              f"({self.request_blocks} blocks); raise it or shorten --doc-tokens")
@@ -177,17 +193,22 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
                                "max_num_batched_tokens": config.max_batched_tokens,
                                "host_cache": strategy != "recompute",
                                "host_cache_gb": tier_bytes / GIB,
-                               "disk_cache": strategy == "disk",
+                               "disk_cache": strategy in DISK_STRATEGIES,
                                "disk_cache_gb": tier_bytes / GIB,
                                "deterministic": deterministic}
-    if strategy == "disk":
-        options["disk_cache_dir"] = disk_dir
+    if strategy == "host_small_disk":
+        small = config.host_cache_gb
+        options["host_cache_gb"] = small if small is not None else max(
+            tier_bytes // 8, 2 * layout.bytes_per_block) / GIB
+    if strategy in DISK_STRATEGIES:
+        options["disk_cache_dir"] = disk_dir / strategy
     return options
 
 
 def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                   docs: list[list[int]], first: list[list[int]], second: list[list[int]],
                   disk_dir: Path, progress: Progress,
+                  raw_write: dict[str, Any] | None = None,
                   deterministic: bool = False) -> dict[str, Any]:
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     layout = loaded.config.kv_layout(config.block_size, next(loaded.model.parameters()).dtype)
@@ -195,12 +216,20 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     recorder = StepRecorder()
     outputs: dict[str, list[RequestOutput]] = {}
     cold: bool | None = None  # whether every round-two request followed a dropped page cache
+    writes = None
     with LLM(loaded, **options) as llm:
         device = llm.device
         recorder.start(llm, "round 1")
         progress(f"{strategy}: round 1, prefilling {config.num_docs} documents")
         outputs["round1"] = [run_one(llm, d + q, params, recorder) for d, q in zip(docs, first)]
-        if strategy != "disk":
+        if strategy in DISK_STRATEGIES:  # what reached the disk, closing included
+            flush = llm.close()
+            writes = disk_writes(llm.manager.stats(lower_tiers=False), raw_write)
+            if writes is not None:
+                writes["flush_on_close"] = {"written": flush.num_written,
+                                            "unwritten": flush.num_unwritten,
+                                            "seconds": flush.seconds}
+        else:
             recorder.start(llm, "round 2")
             progress(f"{strategy}: round 2, asking about each document again")
             outputs["round2"] = []
@@ -210,24 +239,27 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     del llm
     free_engine_memory(device)
     resident: list[float | None] = []  # share of the disk tier's file cached after a drop
-    if strategy == "disk":
+    if strategy in DISK_STRATEGIES:
         # A fresh engine over the same directory: its host tier is empty, so every block
-        # that is not recomputed comes from disk.
-        with LLM(loaded, **options) as llm:
-            recorder.start(llm, "round 2")
-            progress(f"{strategy}: round 2 on a fresh engine, restoring from disk")
-            outputs["round2"] = []
-            for i, (d, q) in enumerate(zip(docs, second)):
-                cold = _pause(config, cold, progress)
-                if config.cold:
-                    resident.append(resident_fraction(disk_dir / DATA_FILE))
-                outputs["round2"].append(run_one(llm, d + q, params, recorder))
-                share = "" if not resident or resident[-1] is None else \
-                    f" ({resident[-1]:.1%} of the tier's file cached after the drop)"
-                progress(f"{strategy}: round 2, document {i + 1}/{len(docs)}: TTFT "
-                         f"{outputs['round2'][-1].metrics.ttft_s * 1e3:.1f} ms{share}")
-        del llm
-        free_engine_memory(device)
+        # that is not recomputed comes from disk. With `cold`, a second fresh engine then
+        # reads the same blocks from the page cache (warm).
+        for name, drop in (("round2", config.cold), ("round2_warm", False))[:1 + config.cold]:
+            with LLM(loaded, **options) as llm:
+                recorder.start(llm, {"round2": "round 2", "round2_warm": "round 2 warm"}[name])
+                progress(f"{strategy}: {name} on a fresh engine, restoring from disk")
+                outputs[name] = []
+                for i, (d, q) in enumerate(zip(docs, second)):
+                    if drop:
+                        cold = _pause(config, cold, progress)
+                        resident.append(resident_fraction(options["disk_cache_dir"]
+                                                          / DATA_FILE))
+                    outputs[name].append(run_one(llm, d + q, params, recorder))
+                    share = "" if not drop or resident[-1] is None else \
+                        f" ({resident[-1]:.1%} of the tier's file cached after the drop)"
+                    progress(f"{strategy}: {name}, document {i + 1}/{len(docs)}: TTFT "
+                             f"{outputs[name][-1].metrics.ttft_s * 1e3:.1f} ms{share}")
+            del llm
+            free_engine_memory(device)
     round2 = outputs["round2"]
     bs = config.block_size
     doc_blocks = config.doc_tokens // bs
@@ -247,6 +279,9 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                    "computed": sum(o.metrics.computed_tokens for o in round2)},
         "bytes_moved": moved,
         "meeting_blocks": meeting,
+        "ttft_warm_s": (summarize([o.metrics.ttft_s for o in outputs["round2_warm"]])
+                        if "round2_warm" in outputs else None),
+        "disk_writes": writes,
         "cold": cold,
         "resident_after_drop": resident,
         "num_steps": len(recorder.samples),
@@ -255,7 +290,10 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                                   default=0),
         "timeline": recorder.samples,
         "token_ids": {name: [list(o.outputs[0].token_ids) for o in outs]
-                      for name, outs in outputs.items()},
+                      for name, outs in outputs.items() if name != "round2_warm"},
+        "warm_identical": ("round2_warm" not in outputs or
+                           [list(o.outputs[0].token_ids) for o in outputs["round2_warm"]]
+                           == [list(o.outputs[0].token_ids) for o in round2]),
     }
 
 
@@ -335,11 +373,21 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
     with tempfile.TemporaryDirectory(prefix="kvtier-longctx-", dir=config.disk_dir) as scratch:
         disk_dir = Path(scratch) / "kv"
         disk_read: dict[str, Any] | None = None
+        raw_write = None
+        if any(s in DISK_STRATEGIES for s in config.strategies):
+            # The bar for the tier's writes: this disk's own sequential writes, one
+            # document's KV (at most 4 GiB).
+            weight = next(loaded.model.parameters())
+            doc_bytes = config.doc_tokens * loaded.config.kv_layout(
+                config.block_size, weight.dtype).bytes_per_token
+            disk_dir.mkdir(parents=True, exist_ok=True)
+            report("raw sequential write of one document's KV size")
+            raw_write = raw_sequential_write(disk_dir, min(doc_bytes, 4 * GIB))
         for strategy in config.strategies:
             strategies[strategy] = _run_strategy(strategy, loaded, config, docs, first, second,
-                                                 disk_dir, report)
+                                                 disk_dir, report, raw_write)
             if strategy == "disk":
-                disk_read = _measure_disk(loaded, config, disk_dir, report)
+                disk_read = _measure_disk(loaded, config, disk_dir / strategy, report)
     deterministic: dict[str, dict[str, Any]] | None = None
     if config.deterministic:
         deterministic = {}
@@ -348,7 +396,8 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
             for strategy in config.strategies:
                 deterministic[strategy] = _run_strategy(
                     strategy, loaded, config, docs, first, second, Path(scratch) / "kv",
-                    lambda m: report(f"deterministic mode: {m}"), deterministic=True)
+                    lambda m: report(f"deterministic mode: {m}"), raw_write,
+                    deterministic=True)
     baseline = strategies["recompute"]["ttft_s"]["p50"]
     for result in strategies.values():
         result["speedup_vs_recompute"] = baseline / result["ttft_s"]["p50"]
@@ -395,7 +444,8 @@ def run_longctx_bench(config: LongctxConfig, progress: Progress | None = None,
         },
         "strategies": strategies,
         "disk_read": disk_read,
-        "outputs_identical": all(result["token_ids"] == reference
+        "raw_write": raw_write,
+        "outputs_identical": all(result["token_ids"] == reference and result["warm_identical"]
                                  for result in strategies.values()),
         "equal_to_baseline": _equal_requests(strategies),
         **(_deterministic_report(strategies, deterministic) if deterministic else {}),

@@ -7,7 +7,13 @@ question. A client sends its next request as soon as its answer arrives, so the 
 has up to `num_conversations` requests while the GPU block budget holds only part of their
 contexts: finished histories are evicted from the GPU, and a tier brings them back when the
 conversation returns. Token ids are seeded random; sampling is greedy with a fixed answer
-length, so every mode must produce the same conversations.
+length, so every mode must produce the same conversations. With `doc_tokens`, each
+conversation starts with a document of its own after the system prompt; with `lockstep`,
+every conversation's next request is sent together, once all of the round's answers are in.
+
+The disk modes report where the computed blocks went (`disk_writes`: written, skipped with
+their reasons, lost, which must be 0; the tier's write GB/s beside a raw sequential write
+of the same disk measured once in the run).
 
 With `deterministic`, every mode also runs in the deterministic mode (batch-invariant
 kernels, `EngineConfig.deterministic`): the result says, per numerics and mode, how many
@@ -31,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvtier.cli.bench.disk_writes import disk_writes, raw_sequential_write
 from kvtier.cli.bench.longctx import (
     check_attn_backend,
     free_engine_memory,
@@ -44,8 +51,11 @@ from kvtier.engine.loader import LoadedModel
 #: off: tiers off. host: a host tier that holds every conversation. host_third: a host tier
 #: that holds a third of them (host_disk's), no disk. host_disk: that host tier, then disk.
 #: host_disk_all: host_disk with the disk asked for every prefix (restore_min_saving_s 0).
+#: host_small_disk: a host tier of `host_cache_gb` (default an eighth of the conversations),
+#: then disk.
 MODES = ("off", "host", "host_disk")
-EXTRA_MODES = ("host_third", "host_disk_all")
+EXTRA_MODES = ("host_third", "host_disk_all", "host_small_disk")
+DISK_MODES = ("host_disk", "host_disk_all", "host_small_disk")
 GIB = 1 << 30
 
 Progress = Callable[[str], None]
@@ -79,9 +89,16 @@ class ServeConfig:
     remote_cache: str | None = None  # a Redis URL: the tiered modes also get a remote tier
     attn_backend: str = "auto"
     deterministic: bool = False  # also run every mode in the deterministic mode
+    doc_tokens: int = 0  # a document of each conversation's own after the system prompt
+    lockstep: bool = False  # every conversation's next request sent together
+    host_cache_gb: float | None = None  # host_small_disk's host tier (None: 1/8 of all)
 
     def __post_init__(self) -> None:
         check_attn_backend(self.attn_backend)
+        if self.doc_tokens < 0:
+            raise ValueError(f"--doc-tokens must be >= 0, got {self.doc_tokens}")
+        if self.host_cache_gb is not None and self.host_cache_gb <= 0:
+            raise ValueError(f"--host-cache-gb must be positive, got {self.host_cache_gb}")
         for name in ("num_conversations", "num_rounds", "system_tokens", "user_tokens",
                      "max_tokens", "block_size", "max_batched_tokens", "hf_batch",
                      "hf_prompt_tokens", "repeats", "runs"):
@@ -101,7 +118,8 @@ class ServeConfig:
     @property
     def context_tokens(self) -> int:
         """Tokens of a conversation after its last answer."""
-        return self.system_tokens + self.num_rounds * (self.user_tokens + self.max_tokens)
+        return (self.system_tokens + self.doc_tokens
+                + self.num_rounds * (self.user_tokens + self.max_tokens))
 
     @property
     def request_blocks(self) -> int:
@@ -110,7 +128,7 @@ class ServeConfig:
     @property
     def working_set_blocks(self) -> int:
         """Blocks every conversation's final context needs, the shared system prompt once."""
-        own_tokens = self.num_rounds * (self.user_tokens + self.max_tokens)
+        own_tokens = self.doc_tokens + self.num_rounds * (self.user_tokens + self.max_tokens)
         return (math.ceil(self.system_tokens / self.block_size)
                 + self.num_conversations * math.ceil(own_tokens / self.block_size))
 
@@ -129,6 +147,10 @@ def make_conversations(config: ServeConfig,
     system = rng.integers(16, vocab_size, config.system_tokens).tolist()
     questions = [[rng.integers(16, vocab_size, config.user_tokens).tolist()
                   for _ in range(config.num_rounds)] for _ in range(config.num_conversations)]
+    if config.doc_tokens:  # the document goes in front of the first question
+        for conversation in questions:
+            conversation[0] = rng.integers(16, vocab_size, config.doc_tokens).tolist() \
+                + conversation[0]
     return system, questions
 
 
@@ -139,14 +161,17 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
                                "max_num_seqs": config.num_conversations,
                                "max_num_batched_tokens": config.max_batched_tokens,
                                "host_cache": mode != "off",
-                               "disk_cache": mode.startswith("host_disk")}
+                               "disk_cache": mode in DISK_MODES}
     if mode == "host":
         options["host_cache_gb"] = 5 * everything / 4 / GIB
     elif mode in ("host_third", "host_disk", "host_disk_all"):
         # The host tier holds a third of the conversations; the rest must go to disk (or,
         # without one, be computed again).
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
-    if mode.startswith("host_disk"):
+    elif mode == "host_small_disk":
+        options["host_cache_gb"] = config.host_cache_gb if config.host_cache_gb is not None \
+            else max(everything // 8, 2 * bytes_per_block) / GIB
+    if mode in DISK_MODES:
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
     if mode == "host_disk_all":
         options["restore_min_saving_s"] = 0.0
@@ -170,7 +195,8 @@ def _equal_to_baseline(runs: dict[str, list[dict[str, Any]]], baseline: str,
 
 def _play_modes(loaded: LoadedModel, config: ServeConfig, system: list[int],
                 questions: list[list[list[int]]], bytes_per_block: int, deterministic: bool,
-                report: Progress) -> dict[str, list[dict[str, Any]]]:
+                report: Progress, raw_write: dict[str, Any] | None = None,
+                ) -> dict[str, list[dict[str, Any]]]:
     """Every mode's runs (after one untimed warm-up pass of the first mode)."""
     weight = next(loaded.model.parameters())
     numerics = "deterministic" if deterministic else "default"
@@ -194,14 +220,15 @@ def _play_modes(loaded: LoadedModel, config: ServeConfig, system: list[int],
                 options = _tier_options(mode, config, bytes_per_block)
                 with LLM(loaded, disk_cache_dir=scratch, deterministic=deterministic,
                          **options) as llm:
-                    runs[mode].append(_run_mode(llm, config, system, questions))
+                    runs[mode].append(_run_mode(llm, config, system, questions, raw_write))
                 del llm
                 free_engine_memory(weight.device)
     return runs
 
 
 def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
-              questions: list[list[list[int]]]) -> dict[str, Any]:
+              questions: list[list[list[int]]],
+              raw_write: dict[str, Any] | None = None) -> dict[str, Any]:
     """Drive the closed-loop clients to the end; per-request metrics and the histories."""
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     histories = [list(system) for _ in range(config.num_conversations)]
@@ -216,6 +243,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
     for conversation in range(config.num_conversations):
         send(conversation)
     finished: list[RequestOutput] = []
+    answered: list[int] = []  # with lockstep: conversations waiting for the round to end
     while owner:
         for output in llm.step():
             conversation = owner.pop(output.request_id)
@@ -223,7 +251,11 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
             histories[conversation] += output.outputs[0].token_ids
             rounds[conversation] += 1
             if rounds[conversation] < config.num_rounds:
-                send(conversation)
+                answered.append(conversation)
+            if not config.lockstep or not owner:
+                for waiting in sorted(answered):
+                    send(waiting)
+                answered = []
     elapsed = time.perf_counter() - start
     llm.manager.drain()  # bytes moved count the writes the run started, landed or not yet
     ttft = [o.metrics.ttft_s for o in finished]
@@ -233,6 +265,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
     num_generated = sum(len(o.outputs[0].token_ids) for o in finished)
     stats = llm.stats()
     return {
+        "disk_writes": disk_writes(stats, raw_write),
         "elapsed_s": elapsed,
         "num_requests": len(finished),
         "generated_tokens": num_generated,
@@ -405,12 +438,19 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
     weight = next(loaded.model.parameters())
     layout = loaded.config.kv_layout(config.block_size, weight.dtype)
     system, questions = make_conversations(config, loaded.config.vocab_size)
-    runs = _play_modes(loaded, config, system, questions, layout.bytes_per_block, False, report)
+    raw_write = None
+    if any(mode in DISK_MODES for mode in config.modes):
+        report("raw sequential write of a third of the working set (at most 4 GiB)")
+        with tempfile.TemporaryDirectory(prefix="kvtier-serve-") as scratch:
+            raw_write = raw_sequential_write(scratch, min(
+                config.working_set_blocks * layout.bytes_per_block // 3, 4 * GIB))
+    runs = _play_modes(loaded, config, system, questions, layout.bytes_per_block, False,
+                       report, raw_write)
     equal = _equal_to_baseline(runs, config.modes[0])
     det_runs = None
     if config.deterministic:
         det_runs = _play_modes(loaded, config, system, questions, layout.bytes_per_block,
-                               True, report)
+                               True, report, raw_write)
         det_equal = _equal_to_baseline(det_runs, config.modes[0])
         for mode_runs in det_runs.values():
             for r in mode_runs:
@@ -435,6 +475,7 @@ def run_serve_bench(config: ServeConfig, progress: Progress | None = None) -> di
             for name, m in modes.items()},
         "outputs_identical": all(h == histories[0] for h in histories),
         "equal_to_baseline": equal,
+        "raw_write": raw_write,
     }
     if det_runs is not None:
         det_modes = {mode: _median_run(mode_runs) for mode, mode_runs in det_runs.items()}

@@ -50,6 +50,12 @@ def print_longctx(result: dict[str, Any]) -> None:
         typer.echo(f"transformers' forward pass, same prompts and weights: TTFT p50 "
                    f"{ms(hf['ttft_s']['p50'])} ms; engine recompute / transformers = "
                    f"{hf['engine_recompute_vs_hf']:.2f}x")
+    print_disk_writes({name: f.get("disk_writes") for name, f in result["strategies"].items()})
+    warm = {name: f["ttft_warm_s"] for name, f in result["strategies"].items()
+            if f.get("ttft_warm_s") is not None}
+    for name, ttft in warm.items():
+        typer.echo(f"{name}: warm page cache, a second fresh engine: TTFT p50 "
+                   f"{ms(ttft['p50'])} ms, worst {ms(ttft['p99'])} ms")
     print_disk_read(result)
 
 
@@ -77,6 +83,21 @@ def print_numerics(result: dict[str, Any], key: str, what: str) -> None:
                   *("-" if value is None else f"{value:.2f}x"
                     for value in result["deterministic_cost"][name].values()))
                  for name in default])
+
+
+def print_disk_writes(writes: dict[str, dict[str, Any] | None]) -> None:
+    """Per mode with a disk tier: where its computed blocks went, and its write speed."""
+    rows = [(name, f"{w['offered']:,}", f"{w['written']:,}", f"{w['duplicate']:,}",
+             ", ".join(f"{k} {v:,}" for k, v in w["skipped"].items() if v) or "0",
+             f"{w['pending']:,}", f"{w['lost']:,}",
+             "-" if w["write_gb_s"] is None else f"{w['write_gb_s']:.2f}",
+             "-" if w["raw_write_gb_s"] is None else f"{w['raw_write_gb_s']:.2f}")
+            for name, w in writes.items() if w is not None]
+    if rows:
+        print_table("Blocks computed and offered to the disk tier (lost must be 0); GB/s while "
+                    "writing, beside a raw sequential write of the same disk",
+                    ("mode", "offered", "written", "dup", "skipped", "pending", "lost",
+                     "tier GB/s", "raw GB/s"), rows)
 
 
 def print_disk_read(result: dict[str, Any]) -> None:
@@ -165,6 +186,7 @@ def print_serve(result: dict[str, Any]) -> None:
                     [(name, " / ".join(f"{r['throughput_tok_s']:,.1f}" for r in m["runs"]),
                       " / ".join(ms(r["ttft_p99_s"]) for r in m["runs"]))
                      for name, m in modes.items()])
+    print_disk_writes({name: m.get("disk_writes") for name, m in modes.items()})
     comparison = result.get("hf_comparison")
     if comparison:
         print_table("engine (tiers off) vs transformers generate(): tokens/s",

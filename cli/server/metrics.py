@@ -96,6 +96,21 @@ class _EngineCollector(Collector):
             disk.add_metric(["used"], stats.disk.bytes_used)
             disk.add_metric(["budget"], stats.disk.budget_bytes)
             yield disk
+        if stats.stores is not None:  # where the blocks offered to the disk went
+            ledger = stats.stores
+            yield CounterMetricFamily("kvtier_disk_offered_blocks", "Computed blocks offered "
+                                      "to the disk tier", value=ledger.offered)
+            yield CounterMetricFamily("kvtier_disk_written_blocks", "Offered blocks the disk "
+                                      "tier holds", value=ledger.written)
+            skipped = CounterMetricFamily("kvtier_disk_skipped_blocks", "Offered blocks not "
+                                          "written, by reason", labels=["reason"])
+            for reason, num in ledger.skipped.items():
+                skipped.add_metric([reason], num)
+            yield skipped
+            yield GaugeMetricFamily("kvtier_disk_pending_blocks", "Offered blocks on their "
+                                    "way to the disk tier", value=ledger.pending)
+            yield GaugeMetricFamily("kvtier_disk_lost_blocks", "Offered blocks not accounted "
+                                    "for (must stay 0)", value=ledger.lost)
         yield GaugeMetricFamily("kvtier_loads_in_flight", "Restores not completed yet",
                                 value=stats.num_loads_in_flight)
         yield GaugeMetricFamily("kvtier_requests_running", "Requests in the running batch",

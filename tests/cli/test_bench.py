@@ -359,3 +359,62 @@ def test_serve_and_longctx_report_both_numerics_with_deterministic(runner):
     assert longctx.exit_code == 0, longctx.output
     assert "default vs deterministic mode: requests equal to recompute" in longctx.stdout
     assert "2 of 2" in longctx.stdout
+
+
+# A host tier of 4 blocks of the tiny model (8 KiB each): far smaller than the work.
+SMALL_HOST = ["--host-cache-gb", str(4 * 8192 / 2**30)]
+
+
+def test_longctx_host_small_disk_accounts_for_every_block(runner, tmp_path):
+    result = runner.invoke(app, [*LONGCTX, "--strategies", "recompute,disk,host_small_disk",
+                                 *SMALL_HOST, "--disk-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    assert report["raw_write"]["gb_s"] > 0
+    for name in ("disk", "host_small_disk"):
+        writes = report["strategies"][name]["disk_writes"]
+        # Round one's engine was closed: nothing pending, nothing lost, the rest skipped
+        # with a reason.
+        assert writes["lost"] == 0 and writes["pending"] == 0
+        assert writes["offered"] == (writes["written"] + writes["duplicate"]
+                                     + sum(writes["skipped"].values())) > 0
+        assert writes["skipped"]["flush_timeout"] == 0
+        assert writes["write_gb_s"] > 0 and writes["raw_write_gb_s"] == report["raw_write"]["gb_s"]
+        assert len(report["strategies"][name]["meeting_blocks"]) == 3
+    assert report["strategies"]["disk"]["disk_writes"]["written"] > 0
+
+
+def test_longctx_cold_reports_warm_restores_apart(runner, tmp_path):
+    result = runner.invoke(app, [*LONGCTX, "--num-docs", "2", "--cold", "--strategies",
+                                 "recompute,host_small_disk", *SMALL_HOST, "--disk-dir",
+                                 str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    small = report["strategies"]["host_small_disk"]
+    assert small["ttft_warm_s"]["n"] == 2 and small["ttft_s"]["n"] == 2
+    assert report["strategies"]["recompute"]["ttft_warm_s"] is None
+
+
+def test_serve_host_small_disk_with_documents_in_lockstep(runner):
+    result = runner.invoke(app, [*SERVE, "--doc-tokens", "64", "--lockstep", "--modes",
+                                 "off,host_small_disk", *SMALL_HOST, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["outputs_identical"] is True
+    assert report["modes"]["off"]["disk_writes"] is None
+    writes = report["modes"]["host_small_disk"]["disk_writes"]
+    assert writes["lost"] == 0 and writes["offered"] > 0
+    assert writes["offered"] == (writes["written"] + writes["duplicate"]
+                                 + sum(writes["skipped"].values()) + writes["pending"])
+    # Each conversation's own document is in its history.
+    assert report["working_set_blocks"] > 4 * 64 // 16
+
+
+@pytest.mark.parametrize("bench", ["longctx", "serve"])
+def test_benches_refuse_a_host_tier_of_nothing(runner, bench):
+    base = LONGCTX if bench == "longctx" else SERVE
+    result = runner.invoke(app, [*base, "--host-cache-gb", "0"])
+    assert result.exit_code != 0
+    assert "--host-cache-gb must be positive" in result.output

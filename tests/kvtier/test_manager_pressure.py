@@ -117,8 +117,11 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     for i in range(3):
         write(m, metas[i:i + 1], data[i:i + 1])
     assert m.stats().tiers[Tier.HOST].rejected == 1  # C: both slots are being written back
-    # Another request takes every GPU block and overwrites C's bytes before a slot frees.
-    blocks = m.allocate(m.pool.num_free_blocks)
+    # C's deferred write-through holds its GPU block while the pool has others to give.
+    assert m.pool.num_free_blocks == m.pool.num_blocks - 1
+    # Another request takes every GPU block and overwrites C's bytes before a slot frees:
+    # the deferred store gives its block up, and C is counted skipped, not lost.
+    blocks = m.allocate(m.pool.num_blocks)
     assert blocks is not None
     m.kv_cache[[b.block_id for b in blocks]] = 0
     release.set()
@@ -127,6 +130,9 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
     assert not m.host.contains(metas[2].block_hash)
     assert m.disk.contains([metas[2].block_hash]) == [False]
     assert m.lookup([meta.block_hash for meta in metas]).locations == [Tier.HOST] * 2
+    stores = m.stats().stores
+    assert stores.skipped["gpu_reused"] == 1 and stores.written == 2
+    assert stores.offered == 3 and stores.pending == 0 and stores.lost == 0
     check_idle(m)
 
 
@@ -182,13 +188,18 @@ def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_
         return put(*args)
 
     m.disk.put = held_put
-    # Fifteen dirty blocks fill the free slots; their write-backs cannot finish.
-    write(m, chain(layout, "y", 15), random_blocks(layout, 15, seed=3))
+    # Fifteen dirty blocks fill the free slots; their write-backs cannot finish. They come
+    # in two steps, so two write jobs start (the store path keeps writing while any wait).
+    y = chain(layout, "y", 15)
+    y_data = random_blocks(layout, 15, seed=3)
+    write(m, y[:8], y_data[:8])
     assert writing.acquire(timeout=60)
+    write(m, y[8:], y_data[8:])
     # The one evictable slot left (X's) is kept for reads: W's write-through is deferred.
     write(m, w, random_blocks(layout, 1, seed=4))
     assert m.host.contains(x[0].block_hash) and not m.host.contains(w[0].block_hash)
-    assert m.stores.write_back_all()  # more write jobs than threads
+    m.stores.write_back_all()
+    assert m.stats(lower_tiers=False).num_jobs_in_flight >= 2  # more write jobs than threads
     assert not writing.acquire(timeout=0.3)  # writes hold one of the two threads, not both
     target = m.allocate(1)
     load_id = m.prepare_load(z, target)

@@ -1,0 +1,29 @@
+"""`/metrics` says where the blocks offered to the disk tier went (a real engine's stats
+rendered by the server's registry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtier.cli.server.metrics import EngineSnapshot, ServerMetrics
+from kvtier.engine import LLM, SamplingParams
+
+
+def test_metrics_expose_the_disk_ledger(tmp_path: Path) -> None:
+    with LLM(model="random:tiny-llama", device="cpu", dtype="float32", gpu_blocks=40,
+             host_cache_gb=4 * 8192 / 2**30, disk_cache_dir=tmp_path / "kv",
+             disk_cache_gb=0.05) as llm:
+        llm.generate([[3 + i % 200 for i in range(150)]],
+                     SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.manager.flush()
+        stats = llm.stats()
+        text = ServerMetrics().render(EngineSnapshot(stats, 0, 0)).decode()
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                 if line and not line.startswith("#"))
+    offered = stats.stores.offered
+    assert offered == (150 + 4 - 1) // 16 > 0
+    assert float(lines["kvtier_disk_offered_blocks_total"]) == offered
+    assert float(lines["kvtier_disk_written_blocks_total"]) == stats.stores.written == offered
+    assert float(lines['kvtier_disk_skipped_blocks_total{reason="gpu_reused"}']) == 0
+    assert float(lines["kvtier_disk_lost_blocks"]) == 0
+    assert float(lines["kvtier_disk_pending_blocks"]) == 0

@@ -1,0 +1,138 @@
+"""Where computed blocks go on their way to the disk tier when the host tier is small:
+placement hints, deferred blocks held on the GPU, gaps in a lookup, the ledger and the
+bounded flush. Scenarios on tiny capacities over a real LMDB tier."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from manager_cases import (
+    chain,
+    check_idle,
+    evict_gpu,
+    held_before,
+    random_blocks,
+    same_bytes,
+    small_manager,
+)
+
+from kvtier.stats import Tier
+from kvtier.store_ledger import SkipReason
+
+
+def compute(m, metas, data, loaded_later=None):
+    """Blocks computed into fresh GPU blocks, cached with their hints, freed (as a finished
+    request frees them); the stores start at once."""
+    blocks = m.allocate(len(metas))
+    assert blocks is not None
+    for block, block_data in zip(blocks, data):
+        m.kv_cache[block.block_id] = block_data
+    m.cache_full_blocks(blocks, metas, loaded_later)
+    m.submit_stores()
+    m.free(blocks)
+    m.poll()  # the copies landed (on the CPU at once)
+    return blocks
+
+
+@pytest.mark.timeout(120)
+def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers, release):
+    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
+    layout = m.layout
+    m.disk.put, _ = held_before(m.disk.put, release)  # the disk takes nothing for now
+    metas, data = chain(layout, "doc", 6), random_blocks(layout, 6, seed=1)
+    # The last two blocks are past the expected meeting point of a later restore's fronts.
+    compute(m, metas, data, loaded_later=[False] * 4 + [True] * 2)
+    assert [m.host.contains(meta.block_hash) for meta in metas] == [False] * 4 + [True] * 2
+    # The head waits, deferred, still held on the GPU (no silent drop).
+    stores = m.stats().stores
+    assert stores.offered == 6 and stores.pending == 6 and stores.lost == 0
+    assert m.stores.num_deferred == 4 and m.stores.num_held == 4
+    release.set()
+    report = m.flush()
+    assert report.num_unwritten == 0 and report.num_written == 6
+    assert m.disk.contains([meta.block_hash for meta in metas]) == [True] * 6
+    stores = m.stats().stores
+    assert (stores.written, stores.pending, stores.num_skipped, stores.lost) == (6, 0, 0, 0)
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, managers, release):
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    layout = m.layout
+    stored = chain(layout, "stored", 2)
+    compute(m, stored, random_blocks(layout, 2, seed=2))
+    m.flush()  # on disk and on the host; cached on the GPU, free
+    m.disk.put, _ = held_before(m.disk.put, release)
+    new, new_data = chain(layout, "new", 4), random_blocks(layout, 4, seed=3)
+    compute(m, new, new_data, loaded_later=[False, False, True, True])
+    # Two of the new blocks wait for a slot; the pool has 8 - 2 held = 6 to give.
+    assert m.stores.num_held == 2 and m.pool.num_free_blocks == 6
+    # Taking all 6 evicts the stored blocks (and the copied ones): not one deferred.
+    taken = m.allocate(6)
+    assert taken is not None and m.stores.num_held == 2
+    assert m.stats().stores.skipped[SkipReason.GPU_REUSED.value] == 0
+    assert m.pool.get_cached_block(stored[0].block_hash) is None
+    # One more: the oldest deferred block gives its block up, and is counted.
+    more = m.allocate(1)
+    assert more is not None and m.stores.num_held == 1
+    assert m.stats().stores.skipped[SkipReason.GPU_REUSED.value] == 1
+    m.free(taken + more)
+    release.set()
+    m.flush()
+    assert m.disk.contains([meta.block_hash for meta in new]) == [False, True, True, True]
+    stores = m.stats().stores
+    assert stores.lost == 0 and stores.pending == 0
+    assert stores.written + stores.num_skipped == stores.offered == 6
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_lookup_with_gaps_finds_a_stored_tail(tmp_path, managers):
+    m = small_manager(managers, tmp_path, gpu=8, host=2)
+    layout = m.layout
+    metas, data = chain(layout, "tail", 6), random_blocks(layout, 6, seed=4)
+    compute(m, metas, data)
+    evict_gpu(m)  # flushed to disk; the host keeps the last two
+    for meta in metas:
+        m.host.remove(meta.block_hash)
+    assert m.disk.delete([metas[0].block_hash, metas[2].block_hash]) == 2
+    hashes = [meta.block_hash for meta in metas]
+    assert m.lookup(hashes).locations == []  # the prefix ends at the first gap
+    hit = m.lookup(hashes, gaps=True)
+    assert hit.locations == [None, Tier.DISK, None, Tier.DISK, Tier.DISK, Tier.DISK]
+    # A trailing gap is no part of a prefix.
+    m.disk.delete([metas[5].block_hash])
+    assert m.lookup(hashes, gaps=True).num_blocks == 5
+    # The blocks behind the gaps load as any others.
+    targets = m.allocate(3)
+    arrived = m.complete_load_blocks(m.prepare_load(metas[3:5] + metas[1:2], targets))
+    assert arrived == [True] * 3
+    for block, index in zip(targets, (3, 4, 1)):
+        assert same_bytes(m.kv_cache[block.block_id], data[index])
+    m.free(targets)
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_a_flush_out_of_time_counts_what_it_gave_up(tmp_path, managers, release):
+    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
+    layout = m.layout
+    m.disk.put, entered = held_before(m.disk.put, release)
+    metas = chain(layout, "late", 5)
+    compute(m, metas, random_blocks(layout, 5, seed=5))
+    assert entered.wait(timeout=30)  # the first write-back is under way and held
+    # Two blocks took the two host slots and their write-back is held; three wait.
+    seen = []
+    # The held write ends once flush is waiting for it (when exactly changes nothing: the
+    # deadline of 0 s has passed by the time anything more could be written).
+    threading.Timer(0.05, release.set).start()
+    report = m.flush(timeout_s=0.0, progress=lambda written, left: seen.append((written, left)))
+    assert seen == [(0, 5)]  # the deadline had passed at the first look
+    assert (report.num_written, report.num_unwritten) == (2, 3)
+    stores = m.stats().stores
+    assert stores.skipped[SkipReason.FLUSH_TIMEOUT.value] == 3
+    assert stores.pending == 0 and stores.lost == 0 and stores.written == 2
+    assert m.stores.num_held == 0
+    check_idle(m)
