@@ -4,13 +4,10 @@ torch's intra-op pool takes one thread per core, and its threads spin at the end
 parallel operator until all of them are done. When anything else wants a core (the tiers'
 I/O threads reading, checksumming and writing back in the same process, or other work on
 the machine), every operator waits for the pool thread that lost its core, and a restore,
-which runs several small steps, pays that wait at every operator of every step. On the
-2-core development machine, loaded by other work, `kvtier bench longctx --model
-random:tiny-llama --device cpu --doc-tokens 768 --num-docs 2` gave 795 ms to recompute a
-document, 276 ms to restore it from the host tier and 15 ms from disk with two intra-op
-threads (one run; the figures swing tenfold between runs), and 16 ms, 2.2 ms and 6.2 ms
-with one; 768-token host restores against recomputes side by side in one process, eight
-rounds: 0.34x median, 7.6x worst with two threads, 0.42x median with one.
+which runs several small steps, pays that wait at every operator of every step: short
+restores then took longer than recomputing (docs/BENCHMARKS.md, "Figures behind the
+engine's constants", has the figures). Leaving one core to everything else removes the
+wait.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ until the bulk copy has passed; behind a host-tier restore's copies (4 GiB for a
 ~80 ms) so would a step's input upload. Here small programs load and store the values
 through unified addressing (pinned pages are mapped into the GPU's address space), so they
 never meet the copy engines: `store_to_host` is the engine's read-back of sampled ids;
-`load_from_host` the other way (measured in scripts/upload_probe.py; the engine's step
-inputs still go by `.to(device)`, see docs/KERNELS.md).
+`load_from_host` the other way (the engine's step inputs still go by `.to(device)`;
+docs/KERNELS.md says why).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ operations over the same K order, and a row never meets another row's values.
 
 The tiling may follow M, because on the GPU it does not change a row's bits: whatever the
 tile's rows, columns and load depth, an element is the same chain of 16-deep tensor-core
-steps over K into one float32 accumulator, starting from zero (measured on an H200: 16- to
-128-row tiles, 32 to 256 columns, 64- and 128-deep loads, mma and warpgroup-mma alike gave
-identical rows; `tests/kernels/test_kernel_invariant.py` checks every tiling of
+steps over K into one float32 accumulator, starting from zero (16- to 128-row tiles, 32 to 256 columns, 64- and 128-deep loads, mma
+and warpgroup-mma alike give identical rows on Hopper; `tests/kernels/test_kernel_invariant.py`
+checks every tiling of
 `pick_linear_config` against the others on the GPU). float32 operands (exact dots on CUDA
 cores, whose order may follow the thread layout) keep one tiling for every M. Rows past M
 in the last tile are masked loads of zeros, which touch no real row.
@@ -48,8 +48,8 @@ class LinearConfig:
                                  f"got {value}")
 
 
-#: Tilings by the most rows they serve (bf16 / fp16), fastest measured on an H200 with the
-#: Llama-3-8B projections (`docs/DETERMINISM.md`): decode-sized steps read the weights with
+#: Tilings by the most rows they serve (bf16 / fp16), the fastest for the Llama-3-8B
+#: projections (`docs/DETERMINISM.md` has the timings): decode-sized steps read the weights with
 #: many narrow programs, prefill-sized ones reuse each weight tile across 128 rows.
 _TILINGS_16BIT = (
     (16, LinearConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),

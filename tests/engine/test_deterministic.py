@@ -133,7 +133,7 @@ def test_prefix_restored_from_the_remote_tier_gives_the_same_tokens(
     # Engine A computes a prompt and writes its blocks to Redis (closing flushes them);
     # engine B, with empty GPU and host tiers and no disk, takes the shared document from
     # Redis while it computes the rest.
-    from kvtier.remote_config import RemoteConfig
+    from kvtier.tiers.remote.config import RemoteConfig
 
     if tiny.model.attn_backend != "torch":
         pytest.skip("the remote tier's test server runs beside the CPU tests")

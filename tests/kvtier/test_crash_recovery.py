@@ -97,6 +97,9 @@ def run_and_kill(disk_dir: Path, budget: int, first_batch: int,
         while len(reported) < wanted:
             line = proc.stdout.readline()
             assert line, f"the writer died on its own:\n{proc.stderr.read()[-3000:]}"
+            if not stored_whole(line):
+                proc.kill()  # so that its stderr ends and can be read whole
+                pytest.fail(f"the writer could not store: {line}\n{proc.stderr.read()[-3000:]}")
             reported.append(parse(line))
         time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside a later commit, or between
         proc.send_signal(signal.SIGKILL)
@@ -112,6 +115,11 @@ def run_and_kill(disk_dir: Path, budget: int, first_batch: int,
         if len(line.split()) == 2 + BLOCKS_PER_BATCH:
             reported.append(parse(line))
     return reported
+
+
+def stored_whole(line: str) -> bool:
+    """Whether a batch line reports all of its blocks present after its put()."""
+    return int(line.split()[1]) == BLOCKS_PER_BATCH
 
 
 def parse(line: str) -> tuple[int, list[str]]:
