@@ -110,6 +110,36 @@ _FIELDS = {
     **{name: _JSON for name in REFUSED_FIELDS},
 }
 
+# Requests that mostly pass validation, so that the engine samples with edge values.
+_SAMPLING = {name: st.one_of(st.none(), strategy) for name, strategy in {
+    "temperature": st.one_of(st.sampled_from([0.0, 1e-50, 5e-324, 1e-8, 0.01, 2.0, 1e4]),
+                             st.floats(0, 5)),
+    "top_p": st.one_of(st.sampled_from([1e-300, 1e-8, 0.5, 1.0]), st.floats(0, 1)),
+    "top_k": st.sampled_from([-1, 0, 1, 2, 49152, 49153, 2**31 - 1]),
+    "min_p": st.one_of(st.sampled_from([0.0, 1e-300, 0.999999, 1.0]), st.floats(0, 1)),
+    "repetition_penalty": st.sampled_from([1e-3, 0.5, 1.0, 2.0, 1e3]),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "seed": st.sampled_from([0, 1, 2**63 - 1]),
+    "n": st.integers(1, 3), "logprobs": st.integers(0, 5),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "stream_options": st.just({"include_usage": True}),
+    "return_token_ids": st.booleans(), "cache_salt": st.text(min_size=1, max_size=8),
+}.items()}
+_CHAT_SAMPLING = {**{k: v for k, v in _SAMPLING.items() if k != "logprobs"},
+                  "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
+_SERVABLE = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"prompt": st.one_of(st.text(min_size=1, max_size=60),
+                             st.lists(st.integers(0, 49151), min_size=1, max_size=40)),
+         "max_tokens": st.integers(1, 8)}, optional=_SAMPLING)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"messages": st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]),
+             "content": st.text(max_size=60)}), min_size=1, max_size=4),
+         "max_tokens": st.integers(1, 8)}, optional=_CHAT_SAMPLING)))
+
 _BODY = st.one_of(
     st.fixed_dictionaries({}, optional=_FIELDS),
     st.fixed_dictionaries({"prompt": _FIELDS["prompt"]},
@@ -164,11 +194,13 @@ def expected(client: httpx.Client) -> str:
 
 @settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=NUM_EXAMPLES <= 200,
           suppress_health_check=list(HealthCheck))
-@given(path=_PATHS, body=st.one_of(_BODY.map(lambda b: ("json", b)), _RAW.map(
-    lambda raw: ("raw", raw))))
+@given(request=st.one_of(
+    _SERVABLE.map(lambda r: (r[0], "json", r[1])),
+    st.tuples(_PATHS, st.just("json"), _BODY),
+    st.tuples(_PATHS, st.just("raw"), _RAW)))
 def test_no_request_stops_the_server_or_changes_another_answer(served, client, expected,
-                                                               path, body) -> None:
-    kind, value = body
+                                                               request) -> None:
+    path, kind, value = request
     content = json.dumps(value).encode() if kind == "json" else value
     response = send(client, path, content)
     if response is None:
