@@ -67,7 +67,8 @@ def start_server(llm: LLM, api_key: str | None = None, max_num_requests: int = 2
     """Serve `llm` on 127.0.0.1 at a free port; returns once the server accepts requests."""
     engine = AsyncLLM(llm, max_num_requests=max_num_requests)
     app = build_app(engine, MODEL_NAME, api_key=api_key, limits=limits)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP: connections then get TCP_NODELAY (see kvtier.cli.serve.bind).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

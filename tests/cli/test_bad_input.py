@@ -127,7 +127,7 @@ GENERATE_CASES: dict[str, tuple[Callable[[dict], list[str]], str]] = {
     "prompt file bad json": (lambda p: ["--prompt-file", str(p["bad json"])],
                              "not valid JSON"),
     "no prompt": (lambda p: [], "no prompt given"),
-    "max tokens negative": (lambda p: ["hi", "--max-tokens", "-4"], "max_tokens"),
+    "max tokens negative": (lambda p: ["hi", "--max-tokens", "-4"], "--max-tokens must be"),
     "temperature negative": (lambda p: ["hi", "--temperature", "-1"], "temperature"),
     "top-p zero": (lambda p: ["hi", "--top-p", "0"], "top_p"),
     "top-k negative": (lambda p: ["hi", "--top-k", "-2"], "top_k"),

@@ -116,7 +116,7 @@ def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) ->
 
 @pytest.mark.parametrize("extra, message", [
     (["hi", "--device", "tpu"], "unknown device"),
-    (["hi", "--max-tokens", "-1"], "max_tokens"),
+    (["hi", "--max-tokens", "-1"], "at least 1"),
     (["hi", "--max-tokens", "0"], "at least 1"),
     (["hi", "--gpu-blocks", "0"], "gpu_blocks"),
     (["hi", "--host-cache-gb", "-1"], "host_cache_gb"),

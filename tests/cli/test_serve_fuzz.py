@@ -25,6 +25,8 @@ from kvtier.engine.loader import LoadedModel, load_model
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, start_server
 
 NUM_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "200"))
+#: A file that gets one line per request ("path status") when set, for the long run's tally.
+TALLY = os.environ.get("KVTIER_FUZZ_TALLY")
 MAX_MODEL_LEN = 48  # bounds every request's generation, whatever max_tokens says
 LIMITS = ServerLimits(max_body_bytes=1_000_000, max_prompt_chars=200_000)
 
@@ -108,6 +110,36 @@ _FIELDS = {
     **{name: _JSON for name in REFUSED_FIELDS},
 }
 
+# Requests that mostly pass validation, so that the engine samples with edge values.
+_SAMPLING = {name: st.one_of(st.none(), strategy) for name, strategy in {
+    "temperature": st.one_of(st.sampled_from([0.0, 1e-50, 5e-324, 1e-8, 0.01, 2.0, 1e4]),
+                             st.floats(0, 5)),
+    "top_p": st.one_of(st.sampled_from([1e-300, 1e-8, 0.5, 1.0]), st.floats(0, 1)),
+    "top_k": st.sampled_from([-1, 0, 1, 2, 49152, 49153, 2**31 - 1]),
+    "min_p": st.one_of(st.sampled_from([0.0, 1e-300, 0.999999, 1.0]), st.floats(0, 1)),
+    "repetition_penalty": st.sampled_from([1e-3, 0.5, 1.0, 2.0, 1e3]),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "seed": st.sampled_from([0, 1, 2**63 - 1]),
+    "n": st.integers(1, 3), "logprobs": st.integers(0, 5),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "stream_options": st.just({"include_usage": True}),
+    "return_token_ids": st.booleans(), "cache_salt": st.text(min_size=1, max_size=8),
+}.items()}
+_CHAT_SAMPLING = {**{k: v for k, v in _SAMPLING.items() if k != "logprobs"},
+                  "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)}
+_SERVABLE = st.one_of(
+    st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"prompt": st.one_of(st.text(min_size=1, max_size=60),
+                             st.lists(st.integers(0, 49151), min_size=1, max_size=40)),
+         "max_tokens": st.integers(1, 8)}, optional=_SAMPLING)),
+    st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"messages": st.lists(st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]),
+             "content": st.text(max_size=60)}), min_size=1, max_size=4),
+         "max_tokens": st.integers(1, 8)}, optional=_CHAT_SAMPLING)))
+
 _BODY = st.one_of(
     st.fixed_dictionaries({}, optional=_FIELDS),
     st.fixed_dictionaries({"prompt": _FIELDS["prompt"]},
@@ -123,11 +155,18 @@ _RAW = st.one_of(st.binary(max_size=200), st.sampled_from([
     b'{"messages": [{"role": "user", "content": "\\u0000"}], "max_tokens": 2}']))
 
 
-def send(client: httpx.Client, path: str, content: bytes) -> httpx.Response:
-    """POST `content`; a stream is read to its end (which must be `data: [DONE]`)."""
-    with client.stream("POST", path, content=content,
-                       headers={"content-type": "application/json"}) as response:
-        body = response.read()
+def send(client: httpx.Client, path: str, content: bytes) -> httpx.Response | None:
+    """POST `content`; a stream is read to its end (which must be `data: [DONE]`). None when
+    the server closed the connection on a body over its limit (HTTP allows it to answer 413
+    and close before the body is read: the client may see the reset first)."""
+    try:
+        with client.stream("POST", path, content=content,
+                           headers={"content-type": "application/json"}) as response:
+            body = response.read()
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        if len(content) <= LIMITS.max_body_bytes:
+            raise
+        return None
     if response.status_code == 200 and response.headers["content-type"].startswith(
             "text/event-stream"):
         assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
@@ -155,16 +194,23 @@ def expected(client: httpx.Client) -> str:
 
 @settings(max_examples=NUM_EXAMPLES, deadline=None, derandomize=NUM_EXAMPLES <= 200,
           suppress_health_check=list(HealthCheck))
-@given(path=_PATHS, body=st.one_of(_BODY.map(lambda b: ("json", b)), _RAW.map(
-    lambda raw: ("raw", raw))))
+@given(request=st.one_of(
+    _SERVABLE.map(lambda r: (r[0], "json", r[1])),
+    st.tuples(_PATHS, st.just("json"), _BODY),
+    st.tuples(_PATHS, st.just("raw"), _RAW)))
 def test_no_request_stops_the_server_or_changes_another_answer(served, client, expected,
-                                                               path, body) -> None:
-    kind, value = body
+                                                               request) -> None:
+    path, kind, value = request
     content = json.dumps(value).encode() if kind == "json" else value
     response = send(client, path, content)
-    assert response.status_code in (200, 400, 404, 413), (response.status_code,
-                                                          response.text[:500])
-    if response.status_code != 200:
+    if response is None:
+        pass
+    elif response.status_code not in (200, 400, 404, 413):
+        raise AssertionError((response.status_code, response.text[:500]))
+    elif response.status_code != 200:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
     check_still_serving(served, client, expected)
+    if TALLY:
+        with open(TALLY, "a", encoding="utf-8") as tally:
+            tally.write(f"{path} {response.status_code if response else 'closed'}\n")
