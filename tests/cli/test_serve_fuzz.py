@@ -24,7 +24,7 @@ from kvtier.engine.loader import LoadedModel, load_model
 
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, start_server
 
-NUM_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "200"))
+NUM_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "120"))
 #: A file that gets one line per request ("path status") when set, for the long run's tally.
 TALLY = os.environ.get("KVTIER_FUZZ_TALLY")
 MAX_MODEL_LEN = 48  # bounds every request's generation, whatever max_tokens says

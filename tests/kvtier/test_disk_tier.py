@@ -9,6 +9,7 @@ import os
 import random
 import struct
 import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -26,6 +27,7 @@ from disk_cases import (
 )
 
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk.index import DataFileWatch
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_record
 
@@ -354,3 +356,37 @@ def test_lookups_read_no_values_and_reads_read_each_value_once(tmp_path):
         assert same_bytes(dest, payload)
     assert looked_up < stored // 8, f"a lookup read {looked_up} of {stored} stored bytes"
     assert read < stored * 5 // 4, f"reading {stored} bytes fetched {read}"
+
+
+def test_checks_on_several_threads_while_the_file_grows_see_no_cut(tmp_path):
+    # Writers grow data.mdb while lookups, reads and writes each check it first: a check must
+    # never take the file for one cut short because another thread saw it larger meanwhile.
+    path = tmp_path / "data.mdb"
+    path.write_bytes(bytes(4096))
+    watch = DataFileWatch(path)
+    stop = threading.Event()
+    found: list[str] = []
+
+    def grow() -> None:
+        with open(path, "ab") as f:
+            while not stop.is_set():
+                f.write(bytes(4096))
+                f.flush()
+
+    def check() -> None:
+        while not stop.is_set():
+            what = watch.check()
+            if what is not None:
+                found.append(what)
+                return
+
+    threads = [threading.Thread(target=grow)] + [threading.Thread(target=check)
+                                                  for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    watch.close()
+    assert found == []

@@ -367,9 +367,18 @@ class DataFileWatch:
         info = os.fstat(self._fd)
         self._identity = (info.st_dev, info.st_ino)
         self._size = info.st_size
+        # Checks run on several threads while writers grow the file: a size read before
+        # another thread recorded a larger one would look like a cut. Under the lock each
+        # check reads a size no smaller than every size recorded before it.
+        self._lock = threading.Lock()
 
     def check(self) -> str | None:
-        """None while the file is intact, else what happened to it (a sentence fragment)."""
+        """None while the file is intact, else what happened to it (a sentence fragment).
+        Thread-safe."""
+        with self._lock:
+            return self._check()
+
+    def _check(self) -> str | None:
         info = os.fstat(self._fd)
         if info.st_nlink == 0:
             return "data.mdb was removed"
