@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from kvtier.engine.restore_rates import SLOW_TIERS, PrefillRate
 
 from kvtier.free_queue import KVCacheBlock
-from kvtier.stats import Tier
+from kvtier.stats import Tier, busy_seconds
 from kvtier.tiers.record import BlockMeta
 
 if TYPE_CHECKING:
@@ -78,17 +78,6 @@ FIRST_SLOW_GROUPS = 4
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
-
-
-def busy_seconds(spans: Sequence[tuple[float, float]]) -> float:
-    """Seconds covered by at least one of the (start, end) `spans`: how long a tier was
-    reading, however many reads ran at once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 class BlockState(enum.Enum):

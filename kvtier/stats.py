@@ -8,6 +8,7 @@ owned by one object; `snapshot()` gives the frozen record that crosses the API b
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,3 +162,14 @@ def new_tier_counters() -> dict[Tier, TierCounters]:
 
 def new_transfer_counters() -> dict[Direction, TransferCounters]:
     return {direction: TransferCounters() for direction in Direction}
+
+
+def busy_seconds(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by at least one of the (start, end) `spans`: how long a tier was
+    reading or writing, however many of its transfers ran at once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

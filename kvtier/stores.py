@@ -45,7 +45,7 @@ import torch
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
-from kvtier.stats import Direction, Tier
+from kvtier.stats import Direction, Tier, busy_seconds
 from kvtier.store_ledger import SkipReason, StoreLedger, StoreLedgerStats
 from kvtier.tier_stack import TierStack
 from kvtier.tiers.base import LowerTier
@@ -158,7 +158,7 @@ class StorePath:
 
     def ledger_stats(self) -> StoreLedgerStats:
         """Where the offered blocks went (see `kvtier.store_ledger`)."""
-        return self.ledger.snapshot(self.backlog(), _busy_seconds(self._write_spans))
+        return self.ledger.snapshot(self.backlog(), busy_seconds(self._write_spans))
 
     def submit_pending(self, batch: bool = False) -> None:
         """Start the copies `write_through` queued, as one job: a block already stored or
@@ -480,12 +480,3 @@ class StorePath:
 
         self.tiers.submit(job, finish)
 
-
-def _busy_seconds(spans: list[tuple[float, float]]) -> float:
-    """Seconds covered by at least one of the (start, end) `spans`."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total

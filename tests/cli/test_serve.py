@@ -16,34 +16,18 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 from kvtier.cli.server.engine_output import read_output
 from kvtier.engine import LLM, SamplingParams
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel
 
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, sse_events, start_server
-from tests.model_cache import seed_model_cache
 
 GPU_BLOCKS = 160
 NUM_CLIENTS = 32
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory, smollm2_conversion: Path):
-    """SmolLM2 (float32, CPU) from a private cache dir; one torch thread (on a small shared
-    machine two spinning threads per process make each step far slower)."""
-    cache = seed_model_cache(tmp_path_factory.mktemp("kvtier-cache"), smollm2_conversion)
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIER_CACHE_DIR", str(cache))
-        torch.set_num_threads(1)
-        yield load_model("smollm2-135m", "cpu", "float32")
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -17,26 +17,14 @@ import json
 
 import httpx
 import pytest
-import torch
 from kvtier.cli.server.protocol import ServerLimits
 from kvtier.engine import LLM, SamplingParams
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel
 
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, sse_events, start_server
 
 LIMITS = ServerLimits(max_body_bytes=200_000, max_prompt_chars=20_000, max_messages=8,
                       max_stop=3, max_stop_chars=50, max_n=4, max_logprobs=5)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.mktemp("kvtier-cache")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIER_CACHE_DIR", str(cache))
-        torch.set_num_threads(1)
-        yield load_model("smollm2-135m", "cpu", "float32")
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

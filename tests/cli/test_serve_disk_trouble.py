@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 from kvtier.engine import LLM, SamplingParams
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel
 
 from kvtier.tiers.disk.tier import DiskTier
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, start_server
@@ -32,17 +32,6 @@ from tests.cli.serve_harness import MODEL_NAME, RunningServer, start_server
 PROMPTS = [f"Document {i}: " + " ".join(f"{w}{i}" for w in ("river", "stone", "leaf", "cloud")
                                          * 12) + " Summary:" for i in range(4)]
 MAX_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.mktemp("kvtier-cache")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIER_CACHE_DIR", str(cache))
-        torch.set_num_threads(1)
-        yield load_model("smollm2-135m", "cpu", "float32")
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ import os
 
 import httpx
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvtier.cli.server.protocol import REFUSED_FIELDS, ServerLimits
 from kvtier.engine import LLM
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel
 
 from tests.cli.serve_harness import MODEL_NAME, RunningServer, start_server
 
@@ -32,17 +31,6 @@ LIMITS = ServerLimits(max_body_bytes=1_000_000, max_prompt_chars=200_000)
 
 PROBE = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 4,
          "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.mktemp("kvtier-cache")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIER_CACHE_DIR", str(cache))
-        torch.set_num_threads(1)
-        yield load_model("smollm2-135m", "cpu", "float32")
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

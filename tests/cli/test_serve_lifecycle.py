@@ -16,28 +16,16 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 from kvtier.cli.main import app
 from kvtier.cli.serve import _exit_if_engine_fails, _server_class
 from kvtier.cli.server.app import build_app
 from kvtier.engine import LLM
 from kvtier.engine.async_llm import AsyncLLM
-from kvtier.engine.loader import LoadedModel, load_model
+from kvtier.engine.loader import LoadedModel
 from typer.testing import CliRunner
 
 from tests.cli.serve_harness import MODEL_NAME, sse_events, start_server
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    cache = tmp_path_factory.mktemp("kvtier-cache")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVTIER_CACHE_DIR", str(cache))
-        torch.set_num_threads(1)
-        yield load_model("smollm2-135m", "cpu", "float32")
-        torch.set_num_threads(threads)
 
 
 def test_a_busy_port_fails_before_the_model_loads() -> None:

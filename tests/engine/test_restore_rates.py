@@ -10,7 +10,6 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from kvtier.engine.restore import busy_seconds
 from kvtier.engine.restore_rates import MIN_SAVING_S, worth_reading
 from restore_cases import (
     BS,
@@ -27,7 +26,7 @@ from restore_cases import (
 )
 
 from kvtier.manager import TierManager
-from kvtier.stats import Tier
+from kvtier.stats import Tier, busy_seconds
 from kvtier.tiers.record import BlockMeta
 
 
