@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,8 @@ def generate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                             seed=seed, ignore_eos=ignore_eos)
+    if sys.stderr.isatty():  # a person waiting at a terminal; scripts keep one error line
+        typer.echo("kvtier generate: loading the model and warming up ...", err=True)
     with LLM(**options) as llm:
         if raw:
             outputs = llm.generate(texts, params)

@@ -4,6 +4,10 @@ JSON output, prompt files, the disk tier reused by a later run, and one-line err
 from __future__ import annotations
 
 import json
+import os
+import pty
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,6 +144,31 @@ def test_an_unknown_model_is_one_line_too(runner, tmp_path) -> None:
     assert result.exit_code != 0
     assert result.stderr.strip().startswith("error:") and "does not exist" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_terminal_is_told_while_the_model_loads(tmp_path) -> None:
+    # At a terminal the wait for the model is announced; piped stderr stays one error line
+    # (above). A missing model ends the command right after the announcement.
+    leader, follower = pty.openpty()
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "generate", "hi",
+                           "--model", str(tmp_path / "missing"), "--device", "cpu",
+                           "--no-disk-cache"], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=follower, timeout=120)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal's other end is closed: all was read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    lines = b"".join(chunks).decode().strip().splitlines()
+    assert proc.returncode != 0
+    assert lines[0].startswith("kvtier generate: loading the model"), lines
+    assert lines[-1].startswith("error:") and "does not exist" in lines[-1], lines
 
 
 def test_bad_prompt_files_are_rejected(runner, model_dir, tmp_path) -> None:
