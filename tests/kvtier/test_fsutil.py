@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -134,3 +135,21 @@ def test_private_file_mode(tmp_path, umask_022):
     assert mode(file_path) == 0o600
     with pytest.raises(FileNotFoundError):
         private_file_mode(tmp_path / "missing")
+
+
+def test_a_read_only_filesystem_is_named_as_such(tmp_path):
+    # Root may write any directory, so only the filesystem refuses: the error must say that,
+    # not blame the directory's mode.
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m,mode=0700", "tmpfs",
+                              str(mount_point)], capture_output=True, text=True) \
+        if IS_ROOT else None
+    if mounted is None or mounted.returncode != 0:
+        pytest.skip("needs root and a tmpfs mount to make a read-only filesystem")
+    try:
+        with pytest.raises(PermissionError, match="read-only filesystem") as raised:
+            ensure_private_dir(mount_point)
+        assert raised.value.errno == errno.EROFS
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
