@@ -9,7 +9,7 @@ the online softmax (`paged_attention._attend_tile`), and the splits' normalised 
 log2-sum-exps are merged one after the other in split order (`_merge_split`). The tiling is
 one per model (head counts, head dim, dtype), never the step's: unlike the matrix products'
 (`invariant_linear`), a query tile's height changes a row's bits on the GPU (16-row decode
-tiles against 128-row prefill tiles disagreed on an H200, most likely because the softmax's
+tiles against 128-row prefill tiles disagreed on Hopper GPUs, most likely because the softmax's
 row sums are reduced in the order of the tile's register layout). Decodes therefore run the same
 64-row tile as prefill chunks, which costs them compute (see docs/DETERMINISM.md).
 
