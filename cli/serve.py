@@ -129,7 +129,8 @@ def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, so that the accepted connections carry it and asyncio turns
     # Nagle's algorithm off on them: otherwise a response written in two pieces (headers,
-    # body) waits ~40 ms for the client's delayed ACK, on every request and SSE chunk.
+    # body) waits for the client's delayed ACK, on every request and SSE chunk
+    # (docs/BENCHMARKS.md, "Figures behind the engine's constants").
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -39,8 +39,9 @@ from kvtier.engine.loader import (
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
-from kvtier.engine.request import OutputTokenIds, ParentRequest, Request, RequestId, check_token_ids
-from kvtier.engine.sampler import SamplingParams, make_generator, sample, sample_logprobs
+from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
+from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
+from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
@@ -154,9 +155,9 @@ class LLM:
         self._unclaimed: list[RequestOutput] = []
         self._tracker = OutputTracker(self.tokenizer)
         self._stopped: list[Request] = []  # aborted, reported by the next step
-        # Requests a computation of their own failed (sampling, detokenizing, stop strings):
-        # the message their caller gets; they end with "error" at the end of the step.
-        self._errors: dict[RequestId, str] = {}
+        # Requests a computation of their own failed: they end with "error" at the end of
+        # the step.
+        self._failures = RequestFailures()
         self._step_requests: list[Request] = []  # the running step's, for `_abort_step`
         self._request_counter = itertools.count()
         self._closed = False
@@ -265,62 +266,12 @@ class LLM:
                              "gpu_memory_utilization, or shorten the prompt")
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        params = [r.params for r in requests]
-        generators = [self._generators.get(r.request_id) for r in requests]
-        try:
-            token_ids = sample(logits, params, generators,
-                               [r.prompt_token_ids for r in requests],
-                               OutputTokenIds(requests))
-        except Exception:  # noqa: BLE001 (one request's values must not fail the others)
-            token_ids = self._sample_rows(logits, requests)
-        if any(p.logprobs is not None for p in params):
+        token_ids = sample_each_alone(logits, requests, self._generators, self._failures)
+        if any(r.params.logprobs is not None for r in requests):
             decode = None if self.tokenizer is None else \
                 (lambda t: self.tokenizer.decode([t]))
-            for row, request in enumerate(requests):
-                if request.params.logprobs is None:
-                    continue
-                try:
-                    [entry] = sample_logprobs(logits[row:row + 1], token_ids[row:row + 1],
-                                              [request.params], decode)
-                except Exception as exc:  # noqa: BLE001 (this request fails, alone)
-                    self._fail(request, "computing its log-probabilities", exc)
-                    entry = {}
-                self._logprobs[request.request_id].append(entry)
+            record_logprobs(logits, token_ids, requests, decode, self._failures, self._logprobs)
         return token_ids
-
-    def _sample_rows(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """`sample` one row at a time: the rows that fail fail their request alone (their
-        token is a placeholder, never returned: the request ends with "error")."""
-        token_ids = logits.argmax(dim=-1)  # [num_reqs]
-        for row, request in enumerate(requests):
-            try:
-                token_ids[row] = sample(
-                    logits[row:row + 1], [request.params],
-                    [self._generators.get(request.request_id)], [request.prompt_token_ids],
-                    [request.output_token_ids])[0]
-            except Exception as exc:  # noqa: BLE001
-                self._fail(request, "sampling (its parameters give no valid probability "
-                           "distribution over the tokens)", exc)
-        return token_ids
-
-    def _fail(self, request: Request, what: str, exc: BaseException) -> None:
-        """Record that a computation of `request` alone failed; it ends with "error"."""
-        log.error("request %s failed while %s", request.request_id, what,
-                  exc_info=(type(exc), exc, exc.__traceback__))
-        self._errors.setdefault(request.request_id, f"the engine failed while {what}; "
-                                "the request was stopped")
-
-    def _end_failed(self, finished: list[Request]) -> None:
-        """End every request recorded in `_errors` that is still running (into `finished`)."""
-        for rid in self._errors:
-            request = self._requests.get(rid)
-            if request is None:
-                continue
-            if not request.is_finished:
-                self.scheduler.stop(request, "error")
-                finished.append(request)
-            else:
-                request.finish_reason = "error"
 
     # ---- stepping ------------------------------------------------------------------------
 
@@ -354,12 +305,13 @@ class LLM:
             delta = self._delta(request)
             if delta is not None:
                 deltas.append(delta)
-        self._end_failed(finished)  # a text that failed to decode ends its request now
+        # A text that failed to decode ends its request now.
+        self._failures.end_failed(self._requests, self.scheduler, finished)
         for request in finished:
             rid = request.request_id
             delta = self._delta(request) or RequestDelta(
                 rid, (), "", "error", index=self._child_parent[rid][1])
-            error = self._errors.get(rid)
+            error = self._failures.message(rid)
             output = self._complete(request)
             deltas.append(dataclasses.replace(
                 delta, output=output, error=error,
@@ -371,7 +323,7 @@ class LLM:
         try:
             delta = self._tracker.delta(request)
         except Exception as exc:  # noqa: BLE001 (a tokenizer that fails on these ids)
-            self._fail(request, "detokenizing its output", exc)
+            self._failures.fail(request, "detokenizing its output", exc)
             return None
         completion = self._child_parent[request.request_id][1]
         if completion:
@@ -415,8 +367,7 @@ class LLM:
             or [r for r in self.scheduler.running if not r.is_finished] \
             or [r for r in self._requests.values() if not r.is_finished]
         for request in requests:
-            self._errors.setdefault(request.request_id, "an internal error in the engine "
-                                    "step it ran in stopped the request; retry it")
+            self._failures.fail_step(request)
             self.scheduler.stop(request, "error")
         finished, self._stopped = self._stopped + requests, []
         return finished
@@ -440,14 +391,14 @@ class LLM:
                 if not self._tracker.check_stop(request):
                     continue
             except Exception as exc:  # noqa: BLE001 (this request fails, alone)
-                self._fail(request, "looking for its stop strings", exc)
+                self._failures.fail(request, "looking for its stop strings", exc)
                 continue
             if request.is_finished:  # its last token also reached a limit: the stop string wins
                 request.finish_reason = "stop"
             else:
                 self.scheduler.stop(request, "stop")
                 finished.append(request)
-        self._end_failed(finished)
+        self._failures.end_failed(self._requests, self.scheduler, finished)
         if self.scheduler.idle(ran=bool(plan.scheduled or finished)):
             time.sleep(_IDLE_WAIT_S)
         return stepped, finished
@@ -464,10 +415,10 @@ class LLM:
         try:
             text = self._tracker.final_text(request)  # stop strings cut, stop token's left out
         except Exception as exc:  # noqa: BLE001 (this request fails, alone)
-            self._fail(request, "detokenizing its output", exc)
+            self._failures.fail(request, "detokenizing its output", exc)
             text = ""
         self._tracker.forget(rid)
-        error = self._errors.pop(rid, None)
+        error = self._failures.pop(rid)
         logprobs = self._logprobs.pop(rid, None)
         cumulative = None if logprobs is None or error is not None else \
             sum(entry[token].logprob for entry, token in zip(logprobs, output_ids))
