@@ -80,11 +80,13 @@ class LoadPath:
         if offers is not None:  # read from the store: no need to offer it back
             offers.remember([meta.block_hash for meta in metas])
         self.tiers.submit(timed_job(_unless_cancelled(job, load.cancelled), load.read_spans),
-                          lambda ok: self._finish_read(load, items, results), load)
+                          lambda ok: self._finish_read(load, items, results, keeper is not None),
+                          load)
 
-    def _finish_read(self, load: Load, items: list[LoadBlock],
-                     results: list[bool]) -> None:
-        """Reads landed in host slots: copy the good ones to the GPU."""
+    def _finish_read(self, load: Load, items: list[LoadBlock], results: list[bool],
+                     keep_below: bool) -> None:
+        """Reads landed in host slots (all from one tier): copy the good ones to the GPU.
+        `keep_below`: the blocks also go to the write-back tier (committed dirty)."""
         landed = []
         cancelled = load.cancelled.is_set()
         # A job cancelled before it started read nothing (no result): no failure. One that
@@ -95,8 +97,7 @@ class LoadPath:
             if ok:
                 # A duplicate (or any block on a staging slab) stays reserved and is freed
                 # after the copy. A block to keep in the write-back tier goes there dirty.
-                self.host.commit(lb.slot, dirty=self.tiers.lower.keeper_of(lb.source)
-                                 is not None)
+                self.host.commit(lb.slot, dirty=keep_below)
                 landed.append(lb)
             else:
                 self.host.free_slot(lb.slot)

@@ -103,9 +103,13 @@ class StorePath:
         # the staging slab to the write-back tier: the ledger's pending ones.
         self._offered_dirty: set[BlockHash] = set()
         self._num_staged = 0
-        # (start, end) on `time.monotonic` of every write job the write-back tier ran
-        # (appended by the I/O threads): how long it was busy writing.
+        # (start, end) on `time.monotonic` of the write jobs the write-back tier ran since
+        # it was last idle (appended by the I/O threads), and the seconds it was busy
+        # writing before that: spans are folded into the total whenever no write job is in
+        # flight, so none still to come can overlap them, and the list stays bounded.
         self._write_spans: list[tuple[float, float]] = []
+        self._write_busy_s = 0.0
+        self._num_write_jobs = 0
         num_slots, caches = self.host.num_slots, self.host.caches
         self._writeback_reserve = max(1, num_slots // 8) if caches else 0
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
@@ -158,7 +162,8 @@ class StorePath:
 
     def ledger_stats(self) -> StoreLedgerStats:
         """Where the offered blocks went (see `kvtier.store_ledger`)."""
-        return self.ledger.snapshot(self.backlog(), busy_seconds(self._write_spans))
+        return self.ledger.snapshot(self.backlog(),
+                                    self._write_busy_s + busy_seconds(self._write_spans))
 
     def submit_pending(self, batch: bool = False) -> None:
         """Start the copies `write_through` queued, as one job: a block already stored or
@@ -207,6 +212,8 @@ class StorePath:
         pool is short): those a restore would compute first, each kind oldest first. They
         stay deferred and enter the free queue as its most recent blocks, so the GPU evicts
         every other cached block before them. Returns how many were released."""
+        if not self._held:
+            return 0
         released: list[KVCacheBlock] = []
         for deferred in (self._deferred_head, self._deferred_tail):
             for block, _, _ in deferred.values():
@@ -459,8 +466,10 @@ class StorePath:
         `offered` (per slot, or for all): the slot carries a block the ledger follows."""
         payloads = [self.host.slot_array(slot) for slot in slots]  # uint8 [bytes_per_block]
         job, stored = tier.write_job([self.host.meta(slot) for slot in slots], payloads)
-        if tier is self.write_back:
+        timed = tier is self.write_back
+        if timed:
             job = timed_job(job, self._write_spans)
+            self._num_write_jobs += 1
         counters = self._counters[tier.kind]
         followed = [offered] * len(slots) if isinstance(offered, bool) else offered
 
@@ -476,6 +485,11 @@ class StorePath:
                     self.ledger.written += 1
                 else:
                     self.ledger.skip(SkipReason.REFUSED)
+            if timed:
+                self._num_write_jobs -= 1
+                if self._num_write_jobs == 0:  # idle: no span still to come overlaps these
+                    spans, self._write_spans[:] = list(self._write_spans), []
+                    self._write_busy_s += busy_seconds(spans)
             then()
 
         self.tiers.submit(job, finish)

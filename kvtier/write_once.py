@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.hashing import BlockHash
 from kvtier.tiers.host import SlotId
+from kvtier.transfer import chunks
 
 if TYPE_CHECKING:
     from kvtier.tiers.base import LowerTier
@@ -52,5 +53,4 @@ class WriteOnce:
         """The pending slots in batches of at most the tier's `write_batch`; the queue is
         emptied."""
         slots, self.pending = self.pending, []
-        batch = self.tier.write_batch
-        return [slots[i:i + batch] for i in range(0, len(slots), batch)]
+        return chunks(slots, self.tier.write_batch)

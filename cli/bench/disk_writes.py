@@ -9,17 +9,15 @@ to the GB/s it wrote at while it was writing.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from kvtier.cli.bench.diskread import write_raw_file
 
 from kvtier.stats import Direction, ManagerStats
 
-#: Bytes per write call of the raw file, and bytes between two syncs (about an LMDB commit
-#: of 32 blocks of an 8B model).
-_CHUNK = 8 << 20
+#: Bytes between two syncs of the raw file (about an LMDB commit of 32 blocks of an 8B
+#: model).
 _SYNC_EVERY = 64 << 20
 
 
@@ -28,22 +26,9 @@ def raw_sequential_write(directory: str | os.PathLike[str], num_bytes: int) -> d
     synced every `_SYNC_EVERY` bytes and at the end; the file is removed afterwards.
     Raises OSError when the directory cannot take the file."""
     path = Path(directory) / "kvtier-raw-write.bin"
-    num_bytes = max(_CHUNK, num_bytes // _CHUNK * _CHUNK)
-    chunk = np.random.default_rng(0).integers(0, 255, _CHUNK, dtype=np.uint8).tobytes()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        start = time.perf_counter()
-        unsynced = 0
-        for _ in range(num_bytes // _CHUNK):
-            os.write(fd, chunk)
-            unsynced += _CHUNK
-            if unsynced >= _SYNC_EVERY:
-                os.fdatasync(fd)
-                unsynced = 0
-        os.fdatasync(fd)
-        seconds = time.perf_counter() - start
+        num_bytes, seconds = write_raw_file(path, num_bytes, sync_every=_SYNC_EVERY)
     finally:
-        os.close(fd)
         path.unlink(missing_ok=True)
     return {"bytes": num_bytes, "seconds": seconds, "gb_s": num_bytes / seconds / 1e9}
 

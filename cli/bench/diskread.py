@@ -111,6 +111,31 @@ def _read_file(path: Path, direct: bool, threads: int = 1) -> float:
     return time.perf_counter() - started
 
 
+def write_raw_file(path: Path, num_bytes: int, sync_every: int | None = None,
+                   ) -> tuple[int, float]:
+    """Write `num_bytes` (rounded to whole `_CHUNK`s, at least one) of seeded random bytes to
+    `path` sequentially, in `_CHUNK` calls; with `sync_every`, `fdatasync` every that many
+    bytes and at the end. Returns (bytes written, seconds the writes and syncs took)."""
+    num_bytes = max(_CHUNK, num_bytes // _CHUNK * _CHUNK)
+    chunk = np.random.default_rng(0).integers(0, 255, _CHUNK, dtype=np.uint8).tobytes()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        unsynced = 0
+        for _ in range(num_bytes // _CHUNK):
+            os.write(fd, chunk)
+            unsynced += _CHUNK
+            if sync_every is not None and unsynced >= sync_every:
+                os.fdatasync(fd)
+                unsynced = 0
+        if sync_every is not None:
+            os.fdatasync(fd)
+        seconds = time.perf_counter() - start
+    finally:
+        os.close(fd)
+    return num_bytes, seconds
+
+
 def raw_sequential_read(directory: str | os.PathLike[str], num_bytes: int,
                         threads: int = 4, drop: bool = True) -> dict[str, Any]:
     """Cold sequential read bandwidth (GB/s) of a `num_bytes` file written in `directory`:
@@ -118,11 +143,7 @@ def raw_sequential_read(directory: str | os.PathLike[str], num_bytes: int,
     cache could be dropped first (never tried without `drop`). The file is removed
     afterwards."""
     path = Path(directory) / "kvtier-raw-read.bin"
-    num_bytes = max(_CHUNK, num_bytes // _CHUNK * _CHUNK)
-    block = np.random.default_rng(0).integers(0, 255, _CHUNK, dtype=np.uint8).tobytes()
-    with open(path, "wb") as out:
-        for _ in range(num_bytes // _CHUNK):
-            out.write(block)
+    num_bytes, _ = write_raw_file(path, num_bytes)
     result: dict[str, Any] = {"bytes": num_bytes, "cold": drop}
     try:
         for name, direct, num_threads in (("buffered", False, 1), ("direct", True, 1),

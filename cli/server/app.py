@@ -116,9 +116,9 @@ class _Server:
             data += chunk
             if len(data) > self.limits.max_body_bytes:
                 raise _body_too_large(self.limits)
-        return await asyncio.to_thread(self._parse, bytes(data), model)
+        return await asyncio.to_thread(self._parse, data, model)
 
-    def _parse(self, data: bytes, model: type[T]) -> T:
+    def _parse(self, data: bytes | bytearray, model: type[T]) -> T:
         try:
             raw = json.loads(data)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
