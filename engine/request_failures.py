@@ -86,7 +86,17 @@ def record_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: Seq
                     logprobs: Mapping[RequestId, list[dict[int, Logprob]]]) -> None:
     """Append each request's log-probabilities of this step (`logits: [num_reqs, vocab_size]`,
     `token_ids: [num_reqs]`) to its list in `logprobs`, for the requests that asked; a
-    request whose entry cannot be computed fails alone (and gets an empty entry)."""
+    request whose entry cannot be computed fails alone (and gets an empty entry): the rows
+    are then computed one at a time."""
+    try:
+        entries = sample_logprobs(logits, token_ids, [r.params for r in requests], decode)
+    except Exception:  # noqa: BLE001 (one request's values must not fail the others)
+        pass
+    else:
+        for request, entry in zip(requests, entries):
+            if entry is not None:
+                logprobs[request.request_id].append(entry)
+        return
     for row, request in enumerate(requests):
         if request.params.logprobs is None:
             continue

@@ -20,14 +20,13 @@ in the last tile are masked loads of zeros, which touch no real row.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from kvtier.kernels import _checks
-from kvtier.kernels.layer_ops import _round
+from kvtier.kernels.layer_ops import _on_kernel_device, _round
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,6 @@ def linear_tilings(dtype: torch.dtype) -> tuple[LinearConfig, ...]:
     return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS,)
 
 
-@functools.lru_cache(maxsize=1024)
 def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
     """The tiling for `m` rows of weights [n, k] in `dtype` (see the module docstring for
     why m may choose it)."""
@@ -161,22 +159,18 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or n == 0:
         return out
+    interpreting = _checks.interpreting()
     if config is None:
-        config = (_INTERPRETED if _checks.interpreting()
+        config = (_INTERPRETED if interpreting
                   else pick_linear_config(num_tokens, n, k, x.dtype))
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
-    dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _checks.interpreting())
+    dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))
     _invariant_linear_kernel[grid](
         x, weight, x if bias is None else bias, out, num_tokens, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, DOT_PRECISION="ieee" if dot_fp32 else "tf32",
-        DOT_FP32=dot_fp32, SOFT_BF16=_checks.interpreting(),
+        DOT_FP32=dot_fp32, SOFT_BF16=interpreting,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
-
-
-def _on_kernel_device(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda" or (tensor.device.type == "cpu"
-                                            and _checks.interpreting())
