@@ -45,8 +45,7 @@ from kvtier.cli.server.protocol import (
     ServerLimits,
     TokenizeRequest,
     chat_messages,
-    check_text,
-    limit_error,
+    check_prompt_text,
     parse_body,
 )
 from kvtier.cli.server.responses import Result, chat_logprobs, completion_logprobs, usage
@@ -385,10 +384,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
                 lambda: server.chat_prompt(messages, body.add_generation_prompt))
         else:
             prompt = body.prompt
-            check_text(prompt, "prompt")
-            if len(prompt) > server.limits.max_prompt_chars:
-                raise limit_error("max_prompt_chars", server.limits.max_prompt_chars,
-                                  f"a prompt of {len(prompt)} characters", "prompt")
+            check_prompt_text(prompt, server.limits)
             token_ids = await server.tokenizing(
                 lambda: server.encode(prompt, body.add_special_tokens))
         strs = None

@@ -241,10 +241,7 @@ class CompletionRequest(_GenerationRequest):
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
         if isinstance(prompt, str):
-            check_text(prompt, "prompt")
-            if len(prompt) > limits.max_prompt_chars:
-                raise limit_error("max_prompt_chars", limits.max_prompt_chars,
-                                  f"a prompt of {len(prompt)} characters", "prompt")
+            check_prompt_text(prompt, limits)
         return prompt
 
 
@@ -352,3 +349,11 @@ def parse_body(model: type[BaseModel], raw: Any, limits: ServerLimits) -> Any:
         first = errors[0]["loc"][0] if errors and errors[0]["loc"] else None
         raise APIError(400, f"invalid request: {problems}",
                        param=str(first) if first is not None else None) from None
+
+
+def check_prompt_text(prompt: str, limits: ServerLimits) -> None:
+    """Raise APIError(400) for a text prompt that is not valid text or over the limit."""
+    check_text(prompt, "prompt")
+    if len(prompt) > limits.max_prompt_chars:
+        raise limit_error("max_prompt_chars", limits.max_prompt_chars,
+                          f"a prompt of {len(prompt)} characters", "prompt")
