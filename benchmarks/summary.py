@@ -3,7 +3,7 @@
     python3 benchmarks/summary.py OUT_DIR
 
 A file's name says which bench wrote it (`kernels.json`, `swap*.json`, `diskread.json`,
-`roundtrip.json`, `longctx*.json`, `serve*.json`, as the benchmarks/gpu_*.sh runners name
+`roundtrip.json`, `longctx*.json`, `serve*.json`, `invariance*.json`, as the benchmarks/gpu_*.sh runners name
 them); each is printed with the table its bench prints without `--json`. A file that is
 missing, empty or not JSON (a stage that failed or timed out) is named on stderr and
 skipped. Exits 1 when no result was found.
@@ -29,6 +29,7 @@ PRINTERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "kernels": tables.print_kernels, "swap": tables.print_swap,
     "diskread": tables.print_diskread, "roundtrip": tables.print_roundtrip,
     "longctx": _longctx, "serve": tables.print_serve,
+    "invariance": tables.print_invariance,
 }
 
 

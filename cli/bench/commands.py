@@ -13,6 +13,8 @@ from pathlib import Path
 import typer
 from kvtier.cli.bench import tables
 from kvtier.cli.bench.diskread import run_diskread_bench
+from kvtier.cli.bench.invariance import MODES as INVARIANCE_MODES
+from kvtier.cli.bench.invariance import InvarianceConfig, parse_shapes, run_invariance_bench
 from kvtier.cli.bench.kernels import run_kernel_bench
 from kvtier.cli.bench.longctx import (
     EXTRA_STRATEGIES,
@@ -318,3 +320,37 @@ def diskread(
         print_json(result)
         return
     tables.print_diskread(result)
+
+
+def invariance(
+    model: str = typer.Option("random:tiny-llama", help="Model: an alias, a Hugging Face "
+                              "directory, a .gguf file, or random:<name> (e.g. "
+                              "random:llama3-8b)."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
+                              "float32, bfloat16 or float16."),
+    num_prompts: int = typer.Option(64, help="Prompts, all submitted at once."),
+    min_tokens: int = typer.Option(64, help="Shortest prompt, in tokens."),
+    max_prompt_tokens: int = typer.Option(1024, help="Longest prompt, in tokens."),
+    max_tokens: int = typer.Option(32, help="Greedy tokens generated per prompt."),
+    shapes: str = typer.Option("1x2048,8x2048,64x2048,64x8192", help="Engine shapes, "
+                               "comma-separated SEQSxTOKENS (max_num_seqs x "
+                               "max_num_batched_tokens); each is compared with the first."),
+    modes: str = typer.Option(",".join(INVARIANCE_MODES), help="default, deterministic "
+                              "or both."),
+    seed: int = typer.Option(0, help="Seed of the prompts."),
+    json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
+) -> None:
+    """Whether tokens and log-probabilities change with the batch size and the step's token
+    budget, in the default and the deterministic mode, and each run's time."""
+    config = InvarianceConfig(
+        model=model, device=device, dtype=dtype, num_prompts=num_prompts,
+        min_tokens=min_tokens, max_tokens_prompt=max_prompt_tokens, max_tokens=max_tokens,
+        shapes=parse_shapes(shapes), modes=_parse_names(modes, INVARIANCE_MODES, "--modes"),
+        seed=seed)
+    result = _with_status("bench invariance", lambda update: run_invariance_bench(
+        config, update))
+    if json_output:
+        print_json(result)
+    else:
+        tables.print_invariance(result)

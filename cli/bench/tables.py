@@ -258,6 +258,22 @@ def print_swap(result: dict[str, Any]) -> None:
                  for w in result["write_through"]])
 
 
+def print_invariance(result: dict[str, Any]) -> None:
+    """Per mode and engine shape: requests equal to the mode's first shape, and the time."""
+    config = result["config"]
+    cost = result.get("deterministic_time", {})
+    rows = [(mode, shape, f"{row['same_tokens']} of {row['of']}",
+             f"{row['same_logprob_bits']} of {row['of']}", f"{row['seconds']:.2f}",
+             f"{cost[shape]:.2f}x" if mode == "deterministic" and shape in cost else "")
+            for mode, shapes in result["modes"].items() for shape, row in shapes.items()]
+    print_table(f"bench invariance: {config['num_prompts']} prompts of "
+                f"{config['min_tokens']}-{config['max_tokens_prompt']} tokens, "
+                f"{config['max_tokens']} greedy tokens each, {config['model']}; each shape "
+                "(max_num_seqs x max_num_batched_tokens) against the mode's first",
+                ("mode", "shape", "same tokens", "same logprob bits", "seconds",
+                 "time / default"), rows)
+
+
 def print_diskread(result: dict[str, Any]) -> None:
     rows = [(k.removesuffix("_gb_s"), "n/a" if v is None else f"{v:.2f}")
             for part in ("methods", "tier", "raw") for k, v in result[part].items()

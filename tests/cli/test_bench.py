@@ -418,3 +418,35 @@ def test_benches_refuse_a_host_tier_of_nothing(runner, bench):
     result = runner.invoke(app, [*base, "--host-cache-gb", "0"])
     assert result.exit_code != 0
     assert "--host-cache-gb must be positive" in result.output
+
+
+def test_invariance_bench_deterministic_mode_keeps_every_bit(runner):
+    # bf16 on the CPU: the deterministic mode must give every shape the first shape's
+    # tokens and log-probability bits; the default mode is only reported.
+    result = runner.invoke(app, ["bench", "invariance", "--device", "cpu", "--dtype",
+                                 "bfloat16", "--num-prompts", "5", "--min-tokens", "8",
+                                 "--max-prompt-tokens", "48", "--max-tokens", "4",
+                                 "--shapes", "1x64,5x64,5x16", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(report["modes"]) == {"default", "deterministic"}
+    for shape, row in report["modes"]["deterministic"].items():
+        assert (row["same_tokens"], row["same_logprob_bits"], row["of"]) == (5, 5, 5), shape
+    assert set(report["deterministic_time"]) == {"1x64", "5x64", "5x16"}
+    table = runner.invoke(app, ["bench", "invariance", "--device", "cpu", "--num-prompts",
+                                "2", "--min-tokens", "8", "--max-prompt-tokens", "16",
+                                "--max-tokens", "2", "--shapes", "1x32", "--modes",
+                                "deterministic"])
+    assert table.exit_code == 0, table.output
+    assert "2 of 2" in table.stdout
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--shapes", "8by2048"], "--shapes takes comma-separated SEQSxTOKENS"),
+    (["--modes", "fast"], "--modes takes"),
+    (["--min-tokens", "64", "--max-prompt-tokens", "8"], "--max-prompt-tokens (8)"),
+])
+def test_invariance_bench_rejects_bad_options(runner, options, message):
+    result = runner.invoke(app, ["bench", "invariance", "--device", "cpu", *options])
+    assert result.exit_code != 0
+    assert message in result.output
