@@ -115,6 +115,13 @@ def select_backend(device: torch.device | str, block_size: int, requested: str =
                      f"{ATTN_BACKENDS}")
 
 
+def steps_through_cudnn(model: torch.nn.Module) -> bool:
+    """Whether `model`'s prefill steps run cuDNN now: its backend is "cudnn" and the
+    deterministic mode, which attends through its own Triton kernel, is off."""
+    return (getattr(model, "attn_backend", None) == "cudnn"
+            and not getattr(model, "deterministic", False))
+
+
 def _cudnn_available() -> bool:
     return importlib.import_module("kvtier.kernels.cudnn_backend").cudnn_available()
 

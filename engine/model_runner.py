@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata
+from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata, steps_through_cudnn
 from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.scheduler import ScheduledRequest
@@ -44,7 +44,9 @@ class ModelRunner:
     [num_tokens, hidden_size]` and `compute_logits(hidden [n, hidden_size]) -> [n, vocab]`.
     `sample_fn(logits [n, vocab] float32, requests) -> [n]` token ids picks the next tokens.
     zero_started_blocks: zero each block before a step first writes it (see
-    `_zero_started_blocks`); None: when the model's attention backend is "cudnn".
+    `_zero_started_blocks`); None: when the model's prefill steps run cuDNN
+    (`steps_through_cudnn`: its backend is "cudnn" and this runner's mode is not the
+    deterministic one).
     deterministic: run the model's batch-invariant kernels (`set_deterministic`); the mode
     is set again before every step, so engines of either mode can share one model.
     """
@@ -64,7 +66,7 @@ class ModelRunner:
         self.step_timer = StepTimer(self.device)
         self.graphs: DecodeGraphs | None = None
         if zero_started_blocks is None:
-            zero_started_blocks = getattr(model, "attn_backend", None) == "cudnn"
+            zero_started_blocks = steps_through_cudnn(model)
         self._zero_started = zero_started_blocks
         #: Pinned buffer the sampled ids are stored into, and the event that says they are.
         self._host_ids: torch.Tensor | None = None

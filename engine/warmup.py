@@ -39,7 +39,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from kvtier.engine import paths
-from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata, PagedAttention
+from kvtier.engine.attention import (
+    GRAPH_BACKENDS,
+    AttentionMetadata,
+    PagedAttention,
+    steps_through_cudnn,
+)
 from kvtier.engine.restore_rates import prefill_keys
 from kvtier.engine.sampler import SamplingParams, sample
 from kvtier.kernels import store_to_host
@@ -199,7 +204,7 @@ def _warm_block_copies(kv_cache: torch.Tensor) -> None:
 
 def _cudnn_min_tokens(model: torch.nn.Module) -> int | None:
     """The fewest query tokens of a step the cudnn backend takes; None with another one."""
-    if getattr(model, "attn_backend", None) != "cudnn" or getattr(model, "deterministic", False):
+    if not steps_through_cudnn(model):
         return None
     from kvtier.kernels import cudnn_backend
 
@@ -212,7 +217,7 @@ def _build_attention_graphs(model: torch.nn.Module, kv_cache: torch.Tensor, bloc
     """With the cudnn attention backend: build the cuDNN graph of every request bucket a
     prefill step can reach (1.7 s for the first, which loads cuDNN's kernels). Returns how
     many were built (0 with any other backend)."""
-    if getattr(model, "attn_backend", None) != "cudnn" or getattr(model, "deterministic", False):
+    if not steps_through_cudnn(model):
         return 0
     from kvtier.kernels import cudnn_backend
 
