@@ -16,10 +16,20 @@ Hopper; `tests/kernels/test_kernel_invariant.py` checks every tiling of
 `pick_linear_config` against the others on the GPU). float32 operands (exact dots on CUDA
 cores, whose order may follow the thread layout) keep one tiling for every M. Rows past M
 in the last tile are masked loads of zeros, which touch no real row.
+
+Prefill-sized steps on Hopper take a second kernel with the same per-element chain: a
+persistent one (a program per SM walking output tiles in groups of rows that share weight
+tiles in L2) whose operands arrive through the tensor memory accelerator (TMA
+descriptors, zero-filled past the edges). It only changes how tiles are loaded and
+scheduled, so its rows are the bits of the first kernel's (the GPU tests compare them); it
+brings the prefill GEMMs to cuBLAS's time, where the first kernel took about 1.3x
+(`docs/DETERMINISM.md`). Operands TMA cannot describe (rows not 16-byte aligned) and
+older GPUs take the first kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +48,10 @@ class LinearConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    #: The persistent TMA kernel (Hopper and later; others fall back to the first kernel).
+    tma: bool = False
+    #: Row tiles per group of the persistent kernel's tile order (weight tiles reused in L2).
+    group_m: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -57,6 +71,14 @@ _TILINGS_16BIT = (
     (None, LinearConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
 )
 _WIDE_64_ROWS = LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+#: Prefill-sized steps through the persistent TMA kernel: 128 x 256 tiles once the step has
+#: more than 1024 rows or the projection is wide, else 128 x 128 (more programs for narrow
+#: projections of mid-sized steps); the Llama-3-8B timings are in docs/DETERMINISM.md.
+_TMA_MIN_ROWS = 129
+_TMA_WIDE = LinearConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
+                         tma=True)
+_TMA_NARROW = LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4,
+                           tma=True)
 _FLOAT32 = LinearConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=2)
 _INTERPRETED = LinearConfig(block_m=64, block_n=64, block_k=64)
 
@@ -66,7 +88,8 @@ def linear_tilings(dtype: torch.dtype) -> tuple[LinearConfig, ...]:
     bit; the GPU tests compare them)."""
     if dtype == torch.float32:
         return (_FLOAT32,)
-    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS,)
+    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS, _TMA_WIDE,
+                                                            _TMA_NARROW)
 
 
 def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -74,6 +97,8 @@ def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConf
     why m may choose it)."""
     if dtype == torch.float32:
         return _FLOAT32
+    if m >= _TMA_MIN_ROWS:
+        return _TMA_WIDE if m > 1024 or n > 4096 else _TMA_NARROW
     for max_rows, config in _TILINGS_16BIT:
         if max_rows is None or m <= max_rows:
             if config.block_m == 64 and n >= 16384:
@@ -114,6 +139,73 @@ def _invariant_linear_kernel(
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
              _round(acc, dtype, SOFT_BF16), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """The (row tile, column tile) of the persistent kernel's `tile_id`-th tile: groups of
+    GROUP_M row tiles sweep the column tiles together, so their weight tiles stay in L2."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile_id // in_group) * GROUP_M
+    size_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile_id % in_group) % size_m, (tile_id % in_group) // size_m
+
+
+@triton.jit
+def _invariant_linear_tma_kernel(
+    x_desc, w_desc, out_desc, bias_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile_id in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS,
+                            flatten=True):
+        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # the first kernel's chain: K from 0 upward
+            a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K], zeros past M, K
+            b = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K], zeros past N, K
+            acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple[bool, int]:
+    """(whether the GPU has TMA, i.e. is Hopper or later; its multiprocessor count)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major >= 9, props.multi_processor_count
+
+
+def _tma_describable(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can load these 2-D tensors: a Hopper or later GPU, 16-byte aligned
+    base addresses and row strides, contiguous rows."""
+    first = tensors[0]
+    if first.device.type != "cuda" or not _device_facts(first.device)[0]:
+        return False
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def _launch_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor, config: LinearConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_tokens, k = x.shape
+    n = weight.shape[0]
+    tiles = triton.cdiv(num_tokens, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = min(tiles, _device_facts(x.device)[1])
+    _invariant_linear_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
+        TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+        TensorDescriptor.from_tensor(out, [config.block_m, config.block_n]),
+        x if bias is None else bias, num_tokens, n, k,
+        HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -163,6 +255,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if config is None:
         config = (_INTERPRETED if interpreting
                   else pick_linear_config(num_tokens, n, k, x.dtype))
+    if config.tma and not interpreting and x.dtype != torch.float32 \
+            and _tma_describable(x, weight, out):
+        _launch_tma(x, weight, bias, out, config)
+        return out
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))
