@@ -13,17 +13,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.cli.main import app
 from typer.testing import CliRunner
 
-from tests.cli.processes import Process, free_port, launch, wait_healthy
 from tests.cli.serve_harness import MODEL_NAME, parse_metrics, sse_events
 from tests.model_cache import seed_model_cache
 
 pytestmark = pytest.mark.slow
 
 SERVE = ["serve", MODEL_NAME, "--device", "cpu", "--dtype", "float32", "--gpu-blocks", "64",
-         "--host-cache-gb", "0.05"]
+         "--host-cache-gb", "0.05", "--no-disk-cache"]
 PROMPT = "The capital of France is Paris. The capital of Germany is"
 
 

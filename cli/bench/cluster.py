@@ -1,5 +1,5 @@
-"""`kvtier serve` and `kvtier router` as real processes on loopback, for the tests that need
-several servers at once (the router's)."""
+"""kvtier commands (`kvtier serve`, `kvtier router`) as processes on loopback ports: what
+`kvtier bench disagg` starts, and the router's tests with it."""
 
 from __future__ import annotations
 
@@ -48,10 +48,15 @@ class Process:
         self.proc.wait()
 
 
-def launch(name: str, args: list[str], logs: Path, cache_dir: Path | None = None) -> Process:
-    """Start `kvtier ARGS --port P` (P a free port); returns at once (see `wait_healthy`)."""
+def launch(name: str, args: list[str], logs: Path, cache_dir: Path | None = None,
+           num_threads: int | None = 1) -> Process:
+    """Start `kvtier ARGS --port P` (P a free port), its output in `logs/NAME.log`;
+    returns at once (see `wait_healthy`). num_threads: its OMP_NUM_THREADS (None: as
+    inherited)."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ)
+    if num_threads is not None:
+        env["OMP_NUM_THREADS"] = str(num_threads)
     if cache_dir is not None:
         env["KVTIER_CACHE_DIR"] = str(cache_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -65,14 +70,14 @@ def launch(name: str, args: list[str], logs: Path, cache_dir: Path | None = None
 
 
 def wait_healthy(processes: list[Process], timeout_s: float = 240.0) -> None:
-    """Wait until every process answers /health with 200; AssertionError with the output
-    of one that exited or did not come up."""
+    """Wait until every process answers /health with 200; RuntimeError with the output of
+    one that exited or did not come up."""
     deadline = time.monotonic() + timeout_s
     waiting = list(processes)
     while waiting:
         process = waiting[0]
         if process.proc.poll() is not None:
-            raise AssertionError(f"{process.name} exited: {process.output()}")
+            raise RuntimeError(f"{process.name} exited: {process.output()}")
         try:
             if httpx.get(f"{process.url}/health", timeout=2).status_code == 200:
                 waiting.pop(0)
@@ -80,6 +85,6 @@ def wait_healthy(processes: list[Process], timeout_s: float = 240.0) -> None:
         except httpx.TransportError:
             pass
         if time.monotonic() > deadline:
-            raise AssertionError(f"{process.name} did not become healthy in {timeout_s} s: "
+            raise RuntimeError(f"{process.name} did not become healthy in {timeout_s} s: "
                                  f"{process.output()}")
         time.sleep(0.3)
