@@ -354,11 +354,17 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
                     "colocated": list(devices[2])},
         "config": {k: v for k, v in asdict(config).items()
                    if k not in ("prefill_urls", "decode_urls", "both_urls")},
-        "link": link, "modes": modes, "goodput_ratio": None, "outputs_equal": None}
+        "link": link, "modes": modes, "goodput_ratio": None, "ttft_p50_ratio": None,
+        "outputs_equal": None}
     if len(tokens) == 2:
         colocated, disaggregated = modes["colocated"], modes["disaggregated"]
         if colocated["goodput_rps"] > 0:
             result["goodput_ratio"] = disaggregated["goodput_rps"] / colocated["goodput_rps"]
+        # Per rate, what the handoff adds to a prompt's TTFT (at a low rate, with no
+        # queueing: the handoff's own cost against the same prefill colocated).
+        result["ttft_p50_ratio"] = [
+            d["ttft_s"]["p50"] / c["ttft_s"]["p50"]
+            for c, d in zip(colocated["rates"], disaggregated["rates"])]
         pairs = [(a, b) for rate_a, rate_b in zip(tokens["colocated"], tokens["disaggregated"])
                  for a, b in zip(rate_a, rate_b)]
         result["outputs_equal"] = {"equal": sum(a == b for a, b in pairs),
@@ -472,6 +478,9 @@ def print_disagg(result: dict[str, Any]) -> None:
         lines.append((f"link ceiling ({link['backend']})", f"{link['gb_s']:.2f} GB/s",
                       f"{link['bytes'] / 2**20:,.0f} MiB {link['src_device']} -> "
                       f"{link['dst_device']}"))
+    if result["ttft_p50_ratio"] is not None:
+        ratios = ", ".join(f"{r:.2f}x" for r in result["ttft_p50_ratio"])
+        lines.append(("TTFT p50 disaggregated / colocated", ratios, "per rate"))
     if result["outputs_equal"] is not None:
         equal = result["outputs_equal"]
         lines.append(("outputs equal", f"{equal['equal']} of {equal['total']}", ""))
