@@ -37,6 +37,7 @@ class InstanceInfo:
     transports: tuple[str, ...]
     block_size: int | None
     layout: str | None
+    has_handoff: bool = True  # False: no /v1/handoff routes (whole requests only)
 
     @classmethod
     def from_json(cls, data: Any, url: str) -> InstanceInfo:
@@ -116,7 +117,7 @@ async def fetch_info(client: httpx.AsyncClient, url: str, part: str) -> Instance
             models = await client.get(f"{url}/v1/models")
             models.raise_for_status()
             name = models.json()["data"][0]["id"]
-            return InstanceInfo("both", name, (), None, None)
+            return InstanceInfo("both", name, (), None, None, has_handoff=False)
         response.raise_for_status()
         return InstanceInfo.from_json(response.json(), url)
     except httpx.HTTPStatusError as exc:
@@ -155,6 +156,10 @@ async def discover(client: httpx.AsyncClient, parts: dict[str, list[str]],
     infos = await asyncio.gather(*(fetch_info(client, url, part) for part, url in pairs))
     found: dict[str, list[Instance]] = {part: [] for part in parts}
     for (part, url), info in zip(pairs, infos):
+        if part != "both" and not info.has_handoff:
+            raise ValueError(f"the --{part} instance at {url} has no /v1/handoff/info: it "
+                             "cannot hand KV over; start it with `kvtier serve --role "
+                             f"{part}` of this kvtier version")
         if info.role not in ACCEPTED_ROLES[part]:
             raise ValueError(f"the --{part} instance at {url} has role {info.role!r}; "
                              f"--{part} takes instances started with `kvtier serve --role "

@@ -9,6 +9,7 @@ is a one-line error.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,12 @@ def served_requests(instance: Process) -> float:
     return sum(v for k, v in metrics.items() if k.startswith("kvtier_requests_total{"))
 
 
+def _aborted(instance: Process) -> float:
+    metrics = parse_metrics(httpx.get(f"{instance.url}/metrics", timeout=30).text)
+    return metrics.get('kvtier_requests_total{endpoint="completions",finish_reason="abort"}',
+                       0.0)
+
+
 def test_colocated_router_answers_as_one_instance(colocated) -> None:
     router, instances = colocated
     direct, _ = completion(instances[0].url)
@@ -101,7 +108,24 @@ def test_colocated_router_answers_as_one_instance(colocated) -> None:
     other = httpx.post(f"{router.url}/v1/completions", content=b"{not json", timeout=30)
     assert other.status_code == 400 and "not valid JSON" in other.json()["error"]["message"]
 
+    # A client that leaves mid-stream: the router closes its stream from the instance,
+    # which aborts the request there.
+    aborted_before = sum(_aborted(i) for i in instances)
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
+                      timeout=120) as answer:
+        lines = answer.iter_lines()
+        assert next(lines).startswith("data: ")
+    deadline = time.monotonic() + 60
+    while sum(_aborted(i) for i in instances) == aborted_before:
+        assert time.monotonic() < deadline, "the instance did not abort the request"
+        time.sleep(0.2)
+    health = httpx.get(f"{router.url}/health", timeout=30).json()
+    assert [i["in_flight"] for i in health["instances"]] == [0, 0]
+
     metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
+    assert metrics['kvtier_router_requests_total{outcome="abort",path="/v1/completions"}'] == 1
     assert metrics['kvtier_router_requests_total{outcome="ok",path="/v1/completions"}'] == 4
     assert metrics['kvtier_router_requests_total{outcome="client_error",'
                    'path="/v1/completions"}'] == 1
