@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 import numpy as np
 import typer
-from kvtier.cli.bench.cluster import Process, launch, wait_healthy
+from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.cli.bench.link import measure_link
 from kvtier.cli.bench.longctx import summarize
 from kvtier.cli.common import print_json, print_table
@@ -176,10 +176,13 @@ def _cluster(mode: str, config: DisaggConfig, devices: tuple[str, str, tuple[str
         else:
             urls = {"prefill": list(config.prefill_urls), "decode": list(config.decode_urls)}
             if not urls["prefill"]:
-                started += [launch("prefill", _serve_args(config, prefill_device, "prefill"),
-                                   logs, num_threads=None),
-                            launch("decode", _serve_args(config, decode_device, "decode"),
-                                   logs, num_threads=None)]
+                pair: list[str] = []
+                if config.transport in (None, "nccl"):  # the pair's torch.distributed group
+                    pair = ["--handoff-nccl", f"tcp://127.0.0.1:{free_port()}"]
+                started += [launch("prefill", _serve_args(config, prefill_device, "prefill")
+                                   + pair, logs, num_threads=None),
+                            launch("decode", _serve_args(config, decode_device, "decode")
+                                   + pair, logs, num_threads=None)]
                 urls = {"prefill": [started[0].url], "decode": [started[1].url]}
                 where = [f"prefill on {prefill_device}", f"decode on {decode_device}"]
             else:
