@@ -16,22 +16,34 @@ TINY = ["bench", "disagg", "--model", "random:tiny-llama", "--dtype", "float32",
 
 
 @pytest.mark.slow
-def test_colocated_report_shape(monkeypatch) -> None:
+def test_report_shape_of_both_modes(monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    result = CliRunner().invoke(app, [*TINY, "--modes", "colocated", "--rates", "5,50",
-                                      "--ttft-slo", "1000", "--tpot-slo", "1000", "--json"])
+    result = CliRunner().invoke(app, [*TINY, "--rates", "5,50", "--ttft-slo", "1000",
+                                      "--tpot-slo", "1000", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert report["bench"] == "disagg" and report["devices"]["colocated"] == ["cpu", "cpu"]
-    colocated = report["modes"]["colocated"]
-    assert colocated["instances"] == ["both on cpu", "both on cpu"]
-    assert [run["rate_rps"] for run in colocated["rates"]] == [5.0, 50.0]
-    for run in colocated["rates"]:
-        assert run["num_requests"] == 4 and run["ttft_s"]["n"] == 4
-        assert run["tpot_s"]["p99"] >= run["tpot_s"]["p50"] > 0
-        assert run["slo_met"] and run["within_slo"] == 4  # SLOs nothing misses
-    assert colocated["goodput_rps"] == 50.0
-    assert report["link"] is None and report["goodput_ratio"] is None
+    assert report["bench"] == "disagg"
+    assert report["devices"] == {"prefill": "cpu", "decode": "cpu",
+                                 "colocated": ["cpu", "cpu"]}
+    assert report["modes"]["colocated"]["instances"] == ["both on cpu", "both on cpu"]
+    assert report["modes"]["disaggregated"]["instances"] == ["prefill on cpu",
+                                                             "decode on cpu"]
+    for mode in report["modes"].values():
+        assert [run["rate_rps"] for run in mode["rates"]] == [5.0, 50.0]
+        for run in mode["rates"]:
+            assert run["num_requests"] == 4 and run["ttft_s"]["n"] == 4
+            assert run["tpot_s"]["p99"] >= run["tpot_s"]["p50"] > 0
+            assert run["slo_met"] and run["within_slo"] == 4  # SLOs nothing misses
+        assert mode["goodput_rps"] == 50.0
+    assert report["goodput_ratio"] == 1.0 and len(report["ttft_p50_ratio"]) == 2
+    handoff = report["modes"]["disaggregated"]["handoff"]
+    assert handoff["num_handoffs"] == 8 and handoff["num_fallbacks"] == 0
+    assert handoff["bytes"] > 0 and handoff["gb_s"] > 0 and handoff["of_link"] > 0
+    assert handoff["transports"] == ["nccl"]  # the torch.distributed pair (gloo here)
+    link = report["link"]
+    assert link["backend"] == "gloo" and link["bytes"] == 1048576 and link["gb_s"] > 0
+    # float32 on the CPU: the same tokens whichever instance computed the prompt.
+    assert report["outputs_equal"] == {"equal": 8, "total": 8}
 
 
 def test_poisson_workload_is_seeded_and_mixed() -> None:
