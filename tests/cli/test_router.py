@@ -147,15 +147,39 @@ def test_router_options_and_unreachable_instances_are_one_line_errors() -> None:
 
 
 def test_a_killed_instance_is_passed_over(colocated) -> None:
-    """Last in this module: it kills an instance of the shared fixture."""
+    """Last in this module: it kills the fixture's instances one after the other."""
     router, instances = colocated
-    direct, _ = completion(instances[0].url)
-    instances[1].kill()
-    for stream in (False, True, False):
+    # An instance killed while it streams: the stream ends with an error event.
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
+                      timeout=120) as answer:
+        lines = answer.iter_lines()
+        assert next(lines).startswith("data: ")
+        busy = [i["in_flight"] for i in httpx.get(f"{router.url}/health",
+                                                  timeout=30).json()["instances"]]
+        assert sorted(busy) == [0, 1]
+        streaming, other = (instances[0], instances[1]) if busy[0] else \
+            (instances[1], instances[0])
+        streaming.kill()
+        events = sse_events(list(lines))
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "upstream_failed"
+
+    # The dead instance is passed over: requests go to the other one.
+    direct, _ = completion(other.url)
+    for stream in (False, True):
         assert completion(router.url, stream=stream)[0] == direct
     metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
-    # One request found instance 1 dead and went on to instance 0; the others went to
-    # instance 0 at once (instance 1 is passed over for --down-for).
-    assert metrics['kvtier_router_retries_total{part="decode"}'] == 1
+    assert metrics['kvtier_router_requests_total{outcome="error",path="/v1/completions"}'] == 1
     health = httpx.get(f"{router.url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "degraded"
+
+    # Both dead: a clear 502, no hang.
+    other.kill()
+    gone = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                      json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 502 and gone.json()["error"]["code"] == "upstream_unavailable"
+    metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
+    assert metrics['kvtier_router_retries_total{part="decode"}'] == 1
+    assert httpx.get(f"{router.url}/health", timeout=30).status_code == 503

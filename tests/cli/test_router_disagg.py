@@ -122,6 +122,24 @@ def test_a_bad_request_comes_back_from_the_prefill_instance(pair) -> None:
     assert via_router.json() == direct.json()
 
 
+def test_a_handoff_past_its_timeout_falls_back(pair, tmp_path) -> None:
+    """A router whose --prefill-timeout no handoff can meet: the prefill instance gives up
+    (504) and the decode instance computes the prompt itself, with the same tokens."""
+    _, prefill, decode = pair
+    router = launch("hasty-router", ["router", "--prefill", prefill.url, "--decode",
+                                     decode.url, "--prefill-timeout", "0.000001"], tmp_path)
+    try:
+        wait_healthy([router])
+        prompt = f"In a hurry. {DOCUMENT} Is it quick?"
+        got, headers, _ = answer(router.url, prompt, stream=True)
+        assert got == answer(prefill.url, prompt, stream=False)[0]
+        assert json.loads(headers["x-kvtier-handoff"]) == {"fallback": "timeout"}
+        metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
+        assert metrics['kvtier_router_fallbacks_total{reason="timeout"}'] == 1
+    finally:
+        router.stop()
+
+
 def test_a_killed_prefill_instance_falls_back_to_the_decode_instance(pair) -> None:
     """Last in this module: it kills the fixture's prefill instance."""
     router, prefill, _ = pair
