@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
+from kvtier.cli.main import app
+from typer.testing import CliRunner
 
 from tests.cli.serve_harness import MODEL_NAME, parse_metrics, sse_events
 from tests.model_cache import seed_model_cache
@@ -120,6 +122,20 @@ def test_a_bad_request_comes_back_from_the_prefill_instance(pair) -> None:
     direct = httpx.post(f"{prefill.url}/v1/completions", json=bad, timeout=60)
     assert via_router.status_code == direct.status_code == 400
     assert via_router.json() == direct.json()
+
+
+def test_instances_that_do_not_fit_their_options_are_one_line_errors(pair) -> None:
+    _, prefill, decode = pair
+    runner = CliRunner()
+    for args, message in [
+        (["--both", prefill.url], f"the --both instance at {prefill.url} has role 'prefill'"),
+        (["--prefill", decode.url, "--decode", prefill.url],
+         f"the --prefill instance at {decode.url} has role 'decode'"),
+        (["--prefill", prefill.url, "--decode", decode.url, "--transport", "carrier-pigeon"],
+         "--transport carrier-pigeon is not offered by both"),
+    ]:
+        result = runner.invoke(app, ["router", *args])
+        assert result.exit_code == 1 and message in result.output, result.output
 
 
 def test_a_handoff_past_its_timeout_falls_back(pair, tmp_path) -> None:
