@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.free_queue import KVCacheBlock
@@ -45,8 +44,9 @@ class PoolPlacement:
         return held, blocks
 
     def place(self, metas: Sequence[BlockMeta],
-              payloads: np.ndarray) -> list[KVCacheBlock | None]:
-        """Cache the validated blocks `metas` (bytes: uint8 rows of `payloads`) in the GPU
+              payloads: torch.Tensor) -> list[KVCacheBlock | None]:
+        """Cache the validated blocks `metas` (bytes: uint8 rows of `payloads`, on any
+        device) in the GPU
         pool, each held once for the caller; a block already cached is held as it is. When
         the pool has too few free blocks, the last ones are left out (None: the request
         computes them). Returns per block its held GPU block or None."""
@@ -65,7 +65,8 @@ class PoolPlacement:
             rows = cache.view(-1).view(torch.uint8).view(cache.shape[0], -1)
             ids = torch.tensor([b.block_id for b in fresh], dtype=torch.int64)
             # [len(todo), bytes_per_block] into the blocks' contiguous spans
-            rows[ids.to(cache.device)] = torch.from_numpy(payloads[todo]).to(cache.device)
+            picked = payloads[torch.tensor(todo, dtype=torch.int64, device=payloads.device)]
+            rows[ids.to(cache.device)] = picked.to(cache.device)
             self.manager.cache_full_blocks(fresh, [metas[i] for i in todo])
             for i, block in zip(todo, fresh):
                 placed[i] = block

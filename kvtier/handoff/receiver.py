@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
+import torch
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.handoff.base import HandoffTransport, Json, ReceiveChannel, TransportError
@@ -160,7 +160,8 @@ class HandoffReceiver:
                                  f"{len(reservation.metas)} blocks")
             metas = [reservation.metas[i] for i in indexes]
             layout = reservation.transport.layout
-            dests = np.empty((len(entries), layout.bytes_per_block), dtype=np.uint8)
+            dests = torch.empty((len(entries), layout.bytes_per_block), dtype=torch.uint8,
+                                device=reservation.transport.device)
             received = True
             intact = reservation.channel.receive_into(entries, metas, dests) if entries else []
             good = [k for k, ok in enumerate(intact) if ok]

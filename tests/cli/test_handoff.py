@@ -220,7 +220,8 @@ def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> No
 
     def hand_over() -> None:
         try:
-            outcome.append(_hand_over(pair, prompt, transport, prefill=doomed).status_code)
+            response = _hand_over(pair, prompt, transport, prefill=doomed)
+            outcome.append((response.status_code, response.text))
         except httpx.HTTPError as exc:
             outcome.append(exc)
 

@@ -15,8 +15,8 @@ tests/cli/test_handoff.py.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+import torch
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
@@ -75,7 +75,7 @@ def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedMo
         # The prefill engine computes the prompt; its blocks' bytes are read from its pool.
         prefill.generate([PROMPT], SamplingParams(max_tokens=1))
         hashes = hash_blocks(_namespace(prefill), PROMPT, 16, prefill.config.hash_algorithm)
-        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).numpy().view(np.uint8)
+        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
         payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
         ours = metas_for(_namespace(prefill), hashes, PROMPT, 16)
         other = _namespace(prefill, "another tenant")
