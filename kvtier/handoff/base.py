@@ -8,7 +8,8 @@ HTTP (`kvtier.handoff.control`). Per handoff, each side opens a channel:
   * decode side: `open_receive(handoff_id, num_blocks)` -> `ReceiveChannel`, whose `offer()`
     (JSON) tells the prefill side where to put the records (slots of a registered buffer,
     a store, a rank), and whose `receive_into(entries, metas, dests)` reads the records a
-    commit announces and validates each against the block the decode side expects.
+    commit announces and validates each against the block the decode side expects, into
+    rows on the transport's `device` (the host, or the GPU for NCCL).
   * prefill side: `open_send(offer)` -> `SendChannel`, whose `send(blocks)` moves records
     and returns the commit entries (JSON) that announce them; at most `capacity` blocks
     per send, since a commit frees the room a send used.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import BlockMeta, CorruptRecord, read_record_into
@@ -41,11 +43,16 @@ class TransportError(OSError):
 @dataclass(frozen=True, slots=True)
 class OutgoingBlock:
     """One block the prefill side sends: its index in the prompt, what names it, and its
-    bytes (`payload`: a flat uint8 numpy view of `layout.bytes_per_block` bytes)."""
+    bytes (`payload`: flat uint8 `[bytes_per_block]`, on the engine's device, a row of one
+    group's gathered copy)."""
 
     index: int
     meta: BlockMeta
-    payload: np.ndarray
+    payload: torch.Tensor
+
+    def host_payload(self) -> np.ndarray:
+        """The payload in host memory, as a flat uint8 numpy array (a copy off a GPU)."""
+        return self.payload.cpu().numpy()
 
 
 class SendChannel(ABC):
@@ -79,9 +86,10 @@ class ReceiveChannel(ABC):
 
     @abstractmethod
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
-                     dests: np.ndarray) -> list[bool]:
+                     dests: torch.Tensor) -> list[bool]:
         """Read the records `entries` (a commit's, one per block) announce into `dests`
-        (uint8 `[len(entries), bytes_per_block]`), each checked against `metas[i]`; per
+        (uint8 `[len(entries), bytes_per_block]` on the transport's `device`), each checked
+        against `metas[i]`; per
         block, True when it arrived intact and is the block asked for. Raises
         TransportError when the transport failed as a whole."""
 
@@ -95,10 +103,12 @@ class HandoffTransport(ABC):
 
     name: how the control messages, settings and metrics name it ("mooncake", ...).
     layout: the KV layout of every block it moves.
+    device: where received blocks land (`ReceiveChannel.receive_into`'s `dests`).
     """
 
     name: str
     layout: KVLayout
+    device: torch.device = torch.device("cpu")
 
     @property
     def ready(self) -> bool:
@@ -127,13 +137,14 @@ class HandoffTransport(ABC):
 
 
 def check_records(records: Sequence[memoryview | bytes | None], metas: Sequence[BlockMeta],
-                  layout: KVLayout, dests: np.ndarray) -> list[bool]:
+                  layout: KVLayout, dests: torch.Tensor) -> list[bool]:
     """Validate whole records against the blocks `metas` names and copy their payloads
-    into `dests` rows (`kvtier.tiers.record.read_record_into`: header, layout, length,
-    parent hash, token ids, checksum); per block, True when intact. None is a miss."""
+    into `dests` rows (uint8, on the host; `kvtier.tiers.record.read_record_into`: header,
+    layout, length, parent hash, token ids, checksum); per block, True when intact. None is
+    a miss."""
     fingerprint = layout.fingerprint()
     results = []
-    for record, meta, dest in zip(records, metas, dests):
+    for record, meta, dest in zip(records, metas, dests.numpy()):
         if record is None:
             results.append(False)
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 from kvtier.handoff.base import HandoffTransport
 from kvtier.layout import KVLayout
@@ -78,9 +79,10 @@ class HandoffConfig:
 
 
 def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, HandoffTransport]:
-    """The transports `config` turns on, by name. Redis is always there to send with on a
-    sending instance. Raises ValueError for a setting that cannot work here (Mooncake not
-    installed, NCCL without CUDA), TransportError when an engine does not start."""
+    """The transports `config` turns on, by name. Redis is there to send with on every
+    sending instance where redis-py is installed. Raises ValueError for a setting that
+    cannot work here (Mooncake not installed, NCCL without CUDA), TransportError when an
+    engine does not start."""
     transports: dict[str, HandoffTransport] = {}
     try:
         if config.mooncake_host is not None:
@@ -89,7 +91,8 @@ def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, Handof
             transports["mooncake"] = MooncakeTransport(
                 layout, config.mooncake_host, config.mooncake_protocol, config.mooncake_device,
                 config.mooncake_slots, config.mooncake_ring)
-        if config.redis_url is not None or config.sends:
+        # A sending instance can use whatever Redis a decode instance offers, given redis-py.
+        if config.redis_url is not None or (config.sends and find_spec("redis") is not None):
             from kvtier.handoff.redis import RedisTransport
 
             transports["redis"] = RedisTransport(

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from kvtier.handoff.base import (
     HandoffTransport,
@@ -152,7 +153,7 @@ class _Receive(ReceiveChannel):
                 "slots": [base + slot * size for slot in self.slots]}
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
-                     dests: np.ndarray) -> list[bool]:
+                     dests: torch.Tensor) -> list[bool]:
         size = self.transport.slot_bytes
         records: list[memoryview | None] = []
         view = memoryview(self.buffer)
@@ -188,7 +189,7 @@ class _Send(SendChannel):
         base = self.buffer.ctypes.data
         entries, lengths = [], []
         for k, block in enumerate(blocks):
-            record = assemble_record(block.meta, self.transport.layout, block.payload,
+            record = assemble_record(block.meta, self.transport.layout, block.host_payload(),
                                      self.buffer[k * size:(k + 1) * size])
             lengths.append(record.nbytes)
             entries.append({"index": block.index, "slot": k, "length": record.nbytes})

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.free_queue import KVCacheBlock
@@ -32,29 +31,29 @@ class PoolPlacement:
     def __init__(self, manager: TierManager) -> None:
         self.manager = manager
 
-    def held(self, block_hashes: Sequence[BlockHash]) -> tuple[list[bool], list[KVCacheBlock]]:
+    def held(self, block_hashes: Sequence[BlockHash]
+             ) -> tuple[list[bool], list[KVCacheBlock | None]]:
         """Per hash, whether this instance holds the block now (cached in the GPU pool or the
-        host tier: it is not sent again), and the GPU blocks among them, each given one
-        reference so they stay until `release`."""
+        host tier: it is not sent again), and per hash its GPU block (None elsewhere), each
+        given one reference so that it stays until `release`."""
         pool, host = self.manager.pool, self.manager.tiers.caching_host
-        held, blocks = [], []
-        for block_hash in block_hashes:
-            block = pool.get_cached_block(block_hash)
-            if block is not None:
-                blocks.append(block)
-            held.append(block is not None or (host is not None and host.contains(block_hash)))
-        self.manager.touch(blocks)
+        blocks = [pool.get_cached_block(block_hash) for block_hash in block_hashes]
+        held = [block is not None or (host is not None and host.contains(block_hash))
+                for block, block_hash in zip(blocks, block_hashes)]
+        self.manager.touch([block for block in blocks if block is not None])
         return held, blocks
 
-    def place(self, metas: Sequence[BlockMeta], payloads: np.ndarray) -> list[KVCacheBlock]:
-        """Cache the validated blocks `metas` (bytes: uint8 rows of `payloads`) in the GPU
+    def place(self, metas: Sequence[BlockMeta],
+              payloads: torch.Tensor) -> list[KVCacheBlock | None]:
+        """Cache the validated blocks `metas` (bytes: uint8 rows of `payloads`, on any
+        device) in the GPU
         pool, each held once for the caller; a block already cached is held as it is. When
-        the pool has too few free blocks, the blocks from the first that does not fit on
-        are left out (the request computes them). Returns the held blocks."""
+        the pool has too few free blocks, the last ones are left out (None: the request
+        computes them). Returns per block its held GPU block or None."""
         pool = self.manager.pool
-        present = [pool.get_cached_block(meta.block_hash) for meta in metas]
-        held = [block for block in present if block is not None]
-        todo = [i for i, block in enumerate(present) if block is None]
+        placed = [pool.get_cached_block(meta.block_hash) for meta in metas]
+        self.manager.touch([block for block in placed if block is not None])
+        todo = [i for i, block in enumerate(placed) if block is None]
         fresh = None
         while todo:
             fresh = self.manager.allocate(len(todo))
@@ -66,14 +65,18 @@ class PoolPlacement:
             rows = cache.view(-1).view(torch.uint8).view(cache.shape[0], -1)
             ids = torch.tensor([b.block_id for b in fresh], dtype=torch.int64)
             # [len(todo), bytes_per_block] into the blocks' contiguous spans
-            rows[ids.to(cache.device)] = torch.from_numpy(payloads[todo]).to(cache.device)
+            picked = payloads[torch.tensor(todo, dtype=torch.int64, device=payloads.device)]
+            rows[ids.to(cache.device)] = picked.to(cache.device)
             self.manager.cache_full_blocks(fresh, [metas[i] for i in todo])
-        self.manager.touch(held)
-        return held + (fresh or [])
+            for i, block in zip(todo, fresh):
+                placed[i] = block
+        return placed
 
     def claimed(self, blocks: Sequence[KVCacheBlock]) -> bool:
-        """Whether someone besides the handoff holds any of `blocks` (the request arrived)."""
-        return any(block.ref_cnt > 1 for block in blocks)
+        """Whether the request arrived: someone besides the handoff holds the last of
+        `blocks` (in prompt order; a request takes its whole prefix at once, and only one
+        with this whole prefix shares its last block)."""
+        return bool(blocks) and blocks[-1].ref_cnt > 1
 
     def release(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Give back the handoff's reference on each block (they stay cached)."""

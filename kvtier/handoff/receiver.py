@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
+import torch
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.handoff.base import HandoffTransport, Json, ReceiveChannel, TransportError
@@ -59,9 +59,12 @@ class _Reservation:
     channel: ReceiveChannel
     metas: list[BlockMeta]
     deadline: float
-    held: list[KVCacheBlock] = field(default_factory=list)
+    #: The GPU blocks held for the request, by block index.
+    held: dict[int, KVCacheBlock] = field(default_factory=dict)
     done: bool = False
-    busy: bool = False  # a commit is under way: it is not expired meanwhile
+    busy: bool = False  # a commit is under way: it is not ended meanwhile
+    #: An end asked for while a commit was under way (its outcome), done once it returns.
+    end_after: str | None = None
 
 
 class HandoffReceiver:
@@ -116,15 +119,16 @@ class HandoffReceiver:
         hashes = hash_blocks(parent, ids, self.block_size, self.hash_algorithm)
         metas = metas_for(parent, hashes, ids, self.block_size)
         held, blocks = self.on_engine(lambda: self.placement.held(hashes))
+        kept = {i: block for i, block in enumerate(blocks) if block is not None}
         handoff_id = f"ho-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         try:
             channel = chosen.open_receive(handoff_id, len(hashes) - sum(held))
         except BaseException:
-            self.on_engine(lambda: self.placement.release(blocks))
+            self.on_engine(lambda: self.placement.release(list(kept.values())))
             raise
         with self._lock:
             self._reservations[handoff_id] = _Reservation(
-                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s, blocks)
+                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s, kept)
         return {"handoff_id": handoff_id, "held": held, "offer": channel.offer(),
                 "timeout_s": self.timeout_s}
 
@@ -148,6 +152,7 @@ class HandoffReceiver:
                 sender.discard(entries)
             raise UnknownHandoff(handoff_id)
         name = reservation.transport.name
+        received = False
         try:
             indexes = [int(entry["index"]) for entry in entries]
             if any(not 0 <= i < len(reservation.metas) for i in indexes):
@@ -155,13 +160,24 @@ class HandoffReceiver:
                                  f"{len(reservation.metas)} blocks")
             metas = [reservation.metas[i] for i in indexes]
             layout = reservation.transport.layout
-            dests = np.empty((len(entries), layout.bytes_per_block), dtype=np.uint8)
+            dests = torch.empty((len(entries), layout.bytes_per_block), dtype=torch.uint8,
+                                device=reservation.transport.device)
+            received = True
             intact = reservation.channel.receive_into(entries, metas, dests) if entries else []
             good = [k for k, ok in enumerate(intact) if ok]
             if good:
                 placed = self.on_engine(lambda: self.placement.place(
                     [metas[k] for k in good], dests[good]))
-                reservation.held.extend(placed)
+                twice = []
+                with self._lock:
+                    for k, block in zip(good, placed):
+                        if block is not None:
+                            previous = reservation.held.get(indexes[k])
+                            reservation.held[indexes[k]] = block
+                            if previous is not None:  # sent twice: one hold is enough
+                                twice.append(previous)
+                if twice:
+                    self.on_engine(lambda: self.placement.release(twice))
             num_rejected = len(entries) - len(good)
             self.counters.add_blocks("decode", name, "rejected", num_rejected)
             self.counters.add_bytes("decode", name, len(good) * layout.bytes_per_block)
@@ -170,13 +186,19 @@ class HandoffReceiver:
                             "blocks asked for); they will be computed", handoff_id,
                             num_rejected, len(entries))
         except BaseException:
-            self._end(reservation, "failed")
+            if not received and entries:
+                reservation.transport.discard(entries)  # bad entries: the bytes still go
+            self._end(reservation, "failed", during_commit=True)
             raise
         with self._lock:
             reservation.busy = False
             reservation.deadline = self.clock() + (self.hold_s if last else self.timeout_s)
             if last:
                 reservation.done = True
+            ended = reservation.end_after
+        if ended is not None:  # aborted meanwhile
+            self._end(reservation, ended)
+            raise UnknownHandoff(handoff_id)
         if last:
             reservation.channel.close()
             self.counters.add_handoff("decode", name, "ok")
@@ -199,9 +221,10 @@ class HandoffReceiver:
         with self._lock:
             due = [r for r in self._reservations.values()
                    if not r.busy and (now >= r.deadline or r.done)]
+            held = [_in_order(r.held) for r in due]
         if not due:
             return
-        claimed = self.on_engine(lambda: [self.placement.claimed(r.held) for r in due])
+        claimed = self.on_engine(lambda: [self.placement.claimed(blocks) for blocks in held])
         for reservation, taken in zip(due, claimed):
             if reservation.done and (taken or now >= reservation.deadline):
                 self._end(reservation, None)
@@ -228,13 +251,19 @@ class HandoffReceiver:
     def _ready(self) -> list[str]:
         return [name for name, t in self.transports.items() if t.ready]
 
-    def _end(self, reservation: _Reservation, outcome: str | None) -> None:
-        """Forget a reservation: close its channel, give its holds back; count `outcome`."""
+    def _end(self, reservation: _Reservation, outcome: str | None,
+             during_commit: bool = False) -> None:
+        """Forget a reservation: close its channel, give its holds back; count `outcome`.
+        While a commit is under way (unless this is that commit), only mark it to end when
+        the commit returns: the commit may still be adding holds."""
         with self._lock:
+            if reservation.busy and not during_commit:
+                reservation.end_after = reservation.end_after or outcome or "failed"
+                return
             if self._reservations.pop(reservation.handoff_id, None) is None:
                 return
+            held, reservation.held = _in_order(reservation.held), {}
         reservation.channel.close()
-        held, reservation.held = reservation.held, []
         if held:
             try:
                 self.on_engine(lambda: self.placement.release(held))
@@ -242,6 +271,11 @@ class HandoffReceiver:
                 log.debug("could not release handoff %s's blocks", reservation.handoff_id)
         if outcome is not None:
             self.counters.add_handoff("decode", reservation.transport.name, outcome)
+
+
+def _in_order(held: dict[int, KVCacheBlock]) -> list[KVCacheBlock]:
+    """Held blocks in prompt order (a release frees them in sequence order)."""
+    return [held[i] for i in sorted(held)]
 
 
 __all__ = ["HandoffReceiver", "TransportError", "UnknownHandoff"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-import numpy as np
+import torch
 
 from kvtier.handoff.base import (
     HandoffTransport,
@@ -90,7 +90,7 @@ class _Receive(ReceiveChannel):
         return {"url": self.transport.url, "key_prefix": self.transport.key_prefix}
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
-                     dests: np.ndarray) -> list[bool]:
+                     dests: torch.Tensor) -> list[bool]:
         found = self.tier.get_many_into(list(metas), list(dests))  # validates each record
         self.tier.delete([meta.block_hash for meta in metas])
         return found
@@ -102,7 +102,7 @@ class _Send(SendChannel):
         self.capacity = transport.batch
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
-        stored = self.tier.put([b.meta for b in blocks], [b.payload for b in blocks])
+        stored = self.tier.put([b.meta for b in blocks], [b.host_payload() for b in blocks])
         if blocks and not any(stored):
             raise TransportError(f"the Redis store at {self.tier.config.url} took none"
                                  " of the blocks (unreachable or full)")

@@ -4,7 +4,9 @@ The engine gives the request's prompt blocks to `PrefillHandoff.tap` as each chu
 them full (on the engine thread, each block with a reference taken for the handoff); a
 worker thread running `pump` sends them, at most a channel's `capacity` at a time, and
 commits each group to the decode instance while the engine computes the next chunk. Blocks
-the decode instance said it holds are not sent. Every block's reference is given back
+the decode instance said it holds are not sent. While no block comes (the request waits
+its turn, a long chunk computes), an empty commit every third of the decode side's
+reservation timeout keeps the reservation alive. Every block's reference is given back
 (`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
 handoff with an abort sent to the decode instance and `HandoffFailed` raised.
 """
@@ -17,7 +19,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtier.free_queue import KVCacheBlock
@@ -77,6 +78,9 @@ class PrefillHandoff:
         self.release = release
         self.counters = counters
         self.deadline = time.monotonic() + timeout_s
+        #: Seconds without a commit after which an empty one keeps the reservation alive.
+        self.keepalive_s = float(reservation.get("timeout_s", 30.0)) / 3
+        self._last_commit = time.monotonic()
         self.channel = transport.open_send(reservation["offer"])
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
@@ -111,14 +115,21 @@ class PrefillHandoff:
         done = committed_last = False
         try:
             while not done:
-                done = self._collect(pending)
+                collected = self._collect(pending)
+                done = bool(collected)
+                if collected is None and not pending and failure is None:
+                    try:  # nothing came for a while: keep the reservation alive
+                        self._send([], last=False)
+                    except HandoffFailed as exc:
+                        failure = exc
                 if self._cancelled.is_set() and failure is None:
                     failure = HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
                 if failure is not None:
                     self.release([block for _, _, block in pending])
                     pending = []
                     continue
-                while pending and (done or len(pending) >= self.channel.capacity):
+                while pending and (done or len(pending) >= self.channel.capacity
+                                   or self._overdue()):
                     group, pending = (pending[:self.channel.capacity],
                                       pending[self.channel.capacity:])
                     began = time.monotonic()
@@ -159,14 +170,17 @@ class PrefillHandoff:
                              num_rejected, num_bytes, transfer_s,
                              ended - (self._prompt_done_at or ended))
 
-    def _collect(self, pending: list[tuple[int, BlockMeta, KVCacheBlock]]) -> bool:
-        """Wait for tapped blocks (until the deadline), then take every one queued; add
-        those to send to `pending`, release the others. Returns whether the prompt is
-        done."""
+    def _collect(self, pending: list[tuple[int, BlockMeta, KVCacheBlock]]) -> bool | None:
+        """Wait for tapped blocks (until the deadline, or `keepalive_s`), then take every
+        one queued; add those to send to `pending`, release the others. Returns whether
+        the prompt is done, None when nothing came within `keepalive_s`."""
         items = []
+        left = self.deadline - time.monotonic()
         try:
-            items.append(self._queue.get(timeout=max(0.0, self.deadline - time.monotonic())))
+            items.append(self._queue.get(timeout=max(0.0, min(left, self.keepalive_s))))
         except queue.Empty:
+            if left > self.keepalive_s:
+                return None
             # Out of time: fail, but go on releasing what is tapped until the caller ends
             # the handoff (`prompt_done` or `cancel`, which it always calls).
             self._cancelled.set()
@@ -193,6 +207,11 @@ class PrefillHandoff:
             self.release(skipped)
         return done
 
+    def _overdue(self) -> bool:
+        """Whether the decode side has waited `keepalive_s` for a commit: blocks that
+        trickle in are committed before a group is full, so the reservation stays alive."""
+        return time.monotonic() - self._last_commit >= self.keepalive_s
+
     def _send(self, group: Sequence[tuple[int, BlockMeta, KVCacheBlock]], last: bool) -> Json:
         """Move `group`'s records and commit them; the decode's answer."""
         if time.monotonic() >= self.deadline:
@@ -204,6 +223,7 @@ class PrefillHandoff:
                 entries = self.channel.send([OutgoingBlock(index, meta, rows[k])
                                              for k, (index, meta, _) in enumerate(group)])
             answer = self.control.commit(self.handoff_id, self.transport.name, entries, last)
+            self._last_commit = time.monotonic()
             self.channel.committed()
         except ControlError as exc:
             raise HandoffFailed(f"the decode instance failed handoff {self.handoff_id}: "
@@ -217,9 +237,9 @@ class PrefillHandoff:
         return answer
 
 
-def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> np.ndarray:
-    """The bytes of blocks `block_ids` as uint8 numpy rows `[n, bytes_per_block]` (a copy,
-    on the host)."""
+def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The bytes of blocks `block_ids` as uint8 rows `[n, bytes_per_block]`: one gathered
+    copy, on the cache's device."""
     rows = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    return rows[ids].cpu().numpy()
+    return rows[ids]

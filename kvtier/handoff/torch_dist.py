@@ -3,14 +3,22 @@
 
 The two instances form a group of two at start (`init_method`, e.g. "tcp://10.0.0.1:29500";
 the prefill instance is rank 0, the decode instance rank 1); forming it runs in the
-background, and the transport is not `ready` until it has. A send assembles a group of
-records into one buffer and posts one `isend` of it; the commit that follows names each
-record's length, and the decode side posts the matching `recv`, then validates every
-record. Sends are serialized per process (a group's send holds the transport until its
-commit is answered), so the bytes and the commits that announce them stay in one order;
-a commit the decode side cannot match (an expired handoff) still receives its bytes
-(`discard`). A failed send or receive leaves the pair out of step: the transport then says
-it is not ready, and handoffs use another transport or none.
+background, and the transport is not `ready` until it has. The bytes never leave the
+device: a send posts one `isend` of a group's payloads as gathered from the KV cache, and
+the commit that follows carries each block's record header (`kvtier.tiers.record`: magic,
+version, layout, parent hash, token ids, header checksum); the decode side posts the
+matching `recv` into rows on its device and checks every header against the block it
+expects and every payload against the header's checksum. That checksum is
+`device_checksum`, not the stored records' xxh3: xxh3 runs on the host, and sending every
+byte through the host would cost the handoff most of its bandwidth. It is a weighted sum of
+the payload's 32-bit words (odd weights, modulo 2**64), computed on the device on both
+sides: any single damaged word changes it.
+
+Sends are serialized per process (a group's send holds the transport until its commit is
+answered), so the bytes and the commits that announce them stay in one order; a commit the
+decode side cannot match (an expired handoff) still receives its bytes (`discard`). A failed
+send or receive leaves the pair out of step: the transport then says it is not ready, and
+handoffs use another transport or none.
 """
 
 from __future__ import annotations
@@ -20,7 +28,6 @@ import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
-import numpy as np
 import torch
 
 from kvtier.handoff.base import (
@@ -30,11 +37,15 @@ from kvtier.handoff.base import (
     ReceiveChannel,
     SendChannel,
     TransportError,
-    check_records,
-    slot_bytes,
 )
 from kvtier.layout import KVLayout
-from kvtier.tiers.record import BlockMeta, assemble_record
+from kvtier.tiers.record import (
+    BlockMeta,
+    CorruptRecord,
+    check_payload_len,
+    decode_header,
+    encode_header,
+)
 
 log = logging.getLogger("kvtier.handoff")
 
@@ -65,7 +76,6 @@ class TorchDistTransport(HandoffTransport):
         self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
-        self.slot_bytes = slot_bytes(layout)
         self._group_formed = threading.Event()
         self._broken: str | None = None
         self._send_lock = threading.Lock()
@@ -114,35 +124,39 @@ class TorchDistTransport(HandoffTransport):
                              f"peer is rank {self.peer}")
         return _Send(self)
 
-    def receive(self, lengths: Sequence[int]) -> np.ndarray:
-        """Receive one group's records (their lengths as announced) as host bytes."""
+    def receive_into(self, rows: torch.Tensor) -> None:
+        """Receive one group's payloads into `rows` (uint8 `[n, bytes_per_block]` on the
+        device), as the peer's matching send posted them."""
         import torch.distributed as dist
 
         self._check()
-        buffer = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
         with self._recv_lock:
             try:
-                dist.recv(buffer, src=self.peer)
+                dist.recv(rows, src=self.peer)
             except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
                 self._broken = f"a receive failed: {exc}"
                 raise TransportError(self._broken) from exc
-        return buffer.cpu().numpy()
 
     def discard(self, entries: Sequence[Json]) -> None:
+        rows = torch.empty((len(entries), self.layout.bytes_per_block), dtype=torch.uint8,
+                           device=self.device)
         try:
-            self.receive(_lengths(entries, self.slot_bytes))
-        except (TransportError, ValueError):
+            self.receive_into(rows)
+        except TransportError:
             pass
 
     def close(self) -> None:
         self._closed = True
 
 
-def _lengths(entries: Sequence[Json], limit: int) -> list[int]:
-    lengths = [int(entry.get("length", 0)) for entry in entries]
-    if any(not 0 < n <= limit for n in lengths):
-        raise ValueError(f"a record length is outside (0, {limit}]")
-    return lengths
+def device_checksum(rows: torch.Tensor) -> list[int]:
+    """Per row of `rows` (uint8 `[n, nbytes]`, nbytes a multiple of 4, any device), the
+    weighted sum of its 32-bit words, word i weighted 2i+1, modulo 2**64 (as an unsigned
+    int). Integer arithmetic: the same on every device."""
+    words = rows.view(torch.int32).to(torch.int64)  # [n, nbytes / 4]
+    weights = torch.arange(1, 2 * words.shape[1], 2, dtype=torch.int64, device=rows.device)
+    sums = (words * weights).sum(dim=1)  # wraps modulo 2**64
+    return [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in sums.cpu().tolist()]
 
 
 class _Receive(ReceiveChannel):
@@ -153,14 +167,21 @@ class _Receive(ReceiveChannel):
         return {"rank": self.transport.rank}
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
-                     dests: np.ndarray) -> list[bool]:
-        data = self.transport.receive(_lengths(entries, self.transport.slot_bytes))
-        records, at = [], 0
-        for entry in entries:
-            length = int(entry["length"])
-            records.append(memoryview(data[at:at + length]))
-            at += length
-        return check_records(records, metas, self.transport.layout, dests)
+                     dests: torch.Tensor) -> list[bool]:
+        self.transport.receive_into(dests)
+        sums = device_checksum(dests)
+        fingerprint = self.transport.layout.fingerprint()
+        results = []
+        for entry, meta, checksum in zip(entries, metas, sums):
+            try:
+                header, _ = decode_header(bytes.fromhex(str(entry.get("header", ""))),
+                                          fingerprint)
+                check_payload_len(header, dests.shape[1], dests.shape[1])
+            except (CorruptRecord, ValueError):
+                results.append(False)
+                continue
+            results.append(header.matches(meta) and header.payload_checksum == checksum)
+        return results
 
 
 class _Send(SendChannel):
@@ -176,21 +197,19 @@ class _Send(SendChannel):
 
         transport = self.transport
         transport._check()
-        size = transport.slot_bytes
-        buffer = np.empty(len(blocks) * size, dtype=np.uint8)
-        entries, at = [], 0
-        for block in blocks:
-            record = assemble_record(block.meta, transport.layout, block.payload,
-                                     buffer[at:at + size])
-            entries.append({"index": block.index, "length": record.nbytes})
-            at += record.nbytes
         if not blocks:
             return []
+        rows = torch.stack([block.payload for block in blocks]).to(transport.device)
+        sums = device_checksum(rows)
+        entries = [{"index": block.index,
+                    "header": encode_header(block.meta, transport.layout, rows.shape[1],
+                                            checksum).hex()}
+                   for block, checksum in zip(blocks, sums)]
         transport._send_lock.acquire()  # until `committed`: bytes and commits in one order
         self._holding = True
         try:
-            self._tensor = torch.from_numpy(buffer[:at]).to(transport.device)
-            self._work = dist.isend(self._tensor, dst=transport.peer)
+            self._tensor = rows
+            self._work = dist.isend(rows, dst=transport.peer)
         except Exception as exc:  # noqa: BLE001
             transport._broken = f"a send failed: {exc}"
             self._unhold()
