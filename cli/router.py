@@ -1,7 +1,7 @@
 """`kvtier router`: one OpenAI-compatible front over prefill and decode instances.
 
-    kvtier serve MODEL --role prefill --port 8100 &
-    kvtier serve MODEL --role decode --port 8200 &
+    kvtier serve MODEL --role prefill --port 8100 --handoff-nccl tcp://127.0.0.1:29500 &
+    kvtier serve MODEL --role decode --port 8200 --handoff-nccl tcp://127.0.0.1:29500 &
     kvtier router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 Every request's prompt is computed on a prefill instance, which hands its KV blocks to the
