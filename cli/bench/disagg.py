@@ -21,8 +21,10 @@ Each rate also reports the requests/s that met both SLOs one by one.
 
 Beside them: the handoffs' bytes and bandwidth as the prefill instance reported them
 (`x-kvtier-handoff`), against the link's ceiling measured in the same run (`link.py`: one
-large NCCL send/recv between the two devices' processes, gloo on the CPU), and whether the
-disaggregated answers equal the colocated ones token for token.
+large NCCL send/recv between the two devices' processes, gloo on the CPU; with `--transport
+mooncake`, one-sided Mooncake writes of the same size between two processes' host buffers;
+none for redis), and whether the disaggregated answers equal the colocated ones token for
+token.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import httpx
 import numpy as np
 import typer
 from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
-from kvtier.cli.bench.link import measure_link
+from kvtier.cli.bench.link import measure_link, measure_mooncake
 from kvtier.cli.bench.longctx import summarize
 from kvtier.cli.common import print_json, print_table
 
@@ -322,9 +324,13 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
     progress = progress or (lambda _: None)
     devices = resolve_devices(config)
     link = None
-    if "disaggregated" in config.modes and not config.prefill_urls:
+    if "disaggregated" in config.modes and not config.prefill_urls \
+            and config.transport != "redis":
         progress(f"link: {config.link_bytes / 2**20:,.0f} MiB {devices[0]} -> {devices[1]}")
-        link = measure_link(devices[0], devices[1], config.link_bytes)
+        if config.transport == "mooncake":
+            link = measure_mooncake(config.link_bytes)
+        else:
+            link = measure_link(devices[0], devices[1], config.link_bytes)
     modes: dict[str, Any] = {}
     tokens: dict[str, list[list[list[int]]]] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-disagg-") as logs:

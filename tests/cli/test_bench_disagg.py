@@ -7,6 +7,7 @@ import json
 
 import pytest
 from kvtier.cli.bench.disagg import DisaggConfig, make_workload
+from kvtier.cli.bench.link import measure_mooncake
 from kvtier.cli.main import app
 from typer.testing import CliRunner
 
@@ -69,3 +70,14 @@ def test_poisson_workload_is_seeded_and_mixed() -> None:
 def test_bad_options_are_one_line_errors(args, message) -> None:
     result = CliRunner().invoke(app, [*TINY, *args])
     assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_mooncake_ceiling_writes_between_two_processes() -> None:
+    from kvtier.handoff.mooncake import mooncake_available
+
+    if mooncake_available() is not None:
+        pytest.skip(mooncake_available())
+    link = measure_mooncake(4 * 2**20, repeats=2)
+    assert link["backend"] == "mooncake" and link["bytes"] == 4 * 2**20
+    assert link["seconds"] > 0 and link["gb_s"] > 0
+
