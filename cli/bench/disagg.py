@@ -309,7 +309,12 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
         "transports": sorted({str(f.get("transport")) for f in done}),
         "bytes": num_bytes, "transfer_s": transfer_s, "gb_s": gb_s,
         "gb_s_per_request": _summary_of(per_request),
-        "prefill_s": _summary_of([float(f["prefill_s"]) for f in done if "prefill_s" in f]),
+        # Seconds per handoff: computing the prompt, sending, waiting for the decode
+        # instance's acceptance (as the prefill instance reports them), and the whole call
+        # as the router saw it.
+        **{f"{phase}_s": _summary_of([float(f[f"{phase}_s"]) for f in done
+                                      if isinstance(f.get(f"{phase}_s"), (int, float))])
+           for phase in ("prefill", "transfer", "wait", "router")},
         "blocks_sent": sum(int(f.get("blocks_sent", 0)) for f in done),
         "blocks_skipped": sum(int(f.get("blocks_skipped", 0)) for f in done),
         "of_link": gb_s / link["gb_s"] if gb_s is not None and link else None,

@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -47,8 +48,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger("kvtier.router")
 T = TypeVar("T")
 
-#: The response header carrying the prefill instance's handoff figures (JSON), or
-#: {"fallback": reason} when the decode instance computed the prompt itself.
+#: The response header carrying the prefill instance's handoff figures (JSON) and the
+#: handoff's wall time at the router (`router_s`), or {"fallback": reason} when the decode
+#: instance computed the prompt itself.
 HANDOFF_HEADER = "x-kvtier-handoff"
 _GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Seconds the router waits for a prefill answer beyond the `timeout_s` it gives the
@@ -164,6 +166,7 @@ class _Router:
             if tried:
                 self.metrics.retries.labels("prefill").inc()
             tried.append(prefill)
+            started = time.perf_counter()
             try:
                 with pool.holding(prefill):
                     response = await self.client.post(
@@ -177,7 +180,7 @@ class _Router:
             else:
                 if response.status_code == 200:
                     pool.succeeded(prefill)
-                    return self._handed_off(response)
+                    return self._handed_off(response, time.perf_counter() - started)
                 if 400 <= response.status_code < 500:
                     return _relay(response.status_code, response.content,
                                   response.headers.get("content-type"))
@@ -188,12 +191,15 @@ class _Router:
         self.metrics.fallbacks.labels(reason).inc()
         return {"fallback": reason}
 
-    def _handed_off(self, response: httpx.Response) -> dict[str, Any]:
+    def _handed_off(self, response: httpx.Response, elapsed_s: float) -> dict[str, Any]:
+        """The prefill instance's figures, with `router_s`: the handoff's wall time as the
+        router saw it (the HTTP round trips included)."""
         try:
-            figures = response.json()
+            figures = dict(response.json())
             num_bytes = int(figures.get("bytes", 0))
         except (ValueError, TypeError, AttributeError):
             figures, num_bytes = {}, 0
+        figures["router_s"] = elapsed_s
         self.metrics.handoffs.inc()
         self.metrics.handoff_bytes.inc(num_bytes)
         for phase in ("prefill", "transfer", "wait"):
