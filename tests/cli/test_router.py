@@ -133,6 +133,27 @@ def test_colocated_router_answers_as_one_instance(colocated) -> None:
     assert health["status"] == "ok" and len(health["instances"]) == 2
 
 
+def test_router_api_key_guards_v1(colocated, tmp_path) -> None:
+    _, instances = colocated
+    router = launch("keyed-router", ["router", "--both", instances[0].url,
+                                     "--api-key", "router-key"], tmp_path)
+    try:
+        wait_healthy([router])
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = httpx.get(f"{router.url}/v1/models", headers=headers, timeout=30)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+        keyed = {"Authorization": "Bearer router-key"}
+        assert httpx.get(f"{router.url}/v1/models", headers=keyed, timeout=30).status_code \
+            == 200
+        answer = httpx.post(f"{router.url}/v1/completions", headers=keyed, timeout=120,
+                            json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200
+        assert httpx.get(f"{router.url}/metrics", timeout=30).status_code == 200  # open
+    finally:
+        router.stop()
+
+
 def test_router_options_and_unreachable_instances_are_one_line_errors() -> None:
     runner = CliRunner()
     dead = f"http://127.0.0.1:{free_port()}"
