@@ -170,3 +170,43 @@ def test_a_killed_prefill_instance_falls_back_to_the_decode_instance(pair) -> No
     assert metrics['kvtier_router_fallbacks_total{reason="unreachable"}'] == 2
     health = httpx.get(f"{router.url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "degraded"
+
+
+def test_a_dead_prefill_instance_is_retried_on_another(tmp_path) -> None:
+    """Two prefill instances and one decode instance over Mooncake (tiny random model): the
+    first prefill instance killed, the request is handed over by the second, counted as a
+    retry and not as a fallback."""
+    from kvtier.handoff.mooncake import mooncake_available
+
+    if mooncake_available() is not None:
+        pytest.skip(mooncake_available())
+    tiny = ["serve", "random:tiny-llama", "--device", "cpu", "--dtype", "float32",
+            "--no-disk-cache", "--handoff-mooncake", "127.0.0.1"]
+    instances = [launch(name, [*tiny, "--role", role], tmp_path)
+                 for name, role in (("prefill-a", "prefill"), ("prefill-b", "prefill"),
+                                    ("decode", "decode"))]
+    router: Process | None = None
+    try:
+        wait_healthy(instances)
+        first, second, decode = instances
+        router = launch("router", ["router", "--prefill", first.url, "--prefill", second.url,
+                                   "--decode", decode.url, "--transport", "mooncake"],
+                        tmp_path)
+        wait_healthy([router])
+        body = {"prompt": list(range(1, 60)), "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        expected = httpx.post(f"{second.url}/v1/completions", json=body,
+                              timeout=60).json()["choices"][0]["token_ids"]
+        first.kill()  # the router picks it first: it has never been picked
+        response = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["token_ids"] == expected
+        handoff = json.loads(response.headers["x-kvtier-handoff"])
+        assert handoff["transport"] == "mooncake" and handoff["blocks_sent"] == 3
+        metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
+        assert metrics['kvtier_router_retries_total{part="prefill"}'] == 1
+        assert not any(k.startswith("kvtier_router_fallbacks_total") for k in metrics)
+    finally:
+        for process in [router, *instances]:
+            if process is not None:
+                process.stop()
