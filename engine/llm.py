@@ -42,7 +42,7 @@ from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_c
 from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import BlockTap, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -198,17 +198,23 @@ class LLM:
         return self.tokenizer
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    block_tap: BlockTap | None = None) -> str:
         """Queue one request on a raw prompt (text or token ids; use `tokenize_chat` for a
         conversation); returns its id. `cache_salt` keeps its cached blocks apart from other
         tenants' (default: the engine's `cache_salt`). Raises ValueError for a bad prompt, a
         duplicate id, a prompt that leaves no room in the model's context, or one that cannot
-        fit alone in the GPU block budget."""
+        fit alone in the GPU block budget. `block_tap` is given the prompt's blocks as they
+        become ready (`kvtier.engine.scheduler.BlockTap`; with n > 1, the first
+        completion's)."""
         self._check_open()
         token_ids = self.tokenize(prompt)
         self._check_fits(token_ids)
-        return self._enqueue(token_ids, params, request_id, cache_salt,
-                             prompt if isinstance(prompt, str) else None)
+        parent_id = self._enqueue(token_ids, params, request_id, cache_salt,
+                                  prompt if isinstance(prompt, str) else None)
+        if block_tap is not None:
+            self.scheduler.tap_blocks(RequestId(self.completion_ids(parent_id)[0]), block_tap)
+        return parent_id
 
     def completion_ids(self, request_id: str) -> list[str]:
         """The engine requests of a queued request: itself when n = 1, else `<i>_<id>`

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kvtier.cli.server.handoff import HandoffService, add_handoff_routes
 from kvtier.cli.server.metrics import EngineSnapshot, ServerMetrics
 from kvtier.cli.server.protocol import (
     APIError,
@@ -61,6 +62,8 @@ from kvtier.engine.streaming import RequestDelta
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+
+from kvtier.handoff.config import HandoffConfig
 
 log = logging.getLogger("kvtier.serve")
 T = TypeVar("T")
@@ -289,9 +292,12 @@ class _Guard:
 
 def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
               metrics: ServerMetrics | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None,
+              handoff: HandoffService | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name`. The caller owns the engine (and
-    shuts it down after the HTTP server stopped)."""
+    shuts it down after the HTTP server stopped). `handoff`: the instance's role in
+    prefill/decode disaggregation and its transports (`kvtier.cli.server.handoff`; None:
+    role both, no transport), closed by the caller."""
     server = _Server(engine, model_name, api_key, metrics or ServerMetrics(),
                      limits or ServerLimits())
     app = FastAPI(title="kvtier", docs_url=None, redoc_url=None, openapi_url=None)
@@ -322,7 +328,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         if exc.status_code == 404:
             error = APIError(404, f"no route {request.url.path}; this server serves "
                              "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
-                             "/detokenize, /health, /version and /metrics",
+                             "/detokenize, /health, /version, /metrics and /v1/handoff/*",
                              type_="not_found_error")
         elif exc.status_code == 405:
             error = APIError(405, f"{request.method} is not allowed on {request.url.path}",
@@ -332,6 +338,11 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         response = await api_error(request, error)
         response.headers.update(exc.headers or {})
         return response
+
+    if handoff is None:
+        handoff = HandoffService(engine, HandoffConfig(), api_key)
+    app.state.handoff = handoff
+    add_handoff_routes(app, server, handoff, authorize)
 
     @app.get("/health")
     async def health() -> Response:

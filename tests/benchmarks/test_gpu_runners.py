@@ -29,8 +29,8 @@ def _bash(runner: str, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_every_runner_is_listed_in_the_readme():
     readme = (REPO / "benchmarks" / "README.md").read_text()
-    assert RUNNERS == ["gpu_attention.sh", "gpu_determinism.sh", "gpu_kernels.sh",
-                       "gpu_restore.sh", "gpu_suite.sh", "gpu_swap.sh"]
+    assert RUNNERS == ["gpu_attention.sh", "gpu_determinism.sh", "gpu_disagg.sh",
+                       "gpu_kernels.sh", "gpu_restore.sh", "gpu_suite.sh", "gpu_swap.sh"]
     for runner in RUNNERS:
         assert f"benchmarks/{runner}" in readme
 
@@ -62,7 +62,7 @@ def test_the_option_check_catches_a_renamed_option():
 
 
 @pytest.mark.parametrize(("runner", "smoke"), [(name, "0") for name in RUNNERS]
-                         + [("gpu_suite.sh", "1")])
+                         + [("gpu_suite.sh", "1"), ("gpu_disagg.sh", "1")])
 def test_dry_run_names_existing_options_and_files(runner, smoke, tmp_path):
     commands = _dry_run(runner, tmp_path / "out", SMOKE=smoke)
     kinds = []

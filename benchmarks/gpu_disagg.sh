@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Prefill/decode disaggregation on a 2-GPU machine: kvtier bench disagg, 8B-shaped, bf16.
+#   bash benchmarks/gpu_disagg.sh [OUT_DIR]       (default: $OUT, else ./out)
+# STAGES picks stages (default: all): goodput ttft32k.
+#   goodput  colocated (one instance of role both per GPU) against disaggregated (prefill on
+#            cuda:0, decode on cuda:1) over a Poisson sweep of RATES (default 1,2,4,6,8,12)
+#            with NUM_REQUESTS (default 48) per rate, 25% 4K-token and 75% 256-token prompts
+#   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: a few 32K prompts far
+#            apart, each mode
+# TRANSPORT (default: the instances' best) is passed as --transport. SMOKE=1 shrinks every
+# size (random:llama3-1b, short prompts). The serving stack (fastapi, uvicorn, httpx,
+# prometheus_client) must be importable there: carry its wheels in .whl/ if it is not.
+set -u
+STAGES=${STAGES:-"goodput ttft32k"}
+SMOKE=${SMOKE:-0}
+source "$(dirname "$0")/gpu_env.sh" "$@"
+
+MODEL="--model random:llama3-8b"; [ "$SMOKE" = 1 ] && MODEL="--model random:llama3-1b"
+COMMON="$MODEL --dtype bfloat16 --prefill-device cuda:0 --decode-device cuda:1"
+[ -n "${TRANSPORT:-}" ] && COMMON="$COMMON --transport $TRANSPORT"
+env_report 2>&1 | tee "$OUT_DIR/env.log"
+if stage goodput; then
+    if [ "$SMOKE" = 1 ]; then ARGS="--rates 2,8 --num-requests 8 --long-tokens 1024"
+    else ARGS="--rates ${RATES:-1,2,4,6,8,12} --num-requests ${NUM_REQUESTS:-48} --long-tokens 4096"; fi
+    limit "${GOODPUT_TIMEOUT:-590}" $KV bench disagg $COMMON $ARGS --short-tokens 256 \
+        --long-fraction 0.25 --max-tokens 64 --json > "$OUT_DIR/disagg.json" \
+        2> "$OUT_DIR/disagg.log"
+fi
+if stage ttft32k; then
+    TOKENS=32768; [ "$SMOKE" = 1 ] && TOKENS=4096
+    limit "${TTFT32K_TIMEOUT:-590}" $KV bench disagg $COMMON --rates 0.1 --num-requests 4 \
+        --long-tokens $TOKENS --long-fraction 1 --max-tokens 8 \
+        --serve-arg=--max-model-len=40960 --serve-arg=--max-num-batched-tokens=8192 \
+        --json > "$OUT_DIR/disagg_ttft32k.json" 2> "$OUT_DIR/disagg_ttft32k.log"
+fi
+limit 60 $PY benchmarks/summary.py "$OUT_DIR"

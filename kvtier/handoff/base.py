@@ -1,0 +1,164 @@
+"""The seam between the handoff and the engines that move its bytes.
+
+A `HandoffTransport` is one way for block records (`kvtier.tiers.record`, the same
+self-checking records the disk and remote tiers store) to go from a prefill instance to a
+decode instance. Control (reserve, commit) never goes through it: it is the instances'
+HTTP (`kvtier.handoff.control`). Per handoff, each side opens a channel:
+
+  * decode side: `open_receive(handoff_id, num_blocks)` -> `ReceiveChannel`, whose `offer()`
+    (JSON) tells the prefill side where to put the records (slots of a registered buffer,
+    a store, a rank), and whose `receive_into(entries, metas, dests)` reads the records a
+    commit announces and validates each against the block the decode side expects, into
+    rows on the transport's `device` (the host, or the GPU for NCCL).
+  * prefill side: `open_send(offer)` -> `SendChannel`, whose `send(blocks)` moves records
+    and returns the commit entries (JSON) that announce them; at most `capacity` blocks
+    per send, since a commit frees the room a send used.
+
+A record that fails validation (damaged, another model's or layout's, another block's) is
+False in `receive_into`'s answer: the decode side counts it rejected and computes the
+block itself. A transport that fails raises `TransportError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.layout import KVLayout
+from kvtier.tiers.record import BlockMeta, CorruptRecord, read_record_into
+
+#: JSON-shaped values exchanged through the control messages.
+Json = dict[str, Any]
+
+
+class TransportError(OSError):
+    """A transport could not move a handoff's bytes (peer gone, engine error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingBlock:
+    """One block the prefill side sends: its index in the prompt, what names it, and its
+    bytes (`payload`: flat uint8 `[bytes_per_block]`, on the engine's device, a row of one
+    group's gathered copy)."""
+
+    index: int
+    meta: BlockMeta
+    payload: torch.Tensor
+
+    def host_payload(self) -> np.ndarray:
+        """The payload in host memory, as a flat uint8 numpy array (a copy off a GPU)."""
+        return self.payload.cpu().numpy()
+
+
+class SendChannel(ABC):
+    """The prefill side of one handoff over one transport. Used from one thread."""
+
+    #: Most blocks one `send` may carry before their commit.
+    capacity: int
+
+    @abstractmethod
+    def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
+        """Move the records of `blocks` (at most `capacity`); return one commit entry per
+        block moved, each with its `index` (a block the transport could not take is left
+        out, and the decode side computes it). Raises TransportError when nothing can be
+        moved any more."""
+
+    def committed(self) -> None:
+        """The commit announcing the last `send` was answered (its room may be reused)."""
+        return None  # nothing by default
+
+    def close(self) -> None:
+        """Release what the channel holds. Idempotent."""
+        return None  # nothing by default
+
+
+class ReceiveChannel(ABC):
+    """The decode side of one handoff over one transport. Used from one thread at a time."""
+
+    @abstractmethod
+    def offer(self) -> Json:
+        """What the prefill side needs to send (JSON), given in the reservation's answer."""
+
+    @abstractmethod
+    def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
+                     dests: torch.Tensor) -> list[bool]:
+        """Read the records `entries` (a commit's, one per block) announce into `dests`
+        (uint8 `[len(entries), bytes_per_block]` on the transport's `device`), each checked
+        against `metas[i]`; per
+        block, True when it arrived intact and is the block asked for. Raises
+        TransportError when the transport failed as a whole."""
+
+    def close(self) -> None:
+        """Release what the channel holds (slots, keys). Idempotent."""
+        return None  # nothing by default
+
+
+class HandoffTransport(ABC):
+    """One engine that moves handoff bytes (see the module docstring). Thread-safe.
+
+    name: how the control messages, settings and metrics name it ("mooncake", ...).
+    layout: the KV layout of every block it moves.
+    device: where received blocks land (`ReceiveChannel.receive_into`'s `dests`).
+    """
+
+    name: str
+    layout: KVLayout
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can move bytes now (a transport that connects in the background, or
+        whose peer went away, says False)."""
+        return True
+
+    @abstractmethod
+    def open_receive(self, handoff_id: str, num_blocks: int) -> ReceiveChannel:
+        """The decode side of a handoff of at most `num_blocks` blocks. Raises
+        TransportError when it has no room now."""
+
+    @abstractmethod
+    def open_send(self, offer: Json) -> SendChannel:
+        """The prefill side of a handoff whose decode side offered `offer`. Raises
+        ValueError for an offer it cannot use, TransportError for a peer it cannot reach."""
+
+    def discard(self, entries: Sequence[Json]) -> None:
+        """A commit named a handoff the decode side no longer knows (expired): consume
+        whatever the transport must consume so that the next handoff's bytes line up."""
+        return None  # nothing by default
+
+    def close(self) -> None:
+        """Release buffers and connections. Idempotent."""
+        return None  # nothing by default
+
+
+def check_records(records: Sequence[memoryview | bytes | None], metas: Sequence[BlockMeta],
+                  layout: KVLayout, dests: torch.Tensor) -> list[bool]:
+    """Validate whole records against the blocks `metas` names and copy their payloads
+    into `dests` rows (uint8, on the host; `kvtier.tiers.record.read_record_into`: header,
+    layout, length, parent hash, token ids, checksum); per block, True when intact. None is
+    a miss."""
+    fingerprint = layout.fingerprint()
+    results = []
+    for record, meta, dest in zip(records, metas, dests.numpy()):
+        if record is None:
+            results.append(False)
+            continue
+        try:
+            read_record_into(record, meta, fingerprint, dest)
+        except CorruptRecord:
+            results.append(False)
+        else:
+            results.append(True)
+    return results
+
+
+def slot_bytes(layout: KVLayout) -> int:
+    """Room for one record of `layout`: the header with the longest hash a record may carry
+    and `block_size` token ids, plus the payload."""
+    # 44 fixed bytes, a parent hash of at most 64, the token ids, an 8-byte checksum.
+    return 44 + 64 + 4 * layout.block_size + 8 + layout.bytes_per_block

@@ -1,0 +1,245 @@
+"""The prefill side of one handoff: blocks in as the engine computes them, records out.
+
+The engine gives the request's prompt blocks to `PrefillHandoff.tap` as each chunk makes
+them full (on the engine thread, each block with a reference taken for the handoff); a
+worker thread running `pump` sends them, at most a channel's `capacity` at a time, and
+commits each group to the decode instance while the engine computes the next chunk. Blocks
+the decode instance said it holds are not sent. While no block comes (the request waits
+its turn, a long chunk computes), an empty commit every third of the decode side's
+reservation timeout keeps the reservation alive. Every block's reference is given back
+(`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
+handoff with an abort sent to the decode instance and `HandoffFailed` raised.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.free_queue import KVCacheBlock
+from kvtier.handoff.base import HandoffTransport, Json, OutgoingBlock, TransportError
+from kvtier.handoff.control import ControlError, DecodeControl
+from kvtier.handoff.stats import HandoffCounters
+from kvtier.tiers.record import BlockMeta
+
+#: release(blocks): give back the handoff's reference on each block (thread-safe).
+Release = Callable[[list[KVCacheBlock]], None]
+
+_DONE = object()
+
+
+class HandoffFailed(RuntimeError):
+    """A handoff could not complete. `status`: what the prefill endpoint answers (502: the
+    decode instance refused or could not be reached, or the transport failed; 504: it ran
+    out of time)."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffResult:
+    """What one handoff did; `transfer_s` is time spent sending and committing, `wait_s`
+    the time from the end of the prefill to the last commit's answer."""
+
+    handoff_id: str
+    transport: str
+    blocks_total: int
+    blocks_sent: int
+    blocks_skipped: int
+    blocks_rejected: int
+    bytes: int
+    transfer_s: float
+    wait_s: float
+
+
+class PrefillHandoff:
+    """One handoff, prefill side (see the module docstring).
+
+    control: the decode instance. transport: the one chosen. reservation: the decode's
+    answer to `reserve`. kv_cache: the engine's `[num_blocks, *block_shape]` cache the
+    blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget.
+    """
+
+    def __init__(self, control: DecodeControl, transport: HandoffTransport,
+                 reservation: Json, kv_cache: torch.Tensor, release: Release,
+                 counters: HandoffCounters, timeout_s: float) -> None:
+        self.control = control
+        self.transport = transport
+        self.handoff_id = str(reservation["handoff_id"])
+        self.held = [bool(h) for h in reservation["held"]]
+        self.kv_cache = kv_cache
+        self.release = release
+        self.counters = counters
+        self.deadline = time.monotonic() + timeout_s
+        #: Seconds without a commit after which an empty one keeps the reservation alive.
+        self.keepalive_s = float(reservation.get("timeout_s", 30.0)) / 3
+        self._last_commit = time.monotonic()
+        self.channel = transport.open_send(reservation["offer"])
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancelled = threading.Event()
+        self._prompt_done_at: float | None = None
+
+    # ---- the engine's side ---------------------------------------------------------------
+
+    def tap(self, first_index: int, metas: list[BlockMeta], blocks: list[KVCacheBlock]) -> None:
+        """`kvtier.engine.scheduler.BlockTap`: queue newly ready blocks for the worker."""
+        self._queue.put((first_index, metas, blocks))
+
+    def prompt_done(self) -> None:
+        """The engine has finished the prompt: every block has been tapped."""
+        self._prompt_done_at = time.monotonic()
+        self._queue.put(_DONE)
+
+    def cancel(self) -> None:
+        """Stop sending (the caller gave up); `pump` releases what is left and raises."""
+        self._cancelled.set()
+        self._queue.put(_DONE)
+
+    # ---- the worker ----------------------------------------------------------------------
+
+    def pump(self) -> HandoffResult:
+        """Send and commit blocks until the prompt is done (run on a worker thread). Raises
+        HandoffFailed; every block is released either way."""
+        name = self.transport.name
+        pending: list[tuple[int, BlockMeta, KVCacheBlock]] = []
+        num_sent = num_rejected = num_bytes = 0
+        transfer_s = 0.0
+        failure: HandoffFailed | None = None
+        done = committed_last = False
+        try:
+            while not done:
+                collected = self._collect(pending)
+                done = bool(collected)
+                if collected is None and not pending and failure is None:
+                    try:  # nothing came for a while: keep the reservation alive
+                        self._send([], last=False)
+                    except HandoffFailed as exc:
+                        failure = exc
+                if self._cancelled.is_set() and failure is None:
+                    failure = HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
+                if failure is not None:
+                    self.release([block for _, _, block in pending])
+                    pending = []
+                    continue
+                while pending and (done or len(pending) >= self.channel.capacity
+                                   or self._overdue()):
+                    group, pending = (pending[:self.channel.capacity],
+                                      pending[self.channel.capacity:])
+                    began = time.monotonic()
+                    ended = done and not pending
+                    try:
+                        answer = self._send(group, last=ended)
+                    except HandoffFailed as exc:
+                        failure = exc
+                        break
+                    finally:
+                        self.release([block for _, _, block in group])
+                    transfer_s += time.monotonic() - began
+                    committed_last = ended
+                    num_sent += len(answer["accepted"]) + len(answer["rejected"])
+                    num_rejected += len(answer["rejected"])
+                    num_bytes += len(answer["accepted"]) * self.transport.layout.bytes_per_block
+                if done and failure is None and not pending and not committed_last:
+                    began = time.monotonic()
+                    try:
+                        self._send([], last=True)
+                    except HandoffFailed as exc:
+                        failure = exc
+                    transfer_s += time.monotonic() - began
+            if failure is not None:
+                self.release([block for _, _, block in pending])
+                raise failure
+        finally:
+            self.channel.close()
+            if failure is not None:
+                self.control.abort(self.handoff_id)
+        num_skipped = sum(self.held)
+        self.counters.add_blocks("prefill", name, "sent", num_sent)
+        self.counters.add_blocks("prefill", name, "skipped", num_skipped)
+        self.counters.add_blocks("prefill", name, "rejected", num_rejected)
+        self.counters.add_bytes("prefill", name, num_bytes)
+        ended = time.monotonic()
+        return HandoffResult(self.handoff_id, name, len(self.held), num_sent, num_skipped,
+                             num_rejected, num_bytes, transfer_s,
+                             ended - (self._prompt_done_at or ended))
+
+    def _collect(self, pending: list[tuple[int, BlockMeta, KVCacheBlock]]) -> bool | None:
+        """Wait for tapped blocks (until the deadline, or `keepalive_s`), then take every
+        one queued; add those to send to `pending`, release the others. Returns whether
+        the prompt is done, None when nothing came within `keepalive_s`."""
+        items = []
+        left = self.deadline - time.monotonic()
+        try:
+            items.append(self._queue.get(timeout=max(0.0, min(left, self.keepalive_s))))
+        except queue.Empty:
+            if left > self.keepalive_s:
+                return None
+            # Out of time: fail, but go on releasing what is tapped until the caller ends
+            # the handoff (`prompt_done` or `cancel`, which it always calls).
+            self._cancelled.set()
+            items.append(self._queue.get())
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        done = False
+        skipped = []
+        for item in items:
+            if item is _DONE:
+                done = True
+                continue
+            first, metas, blocks = item
+            for k, (meta, block) in enumerate(zip(metas, blocks)):
+                index = first + k
+                if index < len(self.held) and self.held[index]:
+                    skipped.append(block)
+                else:
+                    pending.append((index, meta, block))
+        if skipped:
+            self.release(skipped)
+        return done
+
+    def _overdue(self) -> bool:
+        """Whether the decode side has waited `keepalive_s` for a commit: blocks that
+        trickle in are committed before a group is full, so the reservation stays alive."""
+        return time.monotonic() - self._last_commit >= self.keepalive_s
+
+    def _send(self, group: Sequence[tuple[int, BlockMeta, KVCacheBlock]], last: bool) -> Json:
+        """Move `group`'s records and commit them; the decode's answer."""
+        if time.monotonic() >= self.deadline:
+            raise HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
+        try:
+            entries = []
+            if group:
+                rows = _read_blocks(self.kv_cache, [block.block_id for _, _, block in group])
+                entries = self.channel.send([OutgoingBlock(index, meta, rows[k])
+                                             for k, (index, meta, _) in enumerate(group)])
+            answer = self.control.commit(self.handoff_id, self.transport.name, entries, last)
+            self._last_commit = time.monotonic()
+            self.channel.committed()
+        except ControlError as exc:
+            raise HandoffFailed(f"the decode instance failed handoff {self.handoff_id}: "
+                                f"{exc}", 504 if exc.timed_out else 502) from exc
+        except TransportError as exc:
+            raise HandoffFailed(f"the {self.transport.name} transport failed: {exc}") from exc
+        if not isinstance(answer.get("accepted"), list) \
+                or not isinstance(answer.get("rejected"), list):
+            raise HandoffFailed(f"the decode instance's commit answer is malformed: "
+                                f"{str(answer)[:200]}")
+        return answer
+
+
+def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The bytes of blocks `block_ids` as uint8 rows `[n, bytes_per_block]`: one gathered
+    copy, on the cache's device."""
+    rows = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
+    return rows[ids]

@@ -1,0 +1,241 @@
+"""torch.distributed point-to-point as a handoff transport: NCCL between GPUs of one host
+(or across hosts), and the same code with gloo on CPU tensors (how CI runs it).
+
+The two instances form a group of two at start (`init_method`, e.g. "tcp://10.0.0.1:29500";
+the prefill instance is rank 0, the decode instance rank 1); forming it runs in the
+background, and the transport is not `ready` until it has. The bytes never leave the
+device: a send posts one `isend` of a group's payloads as gathered from the KV cache, and
+the commit that follows carries each block's record header (`kvtier.tiers.record`: magic,
+version, layout, parent hash, token ids, header checksum); the decode side posts the
+matching `recv` into rows on its device and checks every header against the block it
+expects and every payload against the header's checksum. That checksum is
+`device_checksum`, not the stored records' xxh3: xxh3 runs on the host, and sending every
+byte through the host would cost the handoff most of its bandwidth. It is a weighted sum of
+the payload's 32-bit words (odd weights, modulo 2**64), computed on the device on both
+sides: any single damaged word changes it.
+
+Sends are serialized per process (a group's send holds the transport until its commit is
+answered), so the bytes and the commits that announce them stay in one order; a commit the
+decode side cannot match (an expired handoff) still receives its bytes (`discard`). A failed
+send or receive leaves the pair out of step: the transport then says it is not ready, and
+handoffs use another transport or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+
+from kvtier.handoff.base import (
+    HandoffTransport,
+    Json,
+    OutgoingBlock,
+    ReceiveChannel,
+    SendChannel,
+    TransportError,
+)
+from kvtier.layout import KVLayout
+from kvtier.tiers.record import (
+    BlockMeta,
+    CorruptRecord,
+    check_payload_len,
+    decode_header,
+    encode_header,
+)
+
+log = logging.getLogger("kvtier.handoff")
+
+PREFILL_RANK, DECODE_RANK = 0, 1
+
+
+class TorchDistTransport(HandoffTransport):
+    """The pair's group. rank: PREFILL_RANK or DECODE_RANK. backend: "nccl" (CUDA tensors)
+    or "gloo" (CPU tensors). timeout_s: how long forming the group and each operation may
+    take. batch: blocks per send. Raises ValueError for a bad setting."""
+
+    name = "nccl"
+
+    def __init__(self, layout: KVLayout, init_method: str, rank: int, backend: str = "nccl",
+                 timeout_s: float = 600.0, batch: int = 32) -> None:
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"the handoff's torch.distributed backend must be nccl or gloo, "
+                             f"got {backend!r}")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("the nccl backend needs CUDA; use gloo on a CPU machine")
+        if rank not in (PREFILL_RANK, DECODE_RANK):
+            raise ValueError(f"rank must be {PREFILL_RANK} (prefill) or {DECODE_RANK} "
+                             f"(decode), got {rank}")
+        if not init_method.startswith(("tcp://", "file://", "env://")):
+            raise ValueError(f"init_method must be tcp://host:port (or file://, env://), got "
+                             f"{init_method!r}")
+        self.layout, self.rank, self.backend, self.batch = layout, rank, backend, batch
+        self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if backend == "nccl" else torch.device("cpu")
+        self._group_formed = threading.Event()
+        self._broken: str | None = None
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._closed = False
+        self._joiner = threading.Thread(target=self._form_group,
+                                        args=(init_method, timeout_s),
+                                        name="kvtier-handoff-group", daemon=True)
+        self._joiner.start()
+
+    def _form_group(self, init_method: str, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
+                                    world_size=2, timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
+            self._broken = f"the group did not form: {exc}"
+            log.error("handoff over %s: %s", self.backend, self._broken)
+            return
+        self._group_formed.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._group_formed.is_set() and self._broken is None and not self._closed
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the group has formed (False: not within `timeout_s`, or failed)."""
+        return self._group_formed.wait(timeout_s) and self.ready
+
+    def _check(self) -> None:
+        if not self.ready:
+            raise TransportError(self._broken or "the torch.distributed group has not formed "
+                                 "yet (the other instance has not started?)")
+
+    def open_receive(self, handoff_id: str, num_blocks: int) -> ReceiveChannel:
+        self._check()
+        return _Receive(self)
+
+    def open_send(self, offer: Json) -> SendChannel:
+        self._check()
+        if offer.get("rank") != self.peer:
+            raise ValueError(f"the decode side is rank {offer.get('rank')}, this instance's "
+                             f"peer is rank {self.peer}")
+        return _Send(self)
+
+    def receive_into(self, rows: torch.Tensor) -> None:
+        """Receive one group's payloads into `rows` (uint8 `[n, bytes_per_block]` on the
+        device), as the peer's matching send posted them."""
+        import torch.distributed as dist
+
+        self._check()
+        with self._recv_lock:
+            try:
+                dist.recv(rows, src=self.peer)
+            except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
+                self._broken = f"a receive failed: {exc}"
+                raise TransportError(self._broken) from exc
+
+    def discard(self, entries: Sequence[Json]) -> None:
+        rows = torch.empty((len(entries), self.layout.bytes_per_block), dtype=torch.uint8,
+                           device=self.device)
+        try:
+            self.receive_into(rows)
+        except TransportError:
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def device_checksum(rows: torch.Tensor) -> list[int]:
+    """Per row of `rows` (uint8 `[n, nbytes]`, nbytes a multiple of 4, any device), the
+    weighted sum of its 32-bit words, word i weighted 2i+1, modulo 2**64 (as an unsigned
+    int). Integer arithmetic: the same on every device."""
+    words = rows.view(torch.int32).to(torch.int64)  # [n, nbytes / 4]
+    weights = torch.arange(1, 2 * words.shape[1], 2, dtype=torch.int64, device=rows.device)
+    sums = (words * weights).sum(dim=1)  # wraps modulo 2**64
+    return [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in sums.cpu().tolist()]
+
+
+class _Receive(ReceiveChannel):
+    def __init__(self, transport: TorchDistTransport) -> None:
+        self.transport = transport
+
+    def offer(self) -> Json:
+        return {"rank": self.transport.rank}
+
+    def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
+                     dests: torch.Tensor) -> list[bool]:
+        self.transport.receive_into(dests)
+        sums = device_checksum(dests)
+        fingerprint = self.transport.layout.fingerprint()
+        results = []
+        for entry, meta, checksum in zip(entries, metas, sums):
+            try:
+                header, _ = decode_header(bytes.fromhex(str(entry.get("header", ""))),
+                                          fingerprint)
+                check_payload_len(header, dests.shape[1], dests.shape[1])
+            except (CorruptRecord, ValueError):
+                results.append(False)
+                continue
+            results.append(header.matches(meta) and header.payload_checksum == checksum)
+        return results
+
+
+class _Send(SendChannel):
+    def __init__(self, transport: TorchDistTransport) -> None:
+        self.transport = transport
+        self.capacity = transport.batch
+        self._work = None
+        self._tensor: torch.Tensor | None = None
+        self._holding = False
+
+    def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
+        import torch.distributed as dist
+
+        transport = self.transport
+        transport._check()
+        if not blocks:
+            return []
+        rows = torch.stack([block.payload for block in blocks]).to(transport.device)
+        sums = device_checksum(rows)
+        entries = [{"index": block.index,
+                    "header": encode_header(block.meta, transport.layout, rows.shape[1],
+                                            checksum).hex()}
+                   for block, checksum in zip(blocks, sums)]
+        transport._send_lock.acquire()  # until `committed`: bytes and commits in one order
+        self._holding = True
+        try:
+            self._tensor = rows
+            self._work = dist.isend(rows, dst=transport.peer)
+        except Exception as exc:  # noqa: BLE001
+            transport._broken = f"a send failed: {exc}"
+            self._unhold()
+            raise TransportError(transport._broken) from exc
+        return entries
+
+    def committed(self) -> None:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except Exception as exc:  # noqa: BLE001
+                self.transport._broken = f"a send failed: {exc}"
+                raise TransportError(self.transport._broken) from exc
+            finally:
+                self._work, self._tensor = None, None
+                self._unhold()
+
+    def _unhold(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.transport._send_lock.release()
+
+    def close(self) -> None:
+        if self._work is not None:
+            # A send whose commit failed: its bytes may never be received; the pair can no
+            # longer be trusted to line up.
+            self.transport._broken = "a send was never committed"
+            self._work, self._tensor = None, None
+        self._unhold()

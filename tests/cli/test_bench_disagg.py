@@ -1,0 +1,83 @@
+"""`kvtier bench disagg` run tiny on the CPU (random:tiny-llama, a few requests): the
+report's shape, its SLO arithmetic, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvtier.cli.bench.disagg import DisaggConfig, make_workload
+from kvtier.cli.bench.link import measure_mooncake
+from kvtier.cli.main import app
+from typer.testing import CliRunner
+
+TINY = ["bench", "disagg", "--model", "random:tiny-llama", "--dtype", "float32",
+        "--num-requests", "4", "--long-tokens", "96", "--short-tokens", "20",
+        "--long-fraction", "0.5", "--max-tokens", "3", "--link-bytes", "1048576"]
+
+
+@pytest.mark.slow
+def test_report_shape_of_both_modes(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = CliRunner().invoke(app, [*TINY, "--rates", "5,50", "--ttft-slo", "1000",
+                                      "--tpot-slo", "1000", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["bench"] == "disagg"
+    assert report["devices"] == {"prefill": "cpu", "decode": "cpu",
+                                 "colocated": ["cpu", "cpu"]}
+    assert report["modes"]["colocated"]["instances"] == ["both on cpu", "both on cpu"]
+    assert report["modes"]["disaggregated"]["instances"] == ["prefill on cpu",
+                                                             "decode on cpu"]
+    for mode in report["modes"].values():
+        assert [run["rate_rps"] for run in mode["rates"]] == [5.0, 50.0]
+        for run in mode["rates"]:
+            assert run["num_requests"] == 4 and run["ttft_s"]["n"] == 4
+            assert run["tpot_s"]["p99"] >= run["tpot_s"]["p50"] > 0
+            assert run["slo_met"] and run["within_slo"] == 4  # SLOs nothing misses
+        assert mode["goodput_rps"] == 50.0
+    assert report["goodput_ratio"] == 1.0 and len(report["ttft_p50_ratio"]) == 2
+    handoff = report["modes"]["disaggregated"]["handoff"]
+    assert handoff["num_handoffs"] == 8 and handoff["num_fallbacks"] == 0
+    assert handoff["bytes"] > 0 and handoff["gb_s"] > 0 and handoff["of_link"] > 0
+    assert handoff["transports"] == ["nccl"]  # the torch.distributed pair (gloo here)
+    link = report["link"]
+    assert link["backend"] == "gloo" and link["bytes"] == 1048576 and link["gb_s"] > 0
+    # float32 on the CPU: the same tokens whichever instance computed the prompt.
+    assert report["outputs_equal"] == {"equal": 8, "total": 8}
+
+
+def test_poisson_workload_is_seeded_and_mixed() -> None:
+    config = DisaggConfig(num_requests=200, long_tokens=40, short_tokens=8,
+                          long_fraction=0.25, seed=3)
+    requests = make_workload(config, 100, rate=10.0, seed_offset=0)
+    assert requests == make_workload(config, 100, rate=10.0, seed_offset=0)
+    assert requests != make_workload(config, 100, rate=10.0, seed_offset=1)
+    assert requests[0].arrival_s == 0.0
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(requests, requests[1:])]
+    assert min(gaps) >= 0 and 0.07 < sum(gaps) / len(gaps) < 0.13  # mean gap 1/rate
+    num_long = sum(r.long for r in requests)
+    assert 30 <= num_long <= 70
+    assert {len(r.prompt) for r in requests} == {40, 8}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rates", "0"], "--rates takes positive"),
+    (["--modes", "split"], "--modes takes colocated and/or disaggregated"),
+    (["--long-fraction", "2"], "--long-fraction must lie in [0, 1]"),
+    (["--prefill-url", "http://127.0.0.1:1"], "--prefill-url and --decode-url go together"),
+])
+def test_bad_options_are_one_line_errors(args, message) -> None:
+    result = CliRunner().invoke(app, [*TINY, *args])
+    assert result.exit_code == 1 and message in result.output, result.output
+
+
+def test_mooncake_ceiling_writes_between_two_processes() -> None:
+    from kvtier.handoff.mooncake import mooncake_available
+
+    if mooncake_available() is not None:
+        pytest.skip(mooncake_available())
+    link = measure_mooncake(4 * 2**20, repeats=2)
+    assert link["backend"] == "mooncake" and link["bytes"] == 4 * 2**20
+    assert link["seconds"] > 0 and link["gb_s"] > 0
+

@@ -1,0 +1,260 @@
+"""Prefill/decode disaggregation with real processes: `kvtier serve --role prefill` hands a
+prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on the CPU.
+
+- Over each transport (Mooncake TCP, Redis, torch.distributed with gloo: the NCCL code
+  path on CPU tensors), the decode instance then answers with the greedy tokens of one
+  engine that computed everything, its prompt found in its GPU pool.
+- A later turn sends only its new blocks.
+- A prefill instance killed mid-handoff leaves the decode instance answering correctly:
+  its reservation expires, what landed is used and the rest computed.
+- A decode instance that cannot be reached gives the prefill endpoint a 502.
+
+One decode and one prefill process serve every transport (starting a process costs
+seconds); the kill test starts a prefill process of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.loader import LoadedModel
+
+from kvtier.handoff.mooncake import mooncake_available
+from tests.cli.serve_harness import MODEL_NAME, parse_metrics
+from tests.model_cache import seed_model_cache
+
+pytestmark = pytest.mark.slow
+
+_START_TIMEOUT_S = 180.0
+MAX_TOKENS = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Instance:
+    """One `kvtier serve` process."""
+
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(30)
+
+
+def _serve(cache_dir: Path, log: Path, *args: str) -> Instance:
+    port = _free_port()
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli.main", "serve", MODEL_NAME, "--port", str(port),
+             "--device", "cpu", "--dtype", "float32", "--gpu-blocks", "256",
+             "--no-host-cache", "--no-disk-cache", *args],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    instance = Instance(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"serve {args} exited:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{instance.url}/health", timeout=5).status_code == 200:
+                return instance
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    instance.stop()
+    raise AssertionError(f"serve {args} did not start:\n{log.read_text()[-3000:]}")
+
+
+@dataclass(slots=True)
+class Pair:
+    decode: Instance
+    prefill: Instance
+    transports: list[str]
+    cache_dir: Path
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+         smollm2_conversion: Path) -> Iterator[Pair]:
+    tmp = tmp_path_factory.mktemp("handoff")
+    cache_dir = seed_model_cache(tmp / "cache", smollm2_conversion)
+    nccl = f"tcp://127.0.0.1:{_free_port()}"
+    decode_args = ["--role", "decode", "--handoff-timeout", "3", "--handoff-nccl", nccl,
+                   "--handoff-nccl-backend", "gloo"]
+    try:
+        redis = request.getfixturevalue("redis_server")
+    except pytest.skip.Exception:
+        redis = None  # the Redis transport's test skips, saying why
+    if redis is not None:
+        decode_args += ["--handoff-redis", redis.url]
+    decode = _serve(cache_dir, tmp / "decode.log", *decode_args)
+    prefill = None
+    try:
+        prefill = _serve(cache_dir, tmp / "prefill.log", "--role", "prefill",
+                         "--handoff-nccl", nccl, "--handoff-nccl-backend", "gloo")
+        deadline = time.monotonic() + 60  # the gloo pair forms in the background
+        while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
+            assert time.monotonic() < deadline, "the gloo pair did not form"
+            time.sleep(0.2)
+        info = httpx.get(f"{decode.url}/v1/handoff/info").json()
+        assert info["role"] == "decode" and info["model"] == MODEL_NAME
+        yield Pair(decode, prefill, info["transports"], cache_dir, tmp)
+    finally:
+        for instance in (prefill, decode):
+            if instance is not None:
+                instance.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(model: LoadedModel) -> Iterator[LLM]:
+    """One engine doing prefill and decode: the tokens to match."""
+    with LLM(model, gpu_blocks=256, host_cache=False, disk_cache=False) as llm:
+        yield llm
+
+
+def _prompt(seed: int, num_tokens: int) -> list[int]:
+    return [(seed * 7919 + 131 * i) % 5000 + 50 for i in range(num_tokens)]
+
+
+def _hand_over(pair: Pair, prompt: list[int], transport: str | None,
+               prefill: Instance | None = None, timeout_s: float = 60.0) -> httpx.Response:
+    return httpx.post(f"{(prefill or pair.prefill).url}/v1/handoff/prefill", json={
+        "endpoint": "/v1/completions",
+        "request": {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0},
+        "decode": pair.decode.url, "transport": transport, "timeout_s": timeout_s},
+        timeout=120)
+
+
+def _decode(pair: Pair, prompt: list[int]) -> tuple[list[int], int]:
+    """The decode instance's greedy tokens for `prompt`, and its cached prompt tokens."""
+    answer = httpx.post(f"{pair.decode.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "return_token_ids": True}, timeout=120).json()
+    return (answer["choices"][0]["token_ids"],
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _reference(llm: LLM, prompt: list[int]) -> list[int]:
+    out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0]
+    return list(out.outputs[0].token_ids)
+
+
+def _check_available(pair: Pair, transport: str) -> None:
+    if transport not in pair.transports:
+        reason = {"mooncake": mooncake_available(),
+                  "redis": "redis-server is not installed (apt-get install -y redis-server)"}
+        pytest.skip(reason.get(transport) or f"the decode instance has no {transport}")
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "redis", "nccl"])
+def test_each_transport_hands_the_prompt_over(pair: Pair, colocated: LLM,
+                                              transport: str) -> None:
+    _check_available(pair, transport)
+    prompt = _prompt(len(transport), 117)  # 7 full blocks and 5 tokens
+    response = _hand_over(pair, prompt, transport)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["transport"] == transport and result["prompt_tokens"] == 117
+    assert (result["blocks_total"], result["blocks_sent"], result["blocks_skipped"]) == (7, 7, 0)
+    tokens, cached = _decode(pair, prompt)
+    assert tokens == _reference(colocated, prompt)
+    assert cached == 7 * 16  # the handed-over blocks, none computed again
+    sample = f'kvtier_handoffs_total{{outcome="ok",role="decode",transport="{transport}"}}'
+    assert pair.decode.metrics()[sample] >= 1
+
+
+def test_a_later_turn_sends_only_its_new_blocks(pair: Pair, colocated: LLM) -> None:
+    transport = "mooncake" if "mooncake" in pair.transports else pair.transports[0]
+    first = _prompt(3, 70)
+    assert _hand_over(pair, first, transport).status_code == 200
+    answer, _ = _decode(pair, first)
+    second = first + answer + _prompt(4, 60)  # 136 tokens: 8 full blocks
+    result = _hand_over(pair, second, transport).json()
+    # The first turn's 4 blocks are held already (and the answer's: block 4 is complete).
+    assert result["blocks_total"] == 8 and result["blocks_skipped"] >= 4
+    assert result["blocks_sent"] == 8 - result["blocks_skipped"]
+    tokens, cached = _decode(pair, second)
+    assert tokens == _reference(colocated, second)
+    assert cached == 8 * 16
+
+
+def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> None:
+    transport = "mooncake" if "mooncake" in pair.transports else "redis"
+    _check_available(pair, transport)
+    # Chunks of 16 tokens: the prompt takes many steps, blocks are committed as they come.
+    doomed = _serve(pair.cache_dir, pair.tmp / "doomed.log", "--role", "prefill",
+                    "--max-num-batched-tokens", "16", "--handoff-nccl-backend", "gloo")
+    prompt = _prompt(5, 1200)
+    bytes_sample = f'kvtier_handoff_bytes_total{{role="decode",transport="{transport}"}}'
+    timeout_sample = (f'kvtier_handoffs_total{{outcome="timeout",role="decode",'
+                      f'transport="{transport}"}}')
+    before = pair.decode.metrics()
+    outcome: list[object] = []
+
+    def hand_over() -> None:
+        try:
+            response = _hand_over(pair, prompt, transport, prefill=doomed)
+            outcome.append((response.status_code, response.text))
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=hand_over)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 120
+        while pair.decode.metrics().get(bytes_sample, 0) <= before.get(bytes_sample, 0):
+            assert time.monotonic() < deadline and thread.is_alive(), \
+                f"no block landed: {outcome}"
+            time.sleep(0.05)
+        doomed.process.kill()  # mid-handoff: blocks have landed, the prompt is not done
+        doomed.process.wait(30)
+        thread.join(60)
+        assert outcome and isinstance(outcome[0], httpx.HTTPError), outcome
+        # The reservation expires (--handoff-timeout 3); the decode instance never waits.
+        deadline = time.monotonic() + 60
+        while pair.decode.metrics().get(timeout_sample, 0) <= before.get(timeout_sample, 0):
+            assert time.monotonic() < deadline, "the reservation did not expire"
+            time.sleep(0.2)
+        tokens, cached = _decode(pair, prompt)
+        assert tokens == _reference(colocated, prompt)
+        assert 0 < cached < 1200 - 16  # what landed is used, the rest computed
+    finally:
+        doomed.stop()
+
+
+def test_an_unreachable_decode_instance_is_a_502(pair: Pair) -> None:
+    gone = Pair(Instance(pair.decode.process, f"http://127.0.0.1:{_free_port()}",
+                         pair.decode.log), pair.prefill, [], pair.cache_dir, pair.tmp)
+    response = _hand_over(gone, _prompt(6, 40), None)
+    assert response.status_code == 502, response.text
+    assert "cannot reach the decode instance" in response.json()["error"]["message"]
+    bad = httpx.post(f"{pair.prefill.url}/v1/handoff/prefill", json={
+        "endpoint": "/v1/embeddings", "request": {}, "decode": pair.decode.url})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"

@@ -1,0 +1,130 @@
+"""The handoff in one process: the engine's block tap, and a decode engine receiving records
+over the Mooncake engine (TCP loopback), SmolLM2 in float32 on the CPU.
+
+- The tap gives each prompt block once, in order, chunk by chunk, each with a reference
+  that keeps it until the receiver gives it back.
+- A record damaged in the receive buffer and records of another cache namespace are
+  rejected and counted; the blocks that passed are placed and used, the rest computed, and
+  the greedy tokens are those of an engine that computed everything.
+- A reservation whose commits stop expires: its holds are given back, what landed stays
+  cached.
+
+The two-process tests (every transport, a later turn, a killed prefill instance) are in
+tests/cli/test_handoff.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvtier.engine import LLM, SamplingParams
+from kvtier.engine.loader import LoadedModel
+
+from kvtier.handoff.base import OutgoingBlock
+from kvtier.handoff.control import LocalControl
+from kvtier.handoff.mooncake import MooncakeTransport, mooncake_available
+from kvtier.handoff.placement import PoolPlacement
+from kvtier.handoff.receiver import HandoffReceiver
+from kvtier.handoff.stats import HandoffCounters
+from kvtier.hashing import hash_blocks, namespace_hash
+from kvtier.tiers.record import metas_for
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# 6 full blocks of 16 tokens and 5 more; 32-token chunks: three taps of two blocks.
+PROMPT = [(37 * i + 11) % 4000 + 20 for i in range(101)]
+GREEDY = SamplingParams(max_tokens=6)
+
+
+def _engine(model: LoadedModel) -> LLM:
+    return LLM(model, gpu_blocks=48, max_num_batched_tokens=32, host_cache=False,
+               disk_cache=False)
+
+
+def _namespace(llm: LLM, salt: str | None = None) -> bytes:
+    return namespace_hash(llm.model_fingerprint, llm.layout, llm.config.hash_algorithm, salt)
+
+
+def test_the_tap_gives_each_prompt_block_once_in_order_with_a_reference(
+        smollm2: LoadedModel) -> None:
+    with _engine(smollm2) as llm:
+        taps = []
+
+        def tap(first, metas, blocks) -> None:
+            assert all(block.ref_cnt == 2 for block in blocks)  # the request's and the tap's
+            taps.append((first, [m.block_hash for m in metas], blocks))
+
+        llm.add_request(PROMPT, SamplingParams(max_tokens=1), block_tap=tap)
+        while llm.has_unfinished():
+            llm.step()
+        assert [(first, len(hashes)) for first, hashes, _ in taps] == [(0, 2), (2, 2), (4, 2)]
+        expected = hash_blocks(_namespace(llm), PROMPT, 16, llm.config.hash_algorithm)
+        assert [h for _, hashes, _ in taps for h in hashes] == expected
+        blocks = [b for _, _, bs in taps for b in bs]
+        assert all(block.ref_cnt == 1 for block in blocks)  # the request finished
+        llm.manager.free(blocks)  # what the receiver of the blocks does once they are out
+        llm.manager.pool.check_invariants()
+        assert llm.manager.pool.num_free_blocks == llm.num_gpu_blocks
+
+
+@pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedModel) -> None:
+    reference = _engine(smollm2).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    now = [0.0]
+    with _engine(smollm2) as prefill, _engine(smollm2) as decode:
+        # The prefill engine computes the prompt; its blocks' bytes are read from its pool.
+        prefill.generate([PROMPT], SamplingParams(max_tokens=1))
+        hashes = hash_blocks(_namespace(prefill), PROMPT, 16, prefill.config.hash_algorithm)
+        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
+        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        ours = metas_for(_namespace(prefill), hashes, PROMPT, 16)
+        other = _namespace(prefill, "another tenant")
+        theirs = metas_for(other, hash_blocks(other, PROMPT, 16), PROMPT, 16)
+
+        receiving = MooncakeTransport(decode.layout, ring=4)
+        sending = MooncakeTransport(prefill.layout, ring=4)
+        counters = HandoffCounters()
+        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
+                                   lambda salt: _namespace(decode, salt), 16,
+                                   decode.config.hash_algorithm, {"mooncake": receiving},
+                                   timeout_s=5.0, hold_s=5.0, counters=counters,
+                                   clock=lambda: now[0])
+        control = LocalControl(receiver, {})
+        reservation = control.reserve(PROMPT, None, "mooncake")
+        assert reservation["held"] == [False] * 6
+        channel = sending.open_send(reservation["offer"])
+        assert channel.capacity == 4
+
+        # Blocks 0-2 arrive; block 1 is damaged in the receive buffer after it landed.
+        entries = channel.send([OutgoingBlock(i, ours[i], payloads[i]) for i in range(3)])
+        offset = reservation["offer"]["slots"][entries[1]["slot"]] - receiving.buffer_address
+        receiving._buffer[offset + entries[1]["length"] - 7] ^= 0x5A  # a payload byte
+        answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=False)
+        channel.committed()
+        assert answer == {"accepted": [0, 2], "rejected": [1]}
+
+        # Blocks 3-5 come as another namespace's records: not the blocks asked for.
+        entries = channel.send([OutgoingBlock(i, theirs[i], payloads[i]) for i in (3, 4, 5)])
+        answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=False)
+        assert answer == {"accepted": [], "rejected": [3, 4, 5]}
+        channel.close()
+        stats = counters.snapshot()
+        assert stats.blocks[("decode", "mooncake", "rejected")] == 4
+        assert stats.bytes[("decode", "mooncake")] == 2 * decode.layout.bytes_per_block
+
+        # No last commit comes: the reservation expires, its holds go, blocks 0 and 2 stay.
+        now[0] += 6.0
+        receiver.sweep()
+        assert receiver.num_reservations == 0
+        assert counters.snapshot().handoffs == {("decode", "mooncake", "timeout"): 1}
+        pool = decode.manager.pool
+        assert [pool.get_cached_block(h) is not None for h in hashes] == \
+            [True, False, True, False, False, False]
+        assert pool.num_free_blocks == decode.num_gpu_blocks  # held by nobody
+
+        out = decode.generate([PROMPT], GREEDY)[0]
+        assert out.outputs[0].token_ids == reference
+        assert out.metrics.cached_tokens_gpu == 32  # blocks 0 and 2; 1 and 3-5 computed
+        pool.check_invariants()
+        sending.close()
+        receiving.close()
