@@ -233,6 +233,10 @@ class HandoffService:
             handoff.cancel()
             await asyncio.gather(pump, return_exceptions=True)
             raise APIError(503, str(exc), type_="server_unavailable") from None
+        except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
+            handoff.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            raise APIError(400, str(exc), param="prompt") from None
         except BaseException:
             handoff.cancel()
             await asyncio.gather(pump, return_exceptions=True)

@@ -37,7 +37,7 @@ def mooncake_available() -> str | None:
     """None when the Mooncake engine can be imported, else why not."""
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as exc:
+    except (ImportError, OSError) as exc:  # the wheel missing, or libibverbs
         return (f"the Mooncake Transfer Engine is not importable ({exc}); install "
                 "`mooncake-transfer-engine` (GPU) or `mooncake-transfer-engine-non-cuda` "
                 "(CPU, needs libibverbs1): pip install 'kvtier[disagg]'")

@@ -94,6 +94,16 @@ class TorchDistTransport(HandoffTransport):
                 torch.cuda.set_device(self.device)
             dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
                                     world_size=2, timeout=timedelta(seconds=timeout_s))
+            # NCCL creates the pair's point-to-point communicator at the first send or
+            # receive, with both ranks taking part: made here, so that a handoff's first
+            # `isend` does not wait for a `recv` its own commit has not asked for yet.
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            if self.rank == PREFILL_RANK:
+                dist.send(probe, dst=self.peer)
+            else:
+                dist.recv(probe, src=self.peer)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
             self._broken = f"the group did not form: {exc}"
             log.error("handoff over %s: %s", self.backend, self._broken)
