@@ -29,6 +29,8 @@ from kvtier.engine.sampler import SamplingParams
 from kvtier.engine.scheduler import BlockTap
 from kvtier.engine.streaming import RequestDelta
 
+from kvtier.cuda_device import bind_thread
+
 T = TypeVar("T")
 log = logging.getLogger("kvtier.engine")
 
@@ -244,6 +246,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
+            bind_thread(self.llm.device)
             self._loop()
         finally:
             self._ended.set()

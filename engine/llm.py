@@ -46,6 +46,7 @@ from kvtier.engine.scheduler import BlockTap, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
+from kvtier.cuda_device import bind_thread
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import FlushReport, TierManager
 from kvtier.stats import ManagerStats
@@ -117,10 +118,12 @@ class LLM:
             self.device, self.dtype = check_loaded(loaded, device or "auto", dtype or "auto")
         else:
             self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
+            bind_thread(self.device)  # the load's warm-up kernels run on it
             backend = select_backend(self.device, block_size, cfg.attn_backend)
             if cfg.deterministic and backend in ("cudnn", "flash"):
                 backend = "triton"  # the mode attends through its own Triton kernel anyway
             loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
+        bind_thread(self.device)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config

@@ -40,6 +40,7 @@ from typing import NewType
 
 import torch
 
+from kvtier.cuda_device import bind_thread
 from kvtier.io_queue import IOQueue
 from kvtier.kernels import swap_blocks
 from kvtier.stats import Direction, TransferCounters, TransferStats, new_transfer_counters
@@ -229,6 +230,7 @@ class TransferEngine:
         self._finish(job_id, job.direction, job.num_bytes, time.perf_counter() - started, ok)
 
     def _work(self) -> None:
+        bind_thread(self.device)
         while (item := self._queue.get()) is not None:
             (job_id, job), is_write = item
             started = time.perf_counter()

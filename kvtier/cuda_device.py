@@ -1,0 +1,18 @@
+"""Which GPU a thread launches on.
+
+CUDA's current device is per thread, and Triton launches its kernels on the current device
+(as do torch's own allocations without an explicit device). An engine on `cuda:1` whose
+threads still point at `cuda:0` would launch there with pointers into the other GPU, which
+Triton refuses ("cannot be accessed from Triton"). Every thread that runs an engine's
+kernels binds itself to the engine's device first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device; nothing for another kind."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
