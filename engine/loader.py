@@ -40,6 +40,7 @@ from kvtier.engine.config import NAMED_CONFIGS, ModelConfig, named_config
 from kvtier.engine.hub_cache import is_hub_id, resolve_hub_id
 from kvtier.engine.models.llama import LlamaForCausalLM
 
+from kvtier.cuda_device import on_device
 from kvtier.layout import dtype_name, parse_dtype
 
 SMOLLM2_ALIAS = "smollm2-135m"
@@ -130,6 +131,12 @@ def load_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtyp
     unsupported architecture; OSError when the conversion cache cannot be written.
     """
     device, dtype = resolve_device_dtype(device, dtype)
+    with on_device(device):  # its kernels launch there whatever the caller's device
+        return _load(model, device, dtype, attn_backend, seed)
+
+
+def _load(model: str, device: torch.device, dtype: torch.dtype, attn_backend: str | None,
+          seed: int) -> LoadedModel:
     backend = attn_backend or select_backend(device, block_size=16)
     if model.startswith(RANDOM_PREFIX):
         return _load_random(model[len(RANDOM_PREFIX):], device, dtype, backend, seed)

@@ -9,6 +9,9 @@ kernels binds itself to the engine's device first.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -16,3 +19,14 @@ def bind_thread(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device; nothing for another kind."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """`device` as the calling thread's current CUDA device inside the block, restored
+    after it; nothing for another kind."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
