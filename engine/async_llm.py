@@ -246,7 +246,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         try:
-            bind_thread(self.llm.device)
+            bind_thread(self.llm.manager.kv_cache.device)
             self._loop()
         finally:
             self._ended.set()

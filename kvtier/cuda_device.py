@@ -16,8 +16,12 @@ import torch
 
 
 def bind_thread(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device; nothing for another kind."""
-    if device.type == "cuda":
+    """Make `device` the calling thread's current CUDA device; nothing for another kind.
+
+    A "cuda" device without an index means the current device of the thread that named it,
+    so it changes nothing here: to bind another thread, pass a tensor's device (always
+    indexed), e.g. the KV cache's."""
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 

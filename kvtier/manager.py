@@ -124,7 +124,7 @@ class TierManager:
             except BaseException:
                 self.lower_tiers.close()  # no half-built manager keeps files open
                 raise
-        self.transfers = TransferEngine(self.device, config.swap_method, config.io_threads,
+        self.transfers = TransferEngine(self.kv_cache.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
         # Finished jobs whose completion has not run yet (one before them raised).
