@@ -184,14 +184,28 @@ class LmdbIndex:
                changes: KeyChanges | None = None) -> bool:
         """Store a new value as the most recently used; False (nothing done) if present.
         `changes` records the hash when it is added."""
-        if not txn.put(block_hash, value, overwrite=False, db=self.blocks):
-            return False
-        self._set_seq(txn, block_hash, self._next_seqs(txn, 1))
-        self._add_bytes(txn, len(memoryview(value)))
+        return self.insert_many(txn, [(block_hash, value)], changes)[0]
+
+    def insert_many(self, txn: lmdb.Transaction, items: Sequence[tuple[bytes, object]],
+                    changes: KeyChanges | None = None) -> list[bool]:
+        """`insert` for (hash, value) pairs, newest last; per pair, whether it was added.
+        The counters (sequence, bytes used, key generation) are read and written once for
+        the whole batch, not once per value."""
+        added = [bool(txn.put(block_hash, value, overwrite=False, db=self.blocks))
+                 for block_hash, value in items]
+        new = [(block_hash, value) for (block_hash, value), ok in zip(items, added) if ok]
+        if not new:
+            return added
+        first = self._next_seqs(txn, len(new))
+        for offset, (block_hash, _) in enumerate(new):
+            self._set_seq(txn, block_hash, first + offset)
+        self._add_bytes(txn, sum(len(memoryview(value)) for _, value in new))
         self._keys_changed(txn)
         if changes is not None:
-            changes.added(block_hash, self._spot(txn, block_hash))
-        return True
+            with txn.cursor(db=self.blocks) as cursor:
+                for block_hash, _ in new:
+                    changes.added(block_hash, _find_spot(cursor, block_hash))
+        return added
 
     def remove(self, txn: lmdb.Transaction, block_hash: bytes,
                changes: KeyChanges | None = None) -> bool:
@@ -272,15 +286,6 @@ class LmdbIndex:
         if old is not None:
             txn.delete(bytes(old) + block_hash, db=self.lru)
             txn.delete(block_hash, db=self.access)
-
-    def _spot(self, txn: lmdb.Transaction, block_hash: bytes) -> ValueSpot | None:
-        """Where a value just put lies (its overflow pages are numbered at the put); None
-        when the node is not LMDB's layout."""
-        with txn.cursor(db=self.blocks) as cursor:
-            try:
-                return find_value(cursor, block_hash)
-            except ValueError:
-                return None
 
     def _keys_changed(self, txn: lmdb.Transaction) -> None:
         self.set_counter(txn, "key_generation", self.key_generation(txn) + 1)
@@ -521,6 +526,15 @@ def _check_not_truncated(env: lmdb.Environment, path: str | os.PathLike[str]) ->
     if size < needed:
         raise OSError(_damaged_message(path, f"data.mdb has {size} bytes but its pages "
                                              f"need {needed}: the file was cut short"))
+
+
+def _find_spot(cursor: lmdb.Cursor, block_hash: bytes) -> ValueSpot | None:
+    """Where a value just put lies (its overflow pages are numbered at the put); None when
+    the node is not LMDB's layout."""
+    try:
+        return find_value(cursor, block_hash)
+    except ValueError:
+        return None
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:
