@@ -44,7 +44,12 @@ from kvtier.engine.request_failures import RequestFailures, record_logprobs, sam
 from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
-from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
+from kvtier.engine.warmup import (
+    WarmupReport,
+    prepare_gpu,
+    time_cpu_prefill,
+    use_user_triton_cache,
+)
 
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import FlushReport, TierManager
@@ -72,7 +77,8 @@ class LLM:
     the config file, else `$KVTIER_CONFIG`'s file, else a `KVTIER_<FIELD>` environment
     variable, else the default. warmup: on CUDA, compile every kernel shape a step can reach
     before the first request (`kvtier.engine.warmup`; logs its time; Triton's cache goes
-    under the user cache directory); False skips it (tests that build many engines).
+    under the user cache directory); on the CPU with tiers on, time one short prefill (the
+    first restore decision's rate); False skips it (tests that build many engines).
     remote_cache="redis://..." shares KV blocks with other engines through Redis.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
@@ -142,7 +148,8 @@ class LLM:
                                   deterministic=cfg.deterministic)
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
-            self.max_model_len)
+            self.max_model_len) or time_cpu_prefill(
+                self.runner, cfg, self.max_model_len, has_tiers=self.manager.host is not None)
         if self.warmup_report is not None:
             # The first restore after start is sized with the model's rate, as later ones.
             self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)
