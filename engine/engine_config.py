@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 from kvtier.engine import paths
-from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
 from kvtier.tiers.remote.config import RemoteConfig
@@ -77,7 +76,8 @@ class EngineConfig(CheckedModel):
         token-identical across tiers in float32 only.
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
         expected to save over computing it (at the measured rates) before those tiers are
-        asked at all; 0 asks them for every prefix.
+        asked at all; 0 asks them for every prefix; None (the default): 0.05 s, or 0.002 s
+        for an engine on the CPU (`restore_rates.default_min_saving_s`).
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
     flush_timeout_s: seconds closing the engine (`LLM.close`, the end of `kvtier generate`,
@@ -123,9 +123,10 @@ class EngineConfig(CheckedModel):
     deterministic: bool = Field(
         False, description="batch- and chunk-invariant kernels: bit-identical logits across "
         "batches, chunk sizes and tiers, in bf16 too")
-    restore_min_saving_s: float = Field(
-        MIN_SAVING_S, ge=0, description="seconds reading a prefix from the disk or remote "
-        "tier must be expected to save over computing it before they are asked; 0: always")
+    restore_min_saving_s: float | None = Field(
+        None, ge=0, description="seconds reading a prefix from the disk or remote tier must "
+        "be expected to save over computing it before they are asked; 0: always; None: the "
+        "device's default (0.05 s, 0.002 s on the CPU)")
     remote_cache: str | RemoteConfig | None = Field(
         None, description="Redis / Redis Cluster URL of the shared remote tier; None: off")
     flush_timeout_s: float = Field(

@@ -41,6 +41,7 @@ from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, comb
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
 from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
+from kvtier.engine.restore_rates import default_min_saving_s
 from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
@@ -143,7 +144,9 @@ class LLM:
         if self.device.type == "cpu":
             leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   min_restore_saving_s=cfg.restore_min_saving_s)
+                                   min_restore_saving_s=default_min_saving_s(self.device.type)
+                                   if cfg.restore_min_saving_s is None
+                                   else cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
                                   deterministic=cfg.deterministic)
         self.warmup_report: WarmupReport | None = prepare_gpu(

@@ -110,12 +110,14 @@ def test_a_fresh_cpu_engine_with_tiers_knows_its_prefill_rate(tmp_path: Path) ->
 def test_a_fresh_cpu_engine_computes_a_short_prefix_rather_than_wait_for_the_disk(
         tmp_path: Path) -> None:
     """A 272-token prompt computes in milliseconds on the CPU, far less than a disk read
-    could save: a fresh engine (whose rate the start's timing gave) computes it, where an
-    engine without a measured rate would look it up on disk and wait for the read."""
+    must save here (50 ms): a fresh engine (whose rate the start's timing gave) computes
+    it, where an engine without a measured rate would look it up on disk and wait for the
+    read."""
     prompt = [3 + (i * 104729) % 253 for i in range(272)]
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     options = dict(model="random:tiny-llama", device="cpu", dtype="float32", gpu_blocks=64,
-                   disk_cache_dir=tmp_path, disk_cache_gb=0.25, host_cache=False)
+                   disk_cache_dir=tmp_path, disk_cache_gb=0.25, host_cache=False,
+                   restore_min_saving_s=0.05)
     with LLM(**options) as llm:
         first = llm.generate([prompt], params)[0]
     for warmup in (True, False):
