@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Annotated, Literal, get_args
 
 from kvtier.engine import paths
+from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
 from kvtier.tiers.remote.config import RemoteConfig
@@ -68,16 +69,14 @@ class EngineConfig(CheckedModel):
     cuda_graphs: replay recorded CUDA graphs for small steps: decodes, and short prefill
         chunks as decode rows (used only on CUDA with the triton or cudnn attention backend;
         ignored elsewhere).
-    warmup: compile every kernel and time one prefill at start (CUDA); on the CPU with
-        tiers on, time one short prefill.
+    warmup: compile every kernel and time one prefill at start (CUDA).
     deterministic: every token's logits the same bits whatever its batch, its prompt's
         chunking and the tier its prefix came from (batch-invariant matrix products and
         attention; see docs/DETERMINISM.md for what it costs); off: the fastest kernels,
         token-identical across tiers in float32 only.
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
         expected to save over computing it (at the measured rates) before those tiers are
-        asked at all; 0 asks them for every prefix; None (the default): 0.05 s, or 0.002 s
-        for an engine on the CPU (`restore_rates.default_min_saving_s`).
+        asked at all; 0 asks them for every prefix.
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
     flush_timeout_s: seconds closing the engine (`LLM.close`, the end of `kvtier generate`,
@@ -118,15 +117,13 @@ class EngineConfig(CheckedModel):
     seed: Annotated[int, Field(ge=0)] | None = Field(
         0, description="default sampling seed, >= 0; None: nondeterministic")
     cuda_graphs: bool = Field(True, description="replay CUDA graphs for small steps")
-    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA); "
-                                           "time one prefill (CPU, tiers on)")
+    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
     deterministic: bool = Field(
         False, description="batch- and chunk-invariant kernels: bit-identical logits across "
         "batches, chunk sizes and tiers, in bf16 too")
-    restore_min_saving_s: float | None = Field(
-        None, ge=0, description="seconds reading a prefix from the disk or remote tier must "
-        "be expected to save over computing it before they are asked; 0: always; None: the "
-        "device's default (0.05 s, 0.002 s on the CPU)")
+    restore_min_saving_s: float = Field(
+        MIN_SAVING_S, ge=0, description="seconds reading a prefix from the disk or remote "
+        "tier must be expected to save over computing it before they are asked; 0: always")
     remote_cache: str | RemoteConfig | None = Field(
         None, description="Redis / Redis Cluster URL of the shared remote tier; None: off")
     flush_timeout_s: float = Field(

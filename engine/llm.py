@@ -41,16 +41,10 @@ from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, comb
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
 from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
-from kvtier.engine.restore_rates import default_min_saving_s
 from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
-from kvtier.engine.warmup import (
-    WarmupReport,
-    prepare_gpu,
-    time_cpu_prefill,
-    use_user_triton_cache,
-)
+from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.manager import FlushReport, TierManager
@@ -78,8 +72,7 @@ class LLM:
     the config file, else `$KVTIER_CONFIG`'s file, else a `KVTIER_<FIELD>` environment
     variable, else the default. warmup: on CUDA, compile every kernel shape a step can reach
     before the first request (`kvtier.engine.warmup`; logs its time; Triton's cache goes
-    under the user cache directory); on the CPU with tiers on, time one short prefill (the
-    first restore decision's rate); False skips it (tests that build many engines).
+    under the user cache directory); False skips it (tests that build many engines).
     remote_cache="redis://..." shares KV blocks with other engines through Redis.
     Raises ValueError for a bad option or a budget that cannot hold one block, and the
     loader's errors (FileNotFoundError, ValueError, OSError) for a model it cannot load.
@@ -144,15 +137,12 @@ class LLM:
         if self.device.type == "cpu":
             leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
         self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   min_restore_saving_s=default_min_saving_s(self.device.type)
-                                   if cfg.restore_min_saving_s is None
-                                   else cfg.restore_min_saving_s)
+                                   min_restore_saving_s=cfg.restore_min_saving_s)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
                                   deterministic=cfg.deterministic)
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
-            self.max_model_len) or time_cpu_prefill(
-                self.runner, cfg, self.max_model_len, has_tiers=self.manager.host is not None)
+            self.max_model_len)
         if self.warmup_report is not None:
             # The first restore after start is sized with the model's rate, as later ones.
             self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)

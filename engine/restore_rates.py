@@ -19,11 +19,6 @@ SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
 #: read cost tens of milliseconds, more than a short prefix takes to compute
 #: (docs/BENCHMARKS.md, "Figures behind the engine's constants").
 MIN_SAVING_S = 0.05
-#: The same on a CPU engine, whose KV cache is in memory: a restore from a disk tier there
-#: costs about as much engine work as computing a 300-token prompt of a small model, and a
-#: larger floor kept every prefix such a model computes in under 50 ms from the disk
-#: (docs/BENCHMARKS.md, "Figures behind the engine's constants").
-CPU_MIN_SAVING_S = 0.002
 #: A gate closed on measured rates is probed: the first prefix it turns away after a read
 #: is read anyway, then every second, fourth, ... up to every this many.
 MAX_PROBE_INTERVAL = 16
@@ -50,11 +45,6 @@ def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
     together = min(alone, (num_tokens + load_tokens_per_s * max(0.0, load_latency_s))
                    / (prefill_tokens_per_s + load_tokens_per_s))
     return alone - together >= min_saving_s
-
-
-def default_min_saving_s(device_type: str) -> float:
-    """`MIN_SAVING_S`, or `CPU_MIN_SAVING_S` for an engine on the CPU."""
-    return CPU_MIN_SAVING_S if device_type == "cpu" else MIN_SAVING_S
 
 
 def _average(old: float | None, new: float) -> float:

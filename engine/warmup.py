@@ -283,53 +283,13 @@ def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
 def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                  step: WarmupStep) -> tuple[int, int, float]:
     """(tokens, keys attended to, seconds) of `step` (prompt chunks, already compiled) run
-    once more on `kv_cache`'s device, timed by CUDA events (on the CPU, the wall clock);
-    stores nothing."""
+    once more on `kv_cache`'s device, timed by CUDA events; stores nothing."""
     input_ids, positions, metadata = _step_inputs(step, block_size, kv_cache.device)
-    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
-    if kv_cache.device.type != "cuda":
-        start = time.perf_counter()
-        model.forward(input_ids, positions, kv_cache, metadata)
-        return sum(step.q_lens), num_keys, time.perf_counter() - start
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     begin.record()
     model.forward(input_ids, positions, kv_cache, metadata)
     end.record()
     end.synchronize()
+    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
     return sum(step.q_lens), num_keys, begin.elapsed_time(end) / 1e3
-
-
-#: Prompt tokens of the CPU start's timed prefill (at most the step's token budget): enough
-#: to be timed as a rate (`step_timer.MIN_TIMED_TOKENS`), short enough to cost little.
-CPU_TIMED_TOKENS = 256
-
-
-def time_cpu_prefill(runner: ModelRunner, config: EngineConfig, max_model_len: int,
-                     has_tiers: bool) -> WarmupReport | None:
-    """On the CPU, with tiers below the model's pool (`has_tiers`: only there does a
-    restore weigh loading against computing) and `config.warmup`: time a short prefill
-    with no context and, where the model's length allows, one after as long a context, so
-    that a fresh engine's first restore decision uses a measured rate, not none (with none,
-    a disk read is tried for every prefix, and a short one waits for it longer than it
-    takes to compute). Each step runs once untimed first (torch's first call of a shape
-    sets up its kernels). None where nothing was timed."""
-    if runner.device.type == "cuda" or not config.warmup or not has_tiers:
-        return None
-    start = time.perf_counter()
-    chunk = min(CPU_TIMED_TOKENS, config.max_num_batched_tokens, max_model_len)
-    steps = [WarmupStep("prefill", (chunk,), (chunk,))]
-    if 2 * chunk <= max_model_len:
-        steps.append(WarmupStep("prefill after as long a context", (chunk,), (2 * chunk,)))
-    prefill_steps = []
-    for step in steps:
-        time_prefill(runner.model, runner.kv_cache, runner.block_size, step)
-        prefill_steps.append(time_prefill(runner.model, runner.kv_cache, runner.block_size,
-                                          step))
-    report = WarmupReport(steps=tuple(step.name for step in steps),
-                          step_seconds=time.perf_counter() - start, graph_seconds=0.0,
-                          num_graphs=0, triton_cache_dir="",
-                          prefill_steps=tuple(prefill_steps))
-    logger.info("warm-up: a %d-token prefill timed in %.2f s (%.0f tokens/s)", chunk,
-                report.seconds, report.prefill_tokens_per_s)
-    return report

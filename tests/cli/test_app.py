@@ -86,9 +86,7 @@ def test_config_file_environment_and_options_reach_the_engine(model_dir, tmp_pat
     config_file = tmp_path / "kvtier.yaml"
     config_file.write_text(f"model: {model_dir}\ndevice: cpu\ngpu_blocks: 64\n"
                            f"host_cache: false\ndisk_cache_dir: {tmp_path / 'kv'}\n"
-                           "hash_algorithm: sha256\ncache_salt: tenant-a\n"
-                           # A short prompt: read from disk however fast it computes.
-                           "restore_min_saving_s: 0\n")
+                           "hash_algorithm: sha256\ncache_salt: tenant-a\n")
     prompt = "A question long enough to fill a few blocks of sixteen tokens each, twice over."
     runner = CliRunner()
 

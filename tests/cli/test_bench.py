@@ -37,12 +37,8 @@ def private_cache_dir(tmp_path_factory: pytest.TempPathFactory):
 def longctx_run(runner, tmp_path_factory) -> tuple[dict, Path, Path]:
     plot = tmp_path_factory.mktemp("plot") / "longctx.png"
     disk_dir = tmp_path_factory.mktemp("longctx-disk")
-    with pytest.MonkeyPatch.context() as patch:
-        # 64-token documents compute in milliseconds: restored all the same, the restores
-        # being what is tested.
-        patch.setenv("KVTIER_RESTORE_MIN_SAVING_S", "0")
-        result = runner.invoke(app, [*LONGCTX, "--plot", str(plot), "--disk-dir",
-                                     str(disk_dir), "--json"])
+    result = runner.invoke(app, [*LONGCTX, "--plot", str(plot), "--disk-dir", str(disk_dir),
+                                 "--json"])
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout), plot, disk_dir
 

@@ -65,11 +65,8 @@ def slots_gb(model: LoadedModel, num_slots: int) -> float:
 
 def tiny_llm(model: LoadedModel, disk_dir: Path, **kwargs) -> LLM:
     """Tiny GPU and host budgets: blocks leave the GPU and the host at once."""
-    # Every prefix is looked for in the tiers, however fast the model computes it: these
-    # tests are about what a restore serves, not whether one pays.
     options = dict(gpu_blocks=NUM_GPU_BLOCKS, host_cache_gb=slots_gb(model, NUM_HOST_SLOTS),
-                   disk_cache_dir=disk_dir, disk_cache_gb=0.01, max_num_batched_tokens=64,
-                   restore_min_saving_s=0.0)
+                   disk_cache_dir=disk_dir, disk_cache_gb=0.01, max_num_batched_tokens=64)
     options.update(kwargs)
     return LLM(model, **options)
 

@@ -82,10 +82,8 @@ def disk_llm(model: LoadedModel, disk_dir: Path | None, **kwargs) -> LLM:
     them are written through to disk."""
     bytes_per_block = model.config.kv_layout(kwargs.get("block_size", 16),
                                              torch.float32).bytes_per_block
-    # Every prefix is looked for on disk, however fast the model computes it: these tests
-    # are about which blocks a lookup may find, not whether a restore pays.
     options = dict(gpu_blocks=16, host_cache_gb=16 * bytes_per_block / 2**30,
-                   disk_cache_dir=disk_dir, disk_cache_gb=0.01, restore_min_saving_s=0.0)
+                   disk_cache_dir=disk_dir, disk_cache_gb=0.01)
     options.update(kwargs)
     return LLM(model, **options)
 

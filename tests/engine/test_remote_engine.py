@@ -61,11 +61,8 @@ def remote(url: str, **kwargs) -> RemoteConfig:
 
 
 def engine(model: LoadedModel, tmp_path: Path, config: RemoteConfig, **kwargs) -> LLM:
-    # Every prefix is looked for in the tiers, however fast the model computes it: these
-    # tests are about what the remote tier serves, not whether a restore pays.
     options = dict(gpu_blocks=64, host_cache_gb=0.01, disk_cache_dir=tmp_path / "disk",
-                   disk_cache_gb=0.01, max_num_batched_tokens=128, remote_cache=config,
-                   restore_min_saving_s=0.0)
+                   disk_cache_gb=0.01, max_num_batched_tokens=128, remote_cache=config)
     options.update(kwargs)
     return LLM(model, **options)
 
@@ -251,9 +248,9 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
     print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
     assert b["output_token_ids"] == list(reference.outputs[0].token_ids)
     assert b["cached_gpu_host_disk"] == 0
-    # The restore computes the head while the tail loads. A fresh process knows its prefill
-    # rate from the start's timed prefill, so its compute front claims a step's budget at
-    # once, then as much of the head as the remote tier would not deliver sooner; how much
-    # that is depends on the two rates (the remote tier's on a machine busy with other
-    # jobs too), so only most of the document is asked of the remote tier here.
-    assert b["cached_remote"] >= b["doc_tokens"] // 2, b
+    # The restore computes the head while the tail loads. In a fresh process the compute
+    # front first claims a 64-token probe to measure the prefill rate, then as much of the
+    # head as the remote tier would not deliver sooner; how much that is depends on the two
+    # rates (98% restored on the 2-core CI machine), so only the first step's budget is
+    # bounded here.
+    assert b["cached_remote"] >= b["doc_tokens"] - 1024 - 16, b

@@ -11,12 +11,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from kvtier.engine.restore_rates import (
-    CPU_MIN_SAVING_S,
-    MIN_SAVING_S,
-    TierRates,
-    worth_reading,
-)
+from kvtier.engine.restore_rates import MIN_SAVING_S, TierRates, worth_reading
 from restore_cases import (
     BS,
     LAYOUT,
@@ -317,8 +312,5 @@ def test_the_threshold_is_an_engine_option() -> None:
     with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
              disk_cache=False, restore_min_saving_s=0.0) as llm:
         assert llm.scheduler.min_restore_saving_s == 0.0
-    with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
-             disk_cache=False) as llm:  # the CPU's own default
-        assert llm.scheduler.min_restore_saving_s == CPU_MIN_SAVING_S < MIN_SAVING_S
     with pytest.raises(ValueError, match="restore_min_saving_s"):
         LLM("random:tiny-llama", device="cpu", restore_min_saving_s=-1.0)

@@ -25,7 +25,6 @@ from kvtier.kernels import cudnn_backend
 from kvtier.kernels.cudnn_backend import cudnn_available
 
 from kvtier.device_cache import allocate_kv_cache
-from kvtier.stats import Tier
 
 
 @pytest.mark.parametrize("cudnn_min_tokens", [None, 512, 2048])
@@ -85,47 +84,7 @@ def test_triton_cache_goes_under_the_user_cache_dir(tmp_path: Path,
 def test_cpu_engine_skips_warmup() -> None:
     with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
              disk_cache=False) as llm:
-        assert llm.warmup_report is None  # no tier: no restore to decide
-
-
-def test_a_fresh_cpu_engine_with_tiers_knows_its_prefill_rate(tmp_path: Path) -> None:
-    """With tiers on, a CPU engine times a short prefill at start: the first request's
-    restore decision weighs a measured rate."""
-    with LLM("random:tiny-llama", device="cpu", dtype="float32", gpu_blocks=64,
-             max_num_batched_tokens=512, disk_cache_dir=tmp_path, disk_cache_gb=0.25) as llm:
-        report = llm.warmup_report
-        assert report is not None
-        assert [(n, keys) for n, keys, _ in report.prefill_steps] == [
-            (256, 256 * 257 // 2), (256, 256 * 256 + 256 * 257 // 2)]
-        assert all(seconds > 0 for _, _, seconds in report.prefill_steps)
-        assert llm.scheduler.prefill_rate.tokens_per_s is not None
-        assert llm.manager.stats().tiers  # nothing stored or read by the timing
-        assert llm.manager.pool.num_free_blocks == llm.manager.pool.num_blocks
-    with LLM("random:tiny-llama", device="cpu", gpu_blocks=64, disk_cache_dir=tmp_path,
-             disk_cache_gb=0.25, warmup=False) as llm:
         assert llm.warmup_report is None
-        assert llm.scheduler.prefill_rate.tokens_per_s is None
-
-
-def test_a_fresh_cpu_engine_computes_a_short_prefix_rather_than_wait_for_the_disk(
-        tmp_path: Path) -> None:
-    """A 272-token prompt computes in milliseconds on the CPU, far less than a disk read
-    must save here (50 ms): a fresh engine (whose rate the start's timing gave) computes
-    it, where an engine without a measured rate would look it up on disk and wait for the
-    read."""
-    prompt = [3 + (i * 104729) % 253 for i in range(272)]
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    options = dict(model="random:tiny-llama", device="cpu", dtype="float32", gpu_blocks=64,
-                   disk_cache_dir=tmp_path, disk_cache_gb=0.25, host_cache=False,
-                   restore_min_saving_s=0.05)
-    with LLM(**options) as llm:
-        first = llm.generate([prompt], params)[0]
-    for warmup in (True, False):
-        with LLM(**options, warmup=warmup) as llm:
-            again = llm.generate([prompt], params)[0]
-            read = llm.manager.stats().tiers[Tier.DISK].hits
-            assert read == 0 if warmup else read > 0
-        assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 # --- GPU ----------------------------------------------------------------------------------
