@@ -1,6 +1,5 @@
 """The disk tier's write path on real LMDB directories and real threads: what a batch
-reports, the work it does per batch, records built while another batch's transaction is
-open, and stats that do not hold lookups up."""
+reports, the work it does per batch, and stats that do not hold lookups up."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import threading
 
 from disk_cases import BIG_BUDGET, LARGE, make_blocks, read_back, same_bytes
 
-from kvtier.tiers.disk import tier as disk_tier
 from kvtier.tiers.disk.index import GuardedEnv
 from kvtier.tiers.disk.keys import StoredKeys
 from kvtier.tiers.disk.tier import DiskTier
@@ -65,46 +63,6 @@ def test_a_batch_looks_its_hashes_up_once_and_opens_two_transactions(tmp_path, m
         assert lookups == [16, 16, 8]
         assert transactions == [False, True] * 3
         assert tier.stats().puts == 40
-
-
-def test_records_are_built_while_another_batch_holds_the_write_transaction(tmp_path,
-                                                                           monkeypatch):
-    """LMDB runs one write transaction at a time; a second batch's records (copy and
-    checksum) are built while the first batch's transaction is open, not after it."""
-    metas, payloads = make_blocks(LARGE, seed=3, num_blocks=8)
-    in_first = threading.Event()
-    release_first = threading.Event()
-    events: list[str] = []
-    assemble = disk_tier.assemble_record
-
-    def noted_assemble(meta, *args):
-        events.append(f"assemble {metas.index(meta)}")
-        return assemble(meta, *args)
-
-    def hook(batch):
-        events.append(f"transaction of {metas.index(batch[0])}")
-        if batch[0] is metas[0]:
-            in_first.set()
-            assert release_first.wait(30), "the test never released the first batch"
-
-    monkeypatch.setattr(disk_tier, "assemble_record", noted_assemble)
-    with DiskTier(tmp_path, LARGE, BIG_BUDGET, write_hook=hook) as tier:
-        first = threading.Thread(target=tier.put, args=(metas[:4], payloads[:4]))
-        first.start()
-        assert in_first.wait(30)
-        second = threading.Thread(target=tier.put, args=(metas[4:], payloads[4:]))
-        second.start()
-        while events.count("assemble 7") == 0 and second.is_alive():
-            second.join(0.01)
-        events.append("first released")
-        release_first.set()
-        first.join(30)
-        second.join(30)
-        assert events == [*(f"assemble {i}" for i in range(4)), "transaction of 0",
-                          *(f"assemble {i}" for i in range(4, 8)), "first released",
-                          "transaction of 4"]
-        for meta, payload in zip(metas, payloads):
-            assert same_bytes(read_back(tier, meta), payload)
 
 
 class StatsStuck(DiskTier):

@@ -23,7 +23,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -186,20 +186,23 @@ class LmdbIndex:
         `changes` records the hash when it is added."""
         return self.insert_many(txn, [(block_hash, value)], changes)[0]
 
-    def insert_many(self, txn: lmdb.Transaction, items: Sequence[tuple[bytes, object]],
+    def insert_many(self, txn: lmdb.Transaction, items: Iterable[tuple[bytes, object]],
                     changes: KeyChanges | None = None) -> list[bool]:
         """`insert` for (hash, value) pairs, newest last; per pair, whether it was added.
         The counters (sequence, bytes used, key generation) are read and written once for
         the whole batch, not once per value."""
-        added = [bool(txn.put(block_hash, value, overwrite=False, db=self.blocks))
-                 for block_hash, value in items]
-        new = [(block_hash, value) for (block_hash, value), ok in zip(items, added) if ok]
+        added: list[bool] = []
+        new: list[tuple[bytes, int]] = []  # (hash, value bytes) of those added
+        for block_hash, value in items:  # taken one by one: a value may be built just now
+            added.append(bool(txn.put(block_hash, value, overwrite=False, db=self.blocks)))
+            if added[-1]:
+                new.append((block_hash, len(memoryview(value))))
         if not new:
             return added
         first = self._next_seqs(txn, len(new))
         for offset, (block_hash, _) in enumerate(new):
             self._set_seq(txn, block_hash, first + offset)
-        self._add_bytes(txn, sum(len(memoryview(value)) for _, value in new))
+        self._add_bytes(txn, sum(size for _, size in new))
         self._keys_changed(txn)
         if changes is not None:
             with txn.cursor(db=self.blocks) as cursor:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import lmdb
-import numpy as np
 import torch
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
@@ -422,11 +421,10 @@ class DiskTier(LowerTier):
         another process meanwhile, are not counted).
 
         One lookup (from memory, see `kvtier.tiers.disk.keys`) finds the blocks to write;
-        their records (header, checksum, copy) are built before the write transaction, so
-        that while one thread's commit writes to the disk another builds its batch; the
-        transaction itself then checks each hash once more (another process may have
-        written it) and says which blocks it leaves stored. Runs on the caller's thread,
-        not the lookup thread: writes are not bounded by the lookup deadline.
+        the write transaction checks each of them once more (another process may have
+        written it meanwhile) and says which blocks it leaves stored: no lookup after it.
+        Runs on the caller's thread, not the lookup thread: writes are not bounded by the
+        lookup deadline.
         """
         if len(metas) != len(payloads):
             raise ValueError(f"{len(metas)} metas but {len(payloads)} payloads")
@@ -446,55 +444,48 @@ class DiskTier(LowerTier):
                 self._count(refused=len(items) - sum(present.values()))
                 return [present[h] for h in block_hashes], 0
             touched = [h for h, hit in present.items() if hit]
-            new = [item for item, hit in zip(items.values(), present.values()) if not hit]
+            # Sizes (and token ids) are checked here, outside the write transaction.
+            new = [(meta, view, record_size(meta, view.nbytes))
+                   for (meta, view), hit in zip(items.values(), present.values()) if not hit]
             if not new:  # all stored already (another writer may have stored them)
                 self.touch(touched)
                 return [True] * len(metas), 0
-            stored, num_written = self._put_new(self._assemble(new), touched,
-                                                frozenset(items))
+            stored, num_written = self._put_new(new, touched, frozenset(items))
             if stored is None:  # pruned or split on the way: ask afterwards
                 return self._contains_now(block_hashes), num_written
             return [h in stored for h in block_hashes], num_written
         except DiskFilesGone:
             return [False] * len(metas), 0
 
-    def _assemble(self, items: list[tuple[BlockMeta, memoryview]]
-                  ) -> list[tuple[BlockMeta, memoryview]]:
-        """The records of `items` (meta, payload) back to back in this thread's scratch,
-        which LMDB copies on put (size and token ids are checked here: ValueError).
+    def _assemble(self, meta: BlockMeta, view: memoryview, size: int) -> memoryview:
+        """The record in a per-thread scratch buffer, which LMDB copies on put.
 
-        Built outside the write transaction: LMDB runs one at a time, and the disk is
-        idle while it is held and no commit writes, so the copy and checksum of a batch
-        overlap another thread's commit instead of delaying the next. The scratch is kept
-        for the thread's next batch (as large as its largest batch): a fresh buffer would
-        fault in a page every 4 KiB on each batch.
+        Assembled inside the write transaction, right before its put: the payload is
+        checksummed while it is copied into the scratch (one pass over it), and LMDB's copy
+        then reads the scratch while it is still in cache. Assembling a batch's records
+        before the transaction (so that they overlap another batch's commit) took a scratch
+        the batch's size and measured slower on a real disk: each commit took longer
+        (docs/BENCHMARKS.md, "Tiers").
         """
-        sizes = [record_size(meta, view.nbytes) for meta, view in items]
         scratch = getattr(self._scratch, "buffer", None)
-        if scratch is None or scratch.nbytes < sum(sizes):
-            scratch = self._scratch.buffer = np.empty(sum(sizes), dtype=np.uint8)
-        out = memoryview(scratch)
-        records, at = [], 0
-        for (meta, view), size in zip(items, sizes):
-            records.append((meta, assemble_record(meta, self.layout, view,
-                                                  out[at:at + size])))
-            at += size
-        return records
+        if scratch is None or len(scratch) < size:
+            scratch = self._scratch.buffer = bytearray(size)
+        return assemble_record(meta, self.layout, view, scratch)
 
-    def _put_new(self, records: list[tuple[BlockMeta, memoryview]],
+    def _put_new(self, records: list[tuple[BlockMeta, memoryview, int]],
                  touched: list[BlockHash], keep: frozenset[BlockHash]
                  ) -> tuple[set[BlockHash] | None, int]:
-        """Write `records` (meta, record) and touch `touched`: the hashes of both that are
-        stored at the commit (None when the batch had to be split: ask afterwards), and how
-        many records were written. Blocks in `keep` (the caller's whole batch) are never
-        pruned to make room.
+        """Write the records of `records` (meta, payload, record size) and touch `touched`:
+        the hashes of both that are stored at the commit (None when the batch had to be
+        split: ask afterwards), and how many records were written. Blocks in `keep` (the
+        caller's whole batch) are never pruned to make room.
 
         A full map is grown up to its limit; past it, or when the disk refuses the commit
         (the commit is then rolled back, committed blocks are untouched), least-recently-used
         blocks are pruned in commits of their own and the write retried. A batch that still
         fails is split in halves; a single block that still fails is refused.
         """
-        need = sum(record.nbytes for _, record in records)
+        need = sum(size for _, _, size in records)
         self._map.grow(need)
         pressure = 0
         while pressure < 3 * need:
@@ -520,34 +511,37 @@ class DiskTier(LowerTier):
         self._count(refused=len(records))
         return None, 0
 
-    def _write_batch(self, records: list[tuple[BlockMeta, memoryview]],
+    def _write_batch(self, records: list[tuple[BlockMeta, memoryview, int]],
                      touched: list[BlockHash], keep: frozenset[BlockHash],
                      pressure: int) -> tuple[set[BlockHash], int]:
         """One write transaction of `_put_new`: its hashes stored at the commit, and how
         many records it wrote."""
         with self._keys.write() as (txn, changes):
             if self._write_hook is not None:
-                self._write_hook([meta for meta, _ in records])
+                self._write_hook([meta for meta, _, _ in records])
             # Earlier reads first, then this batch: the batch is the most recent use.
             uses = self._touches.take() + touched
             alive = [h for h, ok in zip(uses, self._index.has_many(txn, uses)) if ok]
             self._index.touch(txn, alive)
             stored = set(alive).intersection(touched)
-            found = self._index.has_many(txn, [meta.block_hash for meta, _ in records])
-            stored.update(meta.block_hash for (meta, _), hit in zip(records, found) if hit)
+            found = self._index.has_many(txn, [meta.block_hash for meta, _, _ in records])
+            stored.update(meta.block_hash for (meta, _, _), hit in zip(records, found) if hit)
             absent = [item for item, hit in zip(records, found) if not hit]
-            need = sum(record.nbytes for _, record in absent)
+            need = sum(size for _, _, size in absent)
             limit = max(0, self.budget_bytes - pressure)
             over = self._index.counter(txn, "bytes_used") + need - limit
             num_pruned = self._index.evict(txn, over, keep, changes)[0] if over > 0 else 0
             room = limit - self._index.counter(txn, "bytes_used")
             fitting = []
-            for meta, record in absent:
-                if record.nbytes <= room:
-                    fitting.append((meta.block_hash, record))
-                    room -= record.nbytes
-            added = self._index.insert_many(txn, fitting, changes)
-            stored.update(block_hash for (block_hash, _), ok in zip(fitting, added) if ok)
+            for meta, view, size in absent:
+                if size <= room:
+                    fitting.append((meta, view, size))
+                    room -= size
+            # Each record built right before its put, in the one scratch LMDB copies from.
+            added = self._index.insert_many(
+                txn, ((meta.block_hash, self._assemble(meta, view, size))
+                      for meta, view, size in fitting), changes)
+            stored.update(meta.block_hash for (meta, _, _), ok in zip(fitting, added) if ok)
         num_stored = sum(added)
         self._count(puts=num_stored, pruned=num_pruned, refused=len(absent) - num_stored)
         return stored, num_stored
