@@ -465,7 +465,7 @@ class DiskTier(LowerTier):
         then reads the scratch while it is still in cache. Assembling a batch's records
         before the transaction (so that they overlap another batch's commit) took a scratch
         the batch's size and measured slower on a real disk: each commit took longer
-        (docs/BENCHMARKS.md, "Tiers").
+        (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
         """
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None or len(scratch) < size:
