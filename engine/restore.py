@@ -31,7 +31,9 @@ the tokens still to come, so both fronts finish together, and disk or remote
 groups are only issued above that head (`reserved_head`), so the compute front does not run
 into reads under way. Until the rates are known the fronts meet where they meet. Before any
 of this, the scheduler does not even look in the slow tiers for a prefix that reading could
-not shorten by `restore_rates.MIN_SAVING_S` (`restore_rates.worth_reading`).
+not shorten by `restore_rates.MIN_SAVING_S` (`restore_rates.worth_reading`); a gate closed
+on measured rates is probed now and then, so that it follows what the tiers deliver now
+(`restore_rates.TierRates.turned_away`).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class Restore:
     its computing, held by the request). `meta(i)` gives the
     `BlockMeta` of block i. `group_bytes` sizes the disk groups. `expected_load_rate`
     (tokens/s) is what the slow tiers delivered to recent restores (`TierRates`), None
-    when unknown. Driven from the
+    when unknown. `probe`: the restore was let through to measure slow tiers the
+    scheduler's gate had closed. Driven from the
     scheduler's thread: `collect` (landed groups),
     `skip` (the front over VALID blocks), `claim` (a chunk), `issue` (more groups), and
     `abandon` when the request gives its blocks back.
@@ -125,13 +128,16 @@ class Restore:
                  block_table: Sequence[KVCacheBlock], meta: Callable[[int], BlockMeta],
                  block_size: int, group_bytes: int = DISK_GROUP_BYTES,
                  expected_load_rate: float | None = None,
-                 lookup_began: float | None = None) -> None:
+                 lookup_began: float | None = None, probe: bool = False) -> None:
         assert len(tiers) <= len(block_table), "a GPU block for every hit block"
         self.manager = manager
         self.tiers = list(tiers)
         self.blocks = list(block_table[:len(tiers)])
         self.meta = meta
         self.block_size = block_size
+        #: This restore probes slow tiers the scheduler's gate had closed: the rates it
+        #: measures replace the old ones (`TierRates`).
+        self.probe = probe
         self.states = [BlockState.VALID if t is Tier.GPU else
                        BlockState.COMPUTE if t is None else BlockState.PENDING for t in tiers]
         bytes_per_block = manager.layout.bytes_per_block

@@ -19,6 +19,9 @@ SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
 #: read cost tens of milliseconds, more than a short prefix takes to compute
 #: (docs/BENCHMARKS.md, "Figures behind the engine's constants").
 MIN_SAVING_S = 0.05
+#: A gate closed on measured rates is probed: the first prefix it turns away after a read
+#: is read anyway, then every second, fourth, ... up to every this many.
+MAX_PROBE_INTERVAL = 16
 
 
 def worth_reading(num_tokens: int, prefill_tokens_per_s: float | None,
@@ -141,22 +144,61 @@ class PrefillRate:
 class TierRates:
     """Tokens per second each slow tier delivered to recent restores (tokens landed over
     the time that tier's reads were under way, timed on the I/O threads), averaged like
-    `PrefillRate`. A new restore expects its slow tiers to do as well until they land."""
+    `PrefillRate`. A new restore expects its slow tiers to do as well until they land.
+
+    The rates only move when a tier is read, so a gate that closed on them (one cold read
+    after start, a disk busy with writes for a while) would stay closed however fast the
+    tier has become. So the gate is probed: `turned_away` says when a prefix it turned
+    away is to be read anyway, and that read's rates replace the old ones (`observe` with
+    `replace`) rather than being averaged with them."""
 
     tokens_per_s: dict[Tier, float] = field(default_factory=dict)
     #: Seconds from a restore's lookup (the tier's index included) to the end of the
     #: tier's first read.
     latency_s: dict[Tier, float] = field(default_factory=dict)
+    #: Per slow tier: prefixes turned away since the last probe or read, and how many
+    #: turned away make the next probe.
+    _num_turned_away: dict[Tier, int] = field(default_factory=dict)
+    _probe_every: dict[Tier, int] = field(default_factory=dict)
 
     def observe(self, tier: Tier, num_tokens: int, seconds: float,
-                latency_s: float | None = None) -> None:
+                latency_s: float | None = None, replace: bool = False) -> None:
         """Count `num_tokens` tokens that `tier` delivered to one restore in `seconds`,
-        its first read ending `latency_s` after the restore issued it."""
+        its first read ending `latency_s` after the restore issued it; with `replace`
+        (a probe's read) these figures replace the tier's average."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        self.tokens_per_s[tier] = _average(self.tokens_per_s.get(tier), num_tokens / seconds)
+        old_rate = None if replace else self.tokens_per_s.get(tier)
+        self.tokens_per_s[tier] = _average(old_rate, num_tokens / seconds)
         if latency_s is not None and latency_s >= 0:
-            self.latency_s[tier] = _average(self.latency_s.get(tier), latency_s)
+            old_latency = None if replace else self.latency_s.get(tier)
+            self.latency_s[tier] = _average(old_latency, latency_s)
+
+    def opened(self, tiers: Iterable[Tier]) -> None:
+        """The gate let a prefix through to the slow tiers in `tiers` on their rates: the
+        next one it turns away is probed."""
+        for tier in tiers:
+            if tier in SLOW_TIERS:
+                self._num_turned_away.pop(tier, None)
+                self._probe_every.pop(tier, None)
+
+    def turned_away(self, tiers: Iterable[Tier]) -> bool:
+        """The gate turned a prefix away from the slow tiers in `tiers` on their measured
+        rates: True when it is to be read anyway, a probe (the first turned away after a
+        read, then every second, fourth, ... up to `MAX_PROBE_INTERVAL`: a tier that is
+        still slow costs a probe now and then, one that became fast is noticed)."""
+        slow = [tier for tier in tiers if tier in SLOW_TIERS]
+        if not slow:
+            return False
+        for tier in slow:
+            self._num_turned_away[tier] = self._num_turned_away.get(tier, 0) + 1
+        if any(self._num_turned_away[t] < self._probe_every.get(t, 1) for t in slow):
+            return False
+        for tier in slow:
+            self._num_turned_away[tier] = 0
+            self._probe_every[tier] = min(MAX_PROBE_INTERVAL,
+                                          2 * self._probe_every.get(tier, 1))
+        return True
 
     def expected_latency(self, tiers: Iterable[Tier]) -> float:
         """The longest first-read latency among the slow tiers in `tiers` (0 if unknown)."""

@@ -156,6 +156,9 @@ class Scheduler:
         #: Seconds reading from the disk or remote tier must be expected to save before they
         #: are asked (`restore_rates.worth_reading`); 0 asks them for every prefix.
         self.min_restore_saving_s = min_restore_saving_s
+        #: Requests whose lookup is a probe of a gate closed on measured rates (set by
+        #: `_worth_reading`, taken by `_lookup`).
+        self._probes: set[RequestId] = set()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -314,11 +317,15 @@ class Scheduler:
         request.num_computed_tokens = num_leading * request.block_size
         request.num_cached_blocks = num_leading
         self._gpu_hit_tokens[request.request_id] = tiers.count(Tier.GPU) * request.block_size
+        probe = request.request_id in self._probes
+        self._probes.discard(request.request_id)
         if load_positions:
+            # A probe restores as if the slow tiers' rates were not known: it measures them.
             restore = Restore(self.manager, tiers, table,
                               request.block_meta, request.block_size,
-                              self.restore_group_bytes, self.tier_rates.expected(tiers),
-                              lookup_began=began)
+                              self.restore_group_bytes,
+                              None if probe else self.tier_rates.expected(tiers),
+                              lookup_began=began, probe=probe)
             self._restores[request.request_id] = restore
             # Before the compute front claims anything: a tier that lands at once wins. Of
             # the slow tiers' groups only a few once the model's speed is known: the rest
@@ -338,10 +345,23 @@ class Scheduler:
         # Host blocks further on (a conversation's later ones outlive its first) come at once.
         on_host = self.manager.any_on_host(
             request.block_hashes[first_block + 1:(request.num_tokens - 1) // request.block_size])
-        return worth_reading(num_tokens, None if not seconds else num_tokens / seconds,
-                             self.tier_rates.expected(slow), self.min_restore_saving_s,
-                             self.tier_rates.expected_latency(slow),
-                             fast_blocks_behind=on_host)
+        prefill = None if not seconds else num_tokens / seconds
+        load_rate = self.tier_rates.expected(slow)
+        if worth_reading(num_tokens, prefill, load_rate, self.min_restore_saving_s,
+                         self.tier_rates.expected_latency(slow), fast_blocks_behind=on_host):
+            if load_rate is not None:
+                self.tier_rates.opened(slow)
+            return True
+        # Turned away on measured rates. A probe reads it anyway now and then, if the prefix
+        # is long enough to be worth reading from a tier of unknown speed (the rule before
+        # any read): with no latency, the fronts together are never slower than the
+        # model alone, and the compute front waits for a first landing at most
+        # `FIRST_LANDING_WAIT_SHARE` of the compute time.
+        if worth_reading(num_tokens, prefill, None, self.min_restore_saving_s) \
+                and self.tier_rates.turned_away(slow):
+            self._probes.add(request.request_id)
+            return True
+        return False
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
@@ -501,7 +521,8 @@ class Scheduler:
 
     def _learn_rates(self, restore: Restore) -> None:
         for tier, num_tokens, seconds, latency_s in restore.measured_rates():
-            self.tier_rates.observe(tier, num_tokens, seconds, latency_s)
+            self.tier_rates.observe(tier, num_tokens, seconds, latency_s,
+                                    replace=restore.probe)
 
     def _give_to_tap(self, request: Request) -> None:
         """The request's prompt blocks that became ready since its tap was last called."""

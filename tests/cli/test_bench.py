@@ -301,6 +301,13 @@ def test_tiers_bench_is_wired(runner, tmp_path):
     report = json.loads(result.stdout)
     assert report["num_blocks"] == 4 and report["repeats"] == 2
     assert report["lmdb"]["read"]["mb_per_s"] > 0 and report["write_ratio"] > 0
+    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "6", "--num-layers", "2",
+                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "1",
+                                 "--batch-size", "2", "--writers", "2", "--no-durable",
+                                 "--tmpdir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["writers"] == 2 and report["lmdb"]["write"]["mb_per_s"] > 0
 
 
 def test_roundtrip_bench_is_wired(runner, tmp_path):

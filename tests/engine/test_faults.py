@@ -260,9 +260,9 @@ class FlakyDisk(DiskTier):
         self._fail(super().get_many_into, metas, dests)
         return super().get_many_into(metas, dests)
 
-    def put(self, metas, payloads):
-        self._fail(super().put, metas, payloads)
-        return super().put(metas, payloads)
+    def put_counted(self, metas, payloads):
+        self._fail(super().put_counted, metas, payloads)
+        return super().put_counted(metas, payloads)
 
 
 def flaky_swap(real, rng: random.Random, counter: list[int]):

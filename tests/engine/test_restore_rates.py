@@ -5,12 +5,13 @@ disk tier (`restore_cases`)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import closing
 from pathlib import Path
 
 import pytest
-from kvtier.engine.restore_rates import MIN_SAVING_S, worth_reading
+from kvtier.engine.restore_rates import MIN_SAVING_S, TierRates, worth_reading
 from restore_cases import (
     BS,
     LAYOUT,
@@ -20,6 +21,7 @@ from restore_cases import (
     ReadHook,
     config,
     finish_idle,
+    prompt_of,
     restored_blocks,
     restored_blocks_now,
     warm,
@@ -28,6 +30,9 @@ from restore_cases import (
 from kvtier.manager import TierManager
 from kvtier.stats import Tier, busy_seconds
 from kvtier.tiers.record import BlockMeta
+
+SECOND = prompt_of(33, start=500)
+THIRD = prompt_of(33, start=900)
 
 
 def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> None:
@@ -66,20 +71,81 @@ def test_a_prefix_computed_sooner_than_a_disk_read_lands_is_not_read(disk_dir: P
     assert restored_blocks(request) == 0 and request.counters.computed == 33
 
 
-def test_a_disk_too_slow_to_save_time_on_a_prefix_is_not_asked(disk_dir: Path) -> None:
-    warm(disk_dir, [PROMPT])
-    hook = ReadHook()
+def test_a_disk_too_slow_to_save_time_on_a_prefix_is_asked_only_to_probe(
+        disk_dir: Path) -> None:
+    warm(disk_dir, [PROMPT, SECOND, THIRD])
+    hook = ReadHook(delay_s=0.3)  # 13 tokens a second
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
         # 32 tokens to come: 0.32 s to compute alone, 0.317 s with a disk delivering one
         # token a second beside the model, a saving under MIN_SAVING_S.
         driver.scheduler.prefill_rate.observe(100, 1.0)
         driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
-        request = driver.add(PROMPT)
+        # The first prefix turned away is read anyway, to measure the disk again...
+        probed = driver.add(PROMPT)
         finish_idle(driver)
-        disk = manager.stats().tiers[Tier.DISK]
-    assert hook.read == [] and (disk.hits, disk.misses) == (0, 0)
-    assert restored_blocks(request) == 0 and request.counters.computed == 33
+        assert hook.read and set(hook.read) <= set(probed.block_hashes)
+        # ...which is still too slow: the next ones are not asked (the next probe comes
+        # after two more are turned away).
+        hook.read.clear()
+        requests = [driver.add(SECOND)]
+        finish_idle(driver)
+        assert hook.read == []
+        requests.append(driver.add(THIRD))
+        finish_idle(driver)
+        assert hook.read and set(hook.read) <= set(requests[1].block_hashes)
+    assert restored_blocks(requests[0]) == 0 and requests[0].counters.computed == 33
+
+
+def test_a_slow_first_read_does_not_shut_the_disk_out_for_later_prefixes(
+        disk_dir: Path) -> None:
+    """A cold first read (after start, the page cache dropped) took long: on its rates
+    the disk would save nothing on the prefixes after it, and were they never read, the
+    rates would never change. The next prefix probes the disk, which has become fast; its
+    rates replace the cold ones, and the prefix after it is read on them."""
+    warm(disk_dir, [PROMPT, SECOND, THIRD])
+    hook = ReadHook(gate_at=1)  # the first read is held for 0.4 s, none after it
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        rates = driver.scheduler.tier_rates
+        driver.scheduler.prefill_rate.observe(100, 1.0)  # 0.32 s for 32 tokens
+        threading.Timer(0.4, hook.release).start()
+        driver.add(PROMPT)
+        finish_idle(driver)
+        assert rates.expected([Tier.DISK]) is not None
+        assert not worth_reading(32, 100.0, rates.expected([Tier.DISK]), MIN_SAVING_S,
+                                 rates.expected_latency([Tier.DISK]))
+        probe = driver.add(SECOND)
+        finish_idle(driver)
+        assert restored_blocks(probe) > 0
+        assert worth_reading(32, 100.0, rates.expected([Tier.DISK]), MIN_SAVING_S,
+                             rates.expected_latency([Tier.DISK]))
+        warm_read = driver.add(THIRD)
+        finish_idle(driver)
+    assert restored_blocks(warm_read) > 0
+
+
+def test_a_closed_gate_is_probed_ever_more_rarely_and_never_for_a_short_prefix(
+        disk_dir: Path) -> None:
+    rates = TierRates()
+    rates.observe(Tier.DISK, 1, 1.0)
+    # Probes at the 1st, 3rd, 7th and 15th prefix turned away, then every 16th.
+    probes = [i for i in range(1, 48) if rates.turned_away([Tier.DISK])]
+    assert probes == [1, 3, 7, 15, 31, 47]
+    assert not rates.turned_away([Tier.HOST])  # only slow tiers are gated
+    rates.opened([Tier.DISK])  # a read on the rates: the next turned away probes
+    assert rates.turned_away([Tier.DISK])
+    # A prefix the model computes sooner than MIN_SAVING_S is never read, probe or not.
+    warm(disk_dir, [PROMPT, SECOND, THIRD])
+    hook = ReadHook()
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(1000, 1e-3)  # 32 tokens in 32 us
+        driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
+        for prompt in (PROMPT, SECOND, THIRD):
+            driver.add(prompt)
+            finish_idle(driver)
+    assert hook.read == []
 
 
 def test_host_blocks_behind_a_slow_disks_blocks_still_make_the_disk_worth_asking(

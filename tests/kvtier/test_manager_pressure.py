@@ -69,7 +69,7 @@ def test_a_slot_pinned_by_a_load_survives_host_exhaustion(tmp_path, managers, re
 def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release):
     m = small_manager(managers, tmp_path, gpu=8, host=3, io_threads=2)
     layout = m.layout
-    m.disk.put, entered = held_before(m.disk.put, release)
+    m.disk.put_counted, entered = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "wb", 5), random_blocks(layout, 5, seed=3)
     hashes = [meta.block_hash for meta in metas]
     # A, B, C fill the host (dirty). Taking the last free slot starts A's write-back.
@@ -112,7 +112,7 @@ def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_pa
                                                                          release):
     m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
     layout = m.layout
-    m.disk.put, _ = held_before(m.disk.put, release)
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "gone", 3), random_blocks(layout, 3, seed=5)
     for i in range(3):
         write(m, metas[i:i + 1], data[i:i + 1])
@@ -145,7 +145,7 @@ def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_pa
     x_data, y_data, w_data = (random_blocks(layout, 1, seed) for seed in (1, 2, 3))
     write(m, x, x_data)
     evict_gpu(m)  # X: on disk, and clean in the one host slot
-    m.disk.put, entered = held_before(m.disk.put, release)
+    m.disk.put_counted, entered = held_before(m.disk.put_counted, release)
     write(m, y, y_data)  # Y evicts X from the host; its write-back is held
     assert entered.wait(timeout=60)
     write(m, w, w_data)  # no slot: W's write-through is deferred
@@ -180,14 +180,14 @@ def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_
     evict_gpu(m)  # X and Z: on disk, and clean in the host tier
     assert m.host.remove(z[0].block_hash)  # Z: on disk only
     writing = threading.Semaphore(0)
-    put = m.disk.put
+    put = m.disk.put_counted
 
     def held_put(*args):
         writing.release()
         release.wait()
         return put(*args)
 
-    m.disk.put = held_put
+    m.disk.put_counted = held_put
     # Fifteen dirty blocks fill the free slots; their write-backs cannot finish. They come
     # in two steps, so two write jobs start (the store path keeps writing while any wait).
     y = chain(layout, "y", 15)

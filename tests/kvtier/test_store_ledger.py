@@ -39,7 +39,8 @@ def compute(m, metas, data, loaded_later=None):
 def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers, release):
     m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
     layout = m.layout
-    m.disk.put, _ = held_before(m.disk.put, release)  # the disk takes nothing for now
+    # The disk takes nothing for now.
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "doc", 6), random_blocks(layout, 6, seed=1)
     # The last two blocks are past the expected meeting point of a later restore's fronts.
     compute(m, metas, data, loaded_later=[False] * 4 + [True] * 2)
@@ -64,7 +65,7 @@ def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, manage
     stored = chain(layout, "stored", 2)
     compute(m, stored, random_blocks(layout, 2, seed=2))
     m.flush()  # on disk and on the host; cached on the GPU, free
-    m.disk.put, _ = held_before(m.disk.put, release)
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     new, new_data = chain(layout, "new", 4), random_blocks(layout, 4, seed=3)
     compute(m, new, new_data, loaded_later=[False, False, True, True])
     # Two of the new blocks wait for a slot; the pool has 8 - 2 held = 6 to give.
@@ -119,7 +120,7 @@ def test_a_lookup_with_gaps_finds_a_stored_tail(tmp_path, managers):
 def test_a_flush_out_of_time_counts_what_it_gave_up(tmp_path, managers, release):
     m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
     layout = m.layout
-    m.disk.put, entered = held_before(m.disk.put, release)
+    m.disk.put_counted, entered = held_before(m.disk.put_counted, release)
     metas = chain(layout, "late", 5)
     compute(m, metas, random_blocks(layout, 5, seed=5))
     assert entered.wait(timeout=30)  # the first write-back is under way and held

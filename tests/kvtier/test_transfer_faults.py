@@ -73,14 +73,14 @@ class FaultyDisk(DiskTier):
             raise InjectedFault("injected disk read error")
         return super().get_many_into(metas, dests)
 
-    def put(self, metas, payloads):
+    def put_counted(self, metas, payloads):
         fail, partial = self.write_faults.next_call()
         if fail:
             if partial and len(metas) > 1:
                 half = len(metas) // 2
-                super().put(metas[:half], payloads[:half])
+                super().put_counted(metas[:half], payloads[:half])
             raise InjectedFault("injected disk write error")
-        return super().put(metas, payloads)
+        return super().put_counted(metas, payloads)
 
 
 def faulty_swap(real: Callable[..., None], faults: Faults) -> Callable[..., None]:

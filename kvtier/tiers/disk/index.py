@@ -23,7 +23,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -184,14 +184,31 @@ class LmdbIndex:
                changes: KeyChanges | None = None) -> bool:
         """Store a new value as the most recently used; False (nothing done) if present.
         `changes` records the hash when it is added."""
-        if not txn.put(block_hash, value, overwrite=False, db=self.blocks):
-            return False
-        self._set_seq(txn, block_hash, self._next_seqs(txn, 1))
-        self._add_bytes(txn, len(memoryview(value)))
+        return self.insert_many(txn, [(block_hash, value)], changes)[0]
+
+    def insert_many(self, txn: lmdb.Transaction, items: Iterable[tuple[bytes, object]],
+                    changes: KeyChanges | None = None) -> list[bool]:
+        """`insert` for (hash, value) pairs, newest last; per pair, whether it was added.
+        The counters (sequence, bytes used, key generation) are read and written once for
+        the whole batch, not once per value."""
+        added: list[bool] = []
+        new: list[tuple[bytes, int]] = []  # (hash, value bytes) of those added
+        for block_hash, value in items:  # taken one by one: a value may be built just now
+            added.append(bool(txn.put(block_hash, value, overwrite=False, db=self.blocks)))
+            if added[-1]:
+                new.append((block_hash, len(memoryview(value))))
+        if not new:
+            return added
+        first = self._next_seqs(txn, len(new))
+        for offset, (block_hash, _) in enumerate(new):
+            self._set_seq(txn, block_hash, first + offset)
+        self._add_bytes(txn, sum(size for _, size in new))
         self._keys_changed(txn)
         if changes is not None:
-            changes.added(block_hash, self._spot(txn, block_hash))
-        return True
+            with txn.cursor(db=self.blocks) as cursor:
+                for block_hash, _ in new:
+                    changes.added(block_hash, _find_spot(cursor, block_hash))
+        return added
 
     def remove(self, txn: lmdb.Transaction, block_hash: bytes,
                changes: KeyChanges | None = None) -> bool:
@@ -272,15 +289,6 @@ class LmdbIndex:
         if old is not None:
             txn.delete(bytes(old) + block_hash, db=self.lru)
             txn.delete(block_hash, db=self.access)
-
-    def _spot(self, txn: lmdb.Transaction, block_hash: bytes) -> ValueSpot | None:
-        """Where a value just put lies (its overflow pages are numbered at the put); None
-        when the node is not LMDB's layout."""
-        with txn.cursor(db=self.blocks) as cursor:
-            try:
-                return find_value(cursor, block_hash)
-            except ValueError:
-                return None
 
     def _keys_changed(self, txn: lmdb.Transaction) -> None:
         self.set_counter(txn, "key_generation", self.key_generation(txn) + 1)
@@ -521,6 +529,15 @@ def _check_not_truncated(env: lmdb.Environment, path: str | os.PathLike[str]) ->
     if size < needed:
         raise OSError(_damaged_message(path, f"data.mdb has {size} bytes but its pages "
                                              f"need {needed}: the file was cut short"))
+
+
+def _find_spot(cursor: lmdb.Cursor, block_hash: bytes) -> ValueSpot | None:
+    """Where a value just put lies (its overflow pages are numbered at the put); None when
+    the node is not LMDB's layout."""
+    try:
+        return find_value(cursor, block_hash)
+    except ValueError:
+        return None
 
 
 def is_disk_full(exc: lmdb.Error) -> bool:

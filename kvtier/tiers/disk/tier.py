@@ -107,9 +107,10 @@ class DiskTier(LowerTier):
     aside (`unavailable` says why): every lookup and read misses, every store is refused,
     its stats count no block, and nothing touches the map again. A stalled disk stalls
     only the threads doing its I/O: `contains` and `stats`, which the engine and the
-    server call, run on a thread of the tier's own and are answered within
-    `lookup_deadline_s`; past it the disk counts as unavailable (every lookup a miss, at
-    once) until the stalled call returns. `write_hook`, like `read_hook`, is for tests: it
+    server call, each run on a thread of the tier's own and are answered within
+    `lookup_deadline_s`; past it a lookup makes the disk count as unavailable (every
+    lookup a miss, at once) until the stalled call returns, and a stats read answers
+    with the figures last read. `write_hook`, like `read_hook`, is for tests: it
     is called with the metas of each write transaction, inside it, before its puts.
 
     Raises ValueError for a bad budget, the errors of `kvtier.fsutil.ensure_private_dir` for a
@@ -164,8 +165,10 @@ class DiskTier(LowerTier):
         self._read_hook = read_hook
         self._write_hook = write_hook
         self.lookup_deadline_s = lookup_deadline_s
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-lookup")
-        self._stalled: Future | None = None  # a lookup past its deadline, until it returns
+        # Lookups and stats each on a thread of their own: a slow stats read (a metrics
+        # scrape) must not hold up the engine's lookups behind it.
+        self._lookups = _BoundedCalls("kvtier-disk-lookup")
+        self._stats_calls = _BoundedCalls("kvtier-disk-stats")
         self._last_stats: tuple[int, int] = (0, 0)
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
         self._keys = StoredKeys(self._map, self._index, self._data_file, self._page_size,
@@ -214,7 +217,8 @@ class DiskTier(LowerTier):
             if not self.readonly and self._map.gone is None:
                 self._flush_touches()
         finally:
-            self._lookups.shutdown(wait=False)
+            self._lookups.shutdown()
+            self._stats_calls.shutdown()
             self._map.close()
             with self._lock:
                 fd, self._data_fd = self._data_fd, None
@@ -235,8 +239,7 @@ class DiskTier(LowerTier):
         outlasted `lookup_deadline_s` and has not returned); None while it serves."""
         if self._map.gone is not None:
             return self._map.gone
-        stalled = self._stalled
-        if stalled is not None and not stalled.done():
+        if self._lookups.stalled:
             return f"a disk lookup has taken more than {self.lookup_deadline_s} s"
         return None
 
@@ -248,7 +251,7 @@ class DiskTier(LowerTier):
         `lookup_deadline_s`, else every hash is a miss (see the class docstring)."""
         if self._stale or self._map.gone is not None:
             return [False] * len(block_hashes)
-        return self._bounded(self._contains_now, [False] * len(block_hashes),
+        return self._bounded(self._lookups, self._contains_now, [False] * len(block_hashes),
                              list(block_hashes))
 
     def _contains_now(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
@@ -257,29 +260,21 @@ class DiskTier(LowerTier):
         except DiskFilesGone:
             return [False] * len(block_hashes)
 
-    def _bounded(self, fn: Callable, fallback: Any, *args: object) -> Any:
-        """`fn(*args)` on the lookup thread, or `fallback` if the disk does not answer within
-        the deadline (or still has not answered an earlier call)."""
-        with self._lock:
-            stalled = self._stalled
-            if stalled is not None:
-                if not stalled.done():
-                    return fallback
-                self._stalled = None
+    def _bounded(self, calls: _BoundedCalls, fn: Callable, fallback: Any,
+                 *args: object) -> Any:
+        """`fn(*args)` on `calls`' thread, or `fallback` if the disk does not answer within
+        the deadline (or still has not answered an earlier call there)."""
         if self._map.closed:
             raise ValueError(f"disk cache {self.path} is closed")
-        try:
-            future = self._lookups.submit(fn, *args)
-        except RuntimeError:  # the executor shut down: the tier is closing
-            raise ValueError(f"disk cache {self.path} is closed") from None
-        try:
-            return future.result(timeout=self.lookup_deadline_s)
-        except FutureTimeout:
-            with self._lock:
-                self._stalled = future
+        answered, result = calls.call(self.lookup_deadline_s, fn, *args)
+        if answered is None:
+            raise ValueError(f"disk cache {self.path} is closed")
+        if answered:
+            return result
+        if calls is self._lookups and result is _TIMED_OUT:
             logger.warning("disk cache %s: a lookup took more than %s s; the disk tier counts "
                            "as unavailable until it returns", self.path, self.lookup_deadline_s)
-            return fallback
+        return fallback
 
     def keys_in_memory(self, wait: float = 0.0) -> bool:
         """Whether lookups are answered from memory now: the copy of the stored hashes is at
@@ -298,7 +293,8 @@ class DiskTier(LowerTier):
         if self._map.gone is not None:
             num_blocks, bytes_used = 0, 0
         else:
-            num_blocks, bytes_used = self._bounded(self._stored_figures, self._last_stats)
+            num_blocks, bytes_used = self._bounded(self._stats_calls, self._stored_figures,
+                                                   self._last_stats)
         with self._lock:
             counts = dict(self._counts)
         return DiskStats(num_blocks=num_blocks, bytes_used=bytes_used,
@@ -404,76 +400,98 @@ class DiskTier(LowerTier):
         still do not fit (or meet a full map or disk) are refused and counted. Raises
         ValueError for a payload of the wrong size or kind.
         """
+        return self.put_counted(metas, payloads)[0]
+
+    def write_job(self, metas: Sequence[BlockMeta],
+                  payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
+        """`LowerTier.write_job`: `put` on an I/O thread, counting only the bytes of the
+        blocks it wrote as moved."""
+        stored: list[bool] = []
+
+        def run() -> int:
+            present, num_written = self.put_counted(metas, payloads)
+            stored.extend(present)
+            return num_written * self.layout.bytes_per_block
+
+        return IOJob(self.writes, run), stored
+
+    def put_counted(self, metas: Sequence[BlockMeta], payloads: Sequence[object]
+                    ) -> tuple[list[bool], int]:
+        """`put`, and how many blocks this call wrote (those stored already, or stored by
+        another process meanwhile, are not counted).
+
+        One lookup (from memory, see `kvtier.tiers.disk.keys`) finds the blocks to write;
+        the write transaction checks each of them once more (another process may have
+        written it meanwhile) and says which blocks it leaves stored: no lookup after it.
+        Runs on the caller's thread, not the lookup thread: writes are not bounded by the
+        lookup deadline.
+        """
         if len(metas) != len(payloads):
             raise ValueError(f"{len(metas)} metas but {len(payloads)} payloads")
         views = [payload_view(payload, self.layout.bytes_per_block) for payload in payloads]
         items: dict[BlockHash, tuple[BlockMeta, memoryview]] = {}
         for meta, view in zip(metas, views):
             items.setdefault(meta.block_hash, (meta, view))
-        if not items:
-            return []
         block_hashes = [meta.block_hash for meta in metas]
+        if not items:
+            return [], 0
         if self._map.gone is not None:
             self._count(refused=len(items))
-            return [False] * len(metas)
+            return [False] * len(metas), 0
         try:
-            return self._put_items(items, block_hashes)
+            present = dict(zip(items, self._contains_now(list(items))))
+            if self.readonly:
+                self._count(refused=len(items) - sum(present.values()))
+                return [present[h] for h in block_hashes], 0
+            touched = [h for h, hit in present.items() if hit]
+            # Sizes (and token ids) are checked here, outside the write transaction.
+            new = [(meta, view, record_size(meta, view.nbytes))
+                   for (meta, view), hit in zip(items.values(), present.values()) if not hit]
+            if not new:  # all stored already (another writer may have stored them)
+                self.touch(touched)
+                return [True] * len(metas), 0
+            stored, num_written = self._put_new(new, touched, frozenset(items))
+            if stored is None:  # pruned or split on the way: ask afterwards
+                return self._contains_now(block_hashes), num_written
+            return [h in stored for h in block_hashes], num_written
         except DiskFilesGone:
-            return [False] * len(metas)
+            return [False] * len(metas), 0
 
-    def _put_items(self, items: dict[BlockHash, tuple[BlockMeta, memoryview]],
-                   block_hashes: list[BlockHash]) -> list[bool]:
-        present = self._keys.contains(list(items))
-        if self.readonly:
-            self._count(refused=len(items) - sum(present))
-            return self._keys.contains(block_hashes)
-        # Sizes (and token ids) are checked here, outside the write transaction.
-        new = [(meta, view, record_size(meta, view.nbytes))
-               for (meta, view), hit in zip(items.values(), present) if not hit]
-        touched = [h for h, hit in zip(items, present) if hit]
-        if new:
-            self._put_new(new, touched, frozenset(items))
-        else:  # all present (another writer may have stored them meanwhile)
-            self.touch(touched)
-        # Asked afterwards: another process may have stored or pruned some meanwhile.
-        return self._keys.contains(block_hashes)
+    def _assemble(self, meta: BlockMeta, view: memoryview, size: int) -> memoryview:
+        """The record in a per-thread scratch buffer, which LMDB copies on put.
 
-    def write_job(self, metas: Sequence[BlockMeta],
-                  payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
-        """`LowerTier.write_job`, writing only the blocks not stored yet, in one write
-        transaction, and counting only their bytes as moved. Runs on an I/O thread, so it
-        asks the index directly rather than through the lookup deadline."""
-        stored: list[bool] = []
+        Assembled inside the write transaction, right before its put: the payload is
+        checksummed while it is copied into the scratch (one pass over it), and LMDB's copy
+        then reads the scratch while it is still in cache. Assembling a batch's records
+        before the transaction (so that they overlap another batch's commit) took a scratch
+        the batch's size and measured slower on a real disk: each commit took longer
+        (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
+        """
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None or len(scratch) < size:
+            scratch = self._scratch.buffer = bytearray(size)
+        return assemble_record(meta, self.layout, view, scratch)
 
-        def run() -> int:
-            block_hashes = [meta.block_hash for meta in metas]
-            before = self._contains_now(block_hashes)
-            new = [i for i, present in enumerate(before) if not present]
-            if new:
-                self.put([metas[i] for i in new], [payloads[i] for i in new])
-            stored.extend(self._contains_now(block_hashes) if new else before)
-            return sum(stored[i] for i in new) * self.layout.bytes_per_block
-
-        return IOJob(self.writes, run), stored
-
-    def _put_new(self, new: list[tuple[BlockMeta, memoryview, int]],
-                 touched: list[BlockHash], keep: frozenset[BlockHash]) -> int:
-        """Write records of `new` (meta, payload, record size) and touch `touched`; how many
-        new ones were stored. Blocks in `keep` (the caller's whole batch) are never pruned
-        to make room.
+    def _put_new(self, records: list[tuple[BlockMeta, memoryview, int]],
+                 touched: list[BlockHash], keep: frozenset[BlockHash]
+                 ) -> tuple[set[BlockHash] | None, int]:
+        """Write the records of `records` (meta, payload, record size) and touch `touched`:
+        the hashes of both that are stored at the commit (None when the batch had to be
+        split: ask afterwards), and how many records were written. Blocks in `keep` (the
+        caller's whole batch) are never pruned to make room.
 
         A full map is grown up to its limit; past it, or when the disk refuses the commit
         (the commit is then rolled back, committed blocks are untouched), least-recently-used
         blocks are pruned in commits of their own and the write retried. A batch that still
         fails is split in halves; a single block that still fails is refused.
         """
-        need = sum(size for _, _, size in new)
+        need = sum(size for _, _, size in records)
         self._map.grow(need)
         pressure = 0
         while pressure < 3 * need:
             map_size = self._map.map_size
             try:
-                return self._write_batch(new, touched, keep, pressure)
+                return self._write_batch(records, touched, keep, pressure)
             except lmdb.MapFullError:
                 if self._map.grow(need, full=True, failed_at=map_size):
                     continue
@@ -484,54 +502,49 @@ class DiskTier(LowerTier):
             pressure += need
             if not self._prune_committed(need, keep):
                 break
-        if len(new) > 1:
-            half = len(new) // 2
-            return (self._put_new(new[:half], touched, keep)
-                    + self._put_new(new[half:], [], keep))
+        if len(records) > 1:
+            half = len(records) // 2
+            return None, (self._put_new(records[:half], touched, keep)[1]
+                          + self._put_new(records[half:], [], keep)[1])
         logger.warning("disk cache %s: no room for a block (map or disk full); refused it",
                        self.path)
-        self._count(refused=len(new))
-        return 0
+        self._count(refused=len(records))
+        return None, 0
 
-    def _write_batch(self, new: list[tuple[BlockMeta, memoryview, int]],
+    def _write_batch(self, records: list[tuple[BlockMeta, memoryview, int]],
                      touched: list[BlockHash], keep: frozenset[BlockHash],
-                     pressure: int) -> int:
+                     pressure: int) -> tuple[set[BlockHash], int]:
+        """One write transaction of `_put_new`: its hashes stored at the commit, and how
+        many records it wrote."""
         with self._keys.write() as (txn, changes):
             if self._write_hook is not None:
-                self._write_hook([meta for meta, _, _ in new])
+                self._write_hook([meta for meta, _, _ in records])
             # Earlier reads first, then this batch: the batch is the most recent use.
-            touch_in(self._index, txn, self._touches.take() + touched)
-            absent = [item for item in new if not self._index.has(txn, item[0].block_hash)]
+            uses = self._touches.take() + touched
+            alive = [h for h, ok in zip(uses, self._index.has_many(txn, uses)) if ok]
+            self._index.touch(txn, alive)
+            stored = set(alive).intersection(touched)
+            found = self._index.has_many(txn, [meta.block_hash for meta, _, _ in records])
+            stored.update(meta.block_hash for (meta, _, _), hit in zip(records, found) if hit)
+            absent = [item for item, hit in zip(records, found) if not hit]
             need = sum(size for _, _, size in absent)
             limit = max(0, self.budget_bytes - pressure)
             over = self._index.counter(txn, "bytes_used") + need - limit
             num_pruned = self._index.evict(txn, over, keep, changes)[0] if over > 0 else 0
             room = limit - self._index.counter(txn, "bytes_used")
-            num_stored = 0
+            fitting = []
             for meta, view, size in absent:
-                if size > room:
-                    continue
-                self._index.insert(txn, meta.block_hash, self._assemble(meta, view, size),
-                                   changes)
-                room -= size
-                num_stored += 1
+                if size <= room:
+                    fitting.append((meta, view, size))
+                    room -= size
+            # Each record built right before its put, in the one scratch LMDB copies from.
+            added = self._index.insert_many(
+                txn, ((meta.block_hash, self._assemble(meta, view, size))
+                      for meta, view, size in fitting), changes)
+            stored.update(meta.block_hash for (meta, _, _), ok in zip(fitting, added) if ok)
+        num_stored = sum(added)
         self._count(puts=num_stored, pruned=num_pruned, refused=len(absent) - num_stored)
-        return num_stored + len(new) - len(absent)
-
-    def _assemble(self, meta: BlockMeta, view: memoryview, size: int) -> memoryview:
-        """The record in a per-thread scratch buffer, which LMDB copies on put.
-
-        Assembled inside the write transaction, right before its put: the payload is
-        checksummed while it is copied into the scratch (one pass over it), and LMDB's copy
-        then reads the scratch while it is still in cache. Assembling every record before
-        the transaction would take a scratch per record (the batch's size again) and
-        measured slower, the scratches having left the cache; inside, the transaction is
-        held only a little longer than for the plain copy it needs anyway.
-        """
-        scratch = getattr(self._scratch, "buffer", None)
-        if scratch is None or len(scratch) < size:
-            scratch = self._scratch.buffer = bytearray(size)
-        return assemble_record(meta, self.layout, view, scratch)
+        return stored, num_stored
 
     def _prune_committed(self, num_bytes: int, keep: frozenset[BlockHash]) -> bool:
         """Prune in a commit of its own; False if nothing could be pruned or written."""
@@ -581,3 +594,47 @@ class DiskTier(LowerTier):
             for name, delta in deltas.items():
                 self._counts[name] += delta
 
+
+
+_TIMED_OUT = object()
+
+
+class _BoundedCalls:
+    """Calls on a thread of their own, each waited for at most a deadline. A call past its
+    deadline stalls the thread: until it returns, later calls are not started (they get no
+    answer at once), so a frozen disk holds one thread, not one per call."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self._stalled: Future | None = None  # a call past its deadline, until it returns
+
+    @property
+    def stalled(self) -> bool:
+        """Whether a call past its deadline has not returned yet."""
+        stalled = self._stalled
+        return stalled is not None and not stalled.done()
+
+    def call(self, deadline_s: float, fn: Callable, *args: object) -> tuple[bool | None, Any]:
+        """(True, `fn(*args)`) when it returned within `deadline_s`; (False, `_TIMED_OUT`)
+        when it did not (the thread is stalled from now on), (False, None) while an earlier
+        call is still stalled, and (None, None) once shut down."""
+        with self._lock:
+            if self._stalled is not None:
+                if not self._stalled.done():
+                    return False, None
+                self._stalled = None
+        try:
+            future = self._executor.submit(fn, *args)
+        except RuntimeError:  # shut down: the tier is closing
+            return None, None
+        try:
+            return True, future.result(timeout=deadline_s)
+        except FutureTimeout:
+            with self._lock:
+                self._stalled = future
+            return False, _TIMED_OUT
+
+    def shutdown(self) -> None:
+        """Start no more calls; a call under way is not waited for."""
+        self._executor.shutdown(wait=False)
