@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import json
 import logging
 import time
@@ -46,6 +45,7 @@ from kvtier.cli.server.protocol import (
     ServerLimits,
     TokenizeRequest,
     chat_messages,
+    check_api_key,
     check_prompt_text,
     parse_body,
 )
@@ -305,12 +305,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     app.add_middleware(_Guard, limits=server.limits, metrics=server.metrics)
 
     def authorize(request: Request) -> None:
-        if server.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
-            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer "
-                           "<key>'", type_="authentication_error", code="invalid_api_key")
+        check_api_key(request.headers.get("authorization", ""), server.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

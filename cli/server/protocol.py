@@ -12,6 +12,7 @@ penalties, seed, stop, stop_token_ids, ignore_eos, max_tokens), `n`, `logprobs` 
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,6 +65,16 @@ class ServerLimits:
             if getattr(self, name) < 1:
                 raise ValueError(f"the server limit {name} must be at least 1, got "
                                  f"{getattr(self, name)}")
+
+
+def check_api_key(authorization: str, api_key: str | None) -> None:
+    """Raise a 401 APIError unless `authorization` (the request's Authorization header) is
+    "Bearer <api_key>"; nothing when no key is set. Compared in constant time."""
+    if api_key is None:
+        return
+    if not hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer "
+                       "<key>'", type_="authentication_error", code="invalid_api_key")
 
 
 def limit_error(name: str, limit: int, what: str, param: str | None = None) -> APIError:

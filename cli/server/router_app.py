@@ -22,7 +22,6 @@ counts requests, retries, fallbacks and the handoffs' bytes and seconds.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -35,7 +34,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.cli.server.app import _Guard, _sse, _wait_for_disconnect
 from kvtier.cli.server.instances import Instance, InstancePool
-from kvtier.cli.server.protocol import APIError, ServerLimits
+from kvtier.cli.server.protocol import APIError, ServerLimits, check_api_key
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -335,12 +334,7 @@ def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]]
     app.router.add_event_handler("shutdown", client.aclose)
 
     def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key; send 'Authorization: Bearer "
-                           "<key>'", type_="authentication_error", code="invalid_api_key")
+        check_api_key(request.headers.get("authorization", ""), api_key)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
