@@ -59,6 +59,10 @@ class _Reservation:
     channel: ReceiveChannel
     metas: list[BlockMeta]
     deadline: float
+    #: Blocks the request can take from the pool: never the one holding its last token
+    #: (the engine computes at least one token), so a prompt of whole blocks leaves its
+    #: last block to the handoff's hold alone.
+    num_usable: int
     #: The GPU blocks held for the request, by block index.
     held: dict[int, KVCacheBlock] = field(default_factory=dict)
     done: bool = False
@@ -128,7 +132,8 @@ class HandoffReceiver:
             raise
         with self._lock:
             self._reservations[handoff_id] = _Reservation(
-                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s, kept)
+                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s,
+                (len(ids) - 1) // self.block_size, kept)
         return {"handoff_id": handoff_id, "held": held, "offer": channel.offer(),
                 "timeout_s": self.timeout_s}
 
@@ -221,7 +226,8 @@ class HandoffReceiver:
         with self._lock:
             due = [r for r in self._reservations.values()
                    if not r.busy and (now >= r.deadline or r.done)]
-            held = [_in_order(r.held) for r in due]
+            held = [_in_order({i: b for i, b in r.held.items() if i < r.num_usable})
+                    for r in due]
         if not due:
             return
         claimed = self.on_engine(lambda: [self.placement.claimed(blocks) for blocks in held])
