@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 from fastapi import Depends, FastAPI, Request
 from kvtier.cli.server.protocol import (
     APIError,
@@ -79,6 +80,9 @@ class HandoffService:
                 PoolPlacement(llm.manager), self._on_engine, namespace, self.block_size,
                 llm.config.hash_algorithm, self.transports, config.timeout_s, config.hold_s,
                 self.counters)
+        #: The prefill side's one HTTP client to decode instances: its connections (one
+        #: pool per decode instance) are kept from one handoff to the next.
+        self._http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=32))
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if self.receiver is not None:
@@ -128,6 +132,7 @@ class HandoffService:
                 log.debug("closing the handoff receiver failed", exc_info=True)
         for transport in self.transports.values():
             transport.close()
+        self._http.close()
 
     # ---- the prefill endpoint ------------------------------------------------------------
 
@@ -149,7 +154,7 @@ class HandoffService:
             messages = body.chat_messages(server.limits)
             prompt_ids = await server.tokenizing(lambda: server.chat_prompt(messages))
         began = time.monotonic()
-        control = HttpControl(decode_url, timeout_s, self.api_key)
+        control = HttpControl(decode_url, timeout_s, self.api_key, client=self._http)
         name = wanted or "none"
         try:
             info = await _control(control.info)
