@@ -153,17 +153,20 @@ class HandoffService:
         else:
             messages = body.chat_messages(server.limits)
             prompt_ids = await server.tokenizing(lambda: server.chat_prompt(messages))
-        began = time.monotonic()
         control = HttpControl(decode_url, timeout_s, self.api_key, client=self._http)
-        name = wanted or "none"
+        engine = self.engine
+
+        def release(blocks: list) -> None:
+            if blocks:
+                engine.post(lambda llm: llm.manager.free(blocks))
+
+        handoff = PrefillHandoff(control, engine.llm.manager.kv_cache, release, self.counters,
+                                 timeout_s)
         try:
-            info = await _control(control.info)
-            name = self._choose(wanted, info)
-            reservation = await _control(control.reserve, prompt_ids, body.cache_salt, name)
-            result, prefill_s = await self._run(control, self.transports[name], reservation,
-                                                prompt_ids, body.cache_salt,
-                                                timeout_s - (time.monotonic() - began))
+            result, prefill_s = await self._run(handoff, control, wanted, prompt_ids,
+                                                body.cache_salt, timeout_s)
         except HandoffFailed as exc:
+            name = handoff.transport.name if handoff.transport is not None else wanted or "none"
             self.counters.add_handoff("prefill", name,
                                       "timeout" if exc.status == 504 else "failed")
             raise APIError(exc.status, str(exc), type_="handoff_error",
@@ -171,6 +174,7 @@ class HandoffService:
                            ) from None
         finally:
             control.close()
+        name = result.transport
         self.counters.add_handoff("prefill", name, "ok")
         return {"handoff_id": result.handoff_id, "transport": name,
                 "prompt_tokens": len(prompt_ids), "blocks_total": result.blocks_total,
@@ -201,56 +205,68 @@ class HandoffService:
                            code="transport_unavailable")
         return common[0]
 
-    async def _run(self, control: HttpControl, transport: HandoffTransport, reservation: Any,
+    async def _reserve(self, control: HttpControl, wanted: str | None,
+                       prompt_ids: list[int], cache_salt: str | None
+                       ) -> tuple[HandoffTransport, Any]:
+        """The decode instance's info, the transport chosen and its reservation."""
+        info = await _control(control.info)
+        name = self._choose(wanted, info)
+        reservation = await _control(control.reserve, prompt_ids, cache_salt, name)
+        return self.transports[name], reservation
+
+    async def _run(self, handoff: PrefillHandoff, control: HttpControl, wanted: str | None,
                    prompt_ids: list[int], cache_salt: str | None,
                    timeout_s: float) -> tuple[Any, float]:
-        """Prefill `prompt_ids` with the handoff tapping its blocks; (result, prefill_s)."""
+        """Prefill `prompt_ids` with `handoff` tapping its blocks; (result, prefill_s). The
+        prefill starts first and the reservation is made while it computes (its first
+        blocks wait in the handoff's queue meanwhile): the two control round trips to the
+        decode instance are off the request's path whenever the prefill takes longer."""
         engine = self.engine
-
-        def release(blocks: list) -> None:
-            if blocks:
-                engine.post(lambda llm: llm.manager.free(blocks))
-
-        try:
-            handoff = PrefillHandoff(control, transport, reservation,
-                                     engine.llm.manager.kv_cache, release, self.counters,
-                                     timeout_s)
-        except (KeyError, TypeError, ValueError, TransportError) as exc:
-            control.abort(str(reservation.get("handoff_id", "")))
-            raise HandoffFailed(f"cannot use the decode instance's reservation: {exc}") \
-                from exc
-        pump = asyncio.ensure_future(asyncio.to_thread(handoff.pump))
         began = time.monotonic()
         stream = None
+        pump: asyncio.Future | None = None
         try:
-            stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=1),
-                                         request_id=f"handoff-{uuid.uuid4().hex}",
-                                         cache_salt=cache_salt, block_tap=handoff.tap)
+            try:
+                stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=1),
+                                             request_id=f"handoff-{uuid.uuid4().hex}",
+                                             cache_salt=cache_salt, block_tap=handoff.tap)
+            except (EngineFullError, EngineClosedError) as exc:
+                raise APIError(503, str(exc), type_="server_unavailable") from None
+            except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
+                raise APIError(400, str(exc), param="prompt") from None
+            transport, reservation = await self._reserve(control, wanted, prompt_ids,
+                                                         cache_salt)
+            try:
+                handoff.start(transport, reservation)
+            except (KeyError, TypeError, ValueError, TransportError) as exc:
+                if isinstance(reservation, dict):
+                    await asyncio.to_thread(control.abort,
+                                            str(reservation.get("handoff_id", "")))
+                raise HandoffFailed(f"cannot use the decode instance's reservation: "
+                                    f"{exc}") from exc
+            pump = asyncio.ensure_future(asyncio.to_thread(handoff.pump))
 
             async def drain() -> None:
                 async for _ in stream:
                     pass
 
-            await asyncio.wait_for(drain(), timeout_s)
+            await asyncio.wait_for(drain(), max(0.0, timeout_s - (time.monotonic() - began)))
         except asyncio.TimeoutError:
-            handoff.cancel()
-        except (EngineFullError, EngineClosedError) as exc:
-            handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            raise APIError(503, str(exc), type_="server_unavailable") from None
-        except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
-            handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            raise APIError(400, str(exc), param="prompt") from None
+            handoff.cancel()  # the pump fails with a 504
+            if pump is None:
+                raise HandoffFailed("the handoff ran out of time", 504) from None
         except BaseException:
             handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            if pump is not None:
+                await asyncio.gather(pump, return_exceptions=True)
             raise
         else:
             handoff.prompt_done()
         finally:
             if stream is not None:
                 stream.abort()
+            if pump is None:
+                handoff.discard()
         prefill_s = time.monotonic() - began
         return await pump, prefill_s
 
