@@ -255,6 +255,19 @@ def test_an_unreachable_decode_instance_is_a_502(pair: Pair) -> None:
     response = _hand_over(gone, _prompt(6, 40), None)
     assert response.status_code == 502, response.text
     assert "cannot reach the decode instance" in response.json()["error"]["message"]
+    # The prefill had started (the reservation is made while it computes): every block it
+    # tapped for the handoff is given back.
+    deadline = time.monotonic() + 10
+    while (used := _gpu_blocks_used(pair.prefill)) != 0:
+        assert time.monotonic() < deadline, f"{used} prefill blocks still referenced"
+        time.sleep(0.1)
     bad = httpx.post(f"{pair.prefill.url}/v1/handoff/prefill", json={
         "endpoint": "/v1/embeddings", "request": {}, "decode": pair.decode.url})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
+
+
+def _gpu_blocks_used(instance: Instance) -> float:
+    for line in httpx.get(f"{instance.url}/metrics").text.splitlines():
+        if line.startswith('kvtier_gpu_blocks{state="used"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no kvtier_gpu_blocks in /metrics")
