@@ -208,11 +208,13 @@ class HandoffService:
     async def _reserve(self, control: HttpControl, wanted: str | None,
                        prompt_ids: list[int], cache_salt: str | None
                        ) -> tuple[HandoffTransport, Any]:
-        """The decode instance's info, the transport chosen and its reservation."""
-        info = await _control(control.info)
-        name = self._choose(wanted, info)
-        reservation = await _control(control.reserve, prompt_ids, cache_salt, name)
-        return self.transports[name], reservation
+        """The decode instance's info, the transport chosen and its reservation (both
+        calls on one worker thread: one hop off the event loop, not two)."""
+        def reserve() -> tuple[HandoffTransport, Any]:
+            name = self._choose(wanted, control.info())
+            return self.transports[name], control.reserve(prompt_ids, cache_salt, name)
+
+        return await _control(reserve)
 
     async def _run(self, handoff: PrefillHandoff, control: HttpControl, wanted: str | None,
                    prompt_ids: list[int], cache_salt: str | None,
