@@ -24,8 +24,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -50,6 +50,7 @@ from kvtier.handoff.stats import HandoffCounters
 from kvtier.hashing import namespace_hash
 
 log = logging.getLogger("kvtier.serve")
+T = TypeVar("T")
 
 #: Seconds between two sweeps of expired reservations and claimed holds.
 _SWEEP_S = 0.2
@@ -246,7 +247,7 @@ class HandoffService:
                                             str(reservation.get("handoff_id", "")))
                 raise HandoffFailed(f"cannot use the decode instance's reservation: "
                                     f"{exc}") from exc
-            pump = asyncio.ensure_future(asyncio.to_thread(handoff.pump))
+            pump = _on_own_thread(handoff.pump, "kvtier-handoff-pump")
 
             async def drain() -> None:
                 async for _ in stream:
@@ -326,6 +327,36 @@ class HandoffService:
         except UnknownHandoff:
             pass
         return {}
+
+
+def _on_own_thread(fn: Callable[[], T], name: str) -> asyncio.Future:
+    """A future of `fn()` run on a thread of its own. For work that blocks as long as a
+    handoff lasts (the pump): on the default executor (cores + 4 threads) a few of those
+    would leave the short calls (control, JSON, tokenizing) of every other request queued
+    behind them."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as error:  # noqa: BLE001 (handed to the awaiting caller)
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody awaits it any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 async def _control(fn: Any, *args: Any) -> Any:
