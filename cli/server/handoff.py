@@ -220,13 +220,15 @@ class HandoffService:
     async def _run(self, handoff: PrefillHandoff, control: HttpControl, wanted: str | None,
                    prompt_ids: list[int], cache_salt: str | None,
                    timeout_s: float) -> tuple[Any, float]:
-        """Prefill `prompt_ids` with `handoff` tapping its blocks; (result, prefill_s). The
-        prefill starts first and the reservation is made while it computes (its first
-        blocks wait in the handoff's queue meanwhile): the two control round trips to the
-        decode instance are off the request's path whenever the prefill takes longer."""
+        """Prefill `prompt_ids` with `handoff` tapping its blocks; (result, prefill_s: from
+        the engine's start to the prompt's end). The prefill starts first and the
+        reservation is made while it computes (its first blocks wait in the handoff's queue
+        meanwhile): the two control round trips to the decode instance are off the
+        request's path whenever the prefill takes longer."""
         engine = self.engine
         began = time.monotonic()
         stream = None
+        prefill: asyncio.Future | None = None
         pump: asyncio.Future | None = None
         try:
             try:
@@ -237,6 +239,14 @@ class HandoffService:
                 raise APIError(503, str(exc), type_="server_unavailable") from None
             except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
                 raise APIError(400, str(exc), param="prompt") from None
+
+            async def drain(stream: Any) -> float:
+                async for _ in stream:
+                    pass
+                handoff.prompt_done()
+                return time.monotonic()
+
+            prefill = asyncio.ensure_future(drain(stream))
             transport, reservation = await self._reserve(control, wanted, prompt_ids,
                                                          cache_salt)
             try:
@@ -248,30 +258,26 @@ class HandoffService:
                 raise HandoffFailed(f"cannot use the decode instance's reservation: "
                                     f"{exc}") from exc
             pump = _on_own_thread(handoff.pump, "kvtier-handoff-pump")
-
-            async def drain() -> None:
-                async for _ in stream:
-                    pass
-
-            await asyncio.wait_for(drain(), max(0.0, timeout_s - (time.monotonic() - began)))
+            ended = await asyncio.wait_for(
+                prefill, max(0.0, timeout_s - (time.monotonic() - began)))
         except asyncio.TimeoutError:
             handoff.cancel()  # the pump fails with a 504
             if pump is None:
                 raise HandoffFailed("the handoff ran out of time", 504) from None
+            ended = time.monotonic()
         except BaseException:
             handoff.cancel()
-            if pump is not None:
-                await asyncio.gather(pump, return_exceptions=True)
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+            await asyncio.gather(*(f for f in (prefill, pump) if f is not None),
+                                 return_exceptions=True)
             raise
-        else:
-            handoff.prompt_done()
         finally:
             if stream is not None:
                 stream.abort()
             if pump is None:
                 handoff.discard()
-        prefill_s = time.monotonic() - began
-        return await pump, prefill_s
+        return await pump, ended - began
 
     # ---- the decode side's internal endpoints --------------------------------------------
 
