@@ -37,6 +37,7 @@ from kvtier.cli.server.protocol import (
 )
 from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError
 from kvtier.engine.sampler import SamplingParams
+from kvtier.engine.scheduler import BlockTap
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -103,6 +104,21 @@ class HandoffService:
                 return
             except Exception:  # noqa: BLE001 (logged; the next sweep tries again)
                 log.exception("the handoff sweep failed")
+
+    def request_tap(self) -> BlockTap | None:
+        """The block tap of a request this instance is about to run (None: no handoff
+        waits for its request): it tells the receiver which blocks the request took, so
+        that a handoff's holds go back as soon as their request has its own references,
+        however short it is (the sweep's own check sees only requests that outlive it)."""
+        receiver, engine = self.receiver, self.engine
+        if receiver is None or not receiver.num_awaited:
+            return None
+
+        def tap(first_index: int, metas: list, blocks: list) -> None:
+            receiver.taken([meta.block_hash for meta in metas])
+            engine.post(lambda llm: llm.manager.free(blocks))  # the tap's own references
+
+        return tap
 
     def transport_names(self) -> list[str]:
         """What this instance can send or receive over now, fastest first."""

@@ -190,6 +190,23 @@ def test_each_transport_hands_the_prompt_over(pair: Pair, colocated: LLM,
     assert pair.decode.metrics()[sample] >= 1
 
 
+def test_a_handoffs_holds_go_back_once_its_short_request_took_the_blocks(
+        pair: Pair) -> None:
+    transport = "mooncake" if "mooncake" in pair.transports else pair.transports[0]
+    used_before = _gpu_blocks_used(pair.decode)  # other tests' holds may still be there
+    prompt = _prompt(9, 64)  # 4 whole blocks: the request takes blocks 0-2, computes 3
+    assert _hand_over(pair, prompt, transport).status_code == 200
+    # One token: the request starts and ends in one engine step, never seen by a sweep.
+    answer = httpx.post(f"{pair.decode.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        timeout=120).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 16
+    deadline = time.monotonic() + 10  # far below --handoff-hold (60 s)
+    while (used := _gpu_blocks_used(pair.decode)) > used_before:
+        assert time.monotonic() < deadline, f"{used - used_before} blocks still held"
+        time.sleep(0.1)
+
+
 def test_a_later_turn_sends_only_its_new_blocks(pair: Pair, colocated: LLM) -> None:
     transport = "mooncake" if "mooncake" in pair.transports else pair.transports[0]
     first = _prompt(3, 70)

@@ -170,6 +170,36 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
         while decode.has_unfinished():
             decode.step()
         assert pool.num_free_blocks == decode.num_gpu_blocks
+
+        # A request that comes and ends between two sweeps is not seen holding the blocks;
+        # a block tap on it (what the server gives every request while a handoff waits)
+        # tells the receiver which blocks it took.
+        reservation = control.reserve(prompt, "another turn", "mooncake")
+        assert receiver.num_awaited == 1
+        salted = _namespace(prefill, "another turn")
+        prefill.add_request(prompt, SamplingParams(max_tokens=1), cache_salt="another turn")
+        while prefill.has_unfinished():
+            prefill.step()
+        hashes = hash_blocks(salted, prompt, 16, prefill.config.hash_algorithm)
+        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        metas = metas_for(salted, hashes, prompt, 16)
+        channel = sending.open_send(reservation["offer"])
+        entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(6)])
+        control.commit(reservation["handoff_id"], "mooncake", entries, last=True)
+        channel.close()
+
+        def tap(first, tapped_metas, blocks) -> None:
+            receiver.taken([meta.block_hash for meta in tapped_metas])
+            decode.manager.free(blocks)
+
+        decode.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="another turn",
+                           block_tap=tap)
+        assert pool.num_free_blocks == decode.num_gpu_blocks - 6  # the handoff's holds
+        while decode.has_unfinished():
+            decode.step()  # blocks 0-4 come from the handoff, the last token is computed
+        receiver.sweep()
+        assert receiver.num_reservations == 0 and receiver.num_awaited == 0
+        assert pool.num_free_blocks == decode.num_gpu_blocks
         pool.check_invariants()
         sending.close()
         receiving.close()
