@@ -58,6 +58,7 @@ from kvtier.engine.async_llm import (
     RequestStream,
 )
 from kvtier.engine.llm import LLM
+from kvtier.engine.scheduler import BlockTap
 from kvtier.engine.streaming import RequestDelta
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -105,6 +106,8 @@ class _Server:
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kvtier-tokenize")
         self.card = ModelCard(model_name, llm.max_model_len, llm.model_config.vocab_size,
                               llm.config.block_size, int(time.time()))
+        #: The block tap of a request about to be submitted (the handoff's receiver).
+        self.request_tap: Callable[[], BlockTap | None] = lambda: None
 
     async def tokenizing(self, fn: Callable[[], T]) -> T:
         """Run `fn` (tokenizer work) on the tokenizer's thread."""
@@ -182,7 +185,8 @@ class _Server:
         params = body.sampling_params(default_max_tokens=self.card.max_model_len)
         try:
             return await self.engine.submit(prompt_ids, params, request_id=request_id,
-                                            cache_salt=body.cache_salt)
+                                            cache_salt=body.cache_salt,
+                                            block_tap=self.request_tap())
         except EngineFullError as exc:
             raise APIError(503, str(exc), type_="server_busy", code="engine_full") from None
         except EngineClosedError as exc:
@@ -337,6 +341,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
     if handoff is None:
         handoff = HandoffService(engine, HandoffConfig(), api_key)
     app.state.handoff = handoff
+    server.request_tap = handoff.request_tap
     add_handoff_routes(app, server, handoff, authorize)
 
     @app.get("/health")

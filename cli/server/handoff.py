@@ -24,9 +24,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+import httpx
 from fastapi import Depends, FastAPI, Request
 from kvtier.cli.server.protocol import (
     APIError,
@@ -36,6 +37,7 @@ from kvtier.cli.server.protocol import (
 )
 from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError
 from kvtier.engine.sampler import SamplingParams
+from kvtier.engine.scheduler import BlockTap
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -49,6 +51,7 @@ from kvtier.handoff.stats import HandoffCounters
 from kvtier.hashing import namespace_hash
 
 log = logging.getLogger("kvtier.serve")
+T = TypeVar("T")
 
 #: Seconds between two sweeps of expired reservations and claimed holds.
 _SWEEP_S = 0.2
@@ -79,6 +82,9 @@ class HandoffService:
                 PoolPlacement(llm.manager), self._on_engine, namespace, self.block_size,
                 llm.config.hash_algorithm, self.transports, config.timeout_s, config.hold_s,
                 self.counters)
+        #: The prefill side's one HTTP client to decode instances: its connections (one
+        #: pool per decode instance) are kept from one handoff to the next.
+        self._http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=32))
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if self.receiver is not None:
@@ -98,6 +104,21 @@ class HandoffService:
                 return
             except Exception:  # noqa: BLE001 (logged; the next sweep tries again)
                 log.exception("the handoff sweep failed")
+
+    def request_tap(self) -> BlockTap | None:
+        """The block tap of a request this instance is about to run (None: no handoff
+        waits for its request): it tells the receiver which blocks the request took, so
+        that a handoff's holds go back as soon as their request has its own references,
+        however short it is (the sweep's own check sees only requests that outlive it)."""
+        receiver, engine = self.receiver, self.engine
+        if receiver is None or not receiver.num_awaited:
+            return None
+
+        def tap(first_index: int, metas: list, blocks: list) -> None:
+            receiver.taken([meta.block_hash for meta in metas])
+            engine.post(lambda llm: llm.manager.free(blocks))  # the tap's own references
+
+        return tap
 
     def transport_names(self) -> list[str]:
         """What this instance can send or receive over now, fastest first."""
@@ -128,6 +149,7 @@ class HandoffService:
                 log.debug("closing the handoff receiver failed", exc_info=True)
         for transport in self.transports.values():
             transport.close()
+        self._http.close()
 
     # ---- the prefill endpoint ------------------------------------------------------------
 
@@ -148,17 +170,20 @@ class HandoffService:
         else:
             messages = body.chat_messages(server.limits)
             prompt_ids = await server.tokenizing(lambda: server.chat_prompt(messages))
-        began = time.monotonic()
-        control = HttpControl(decode_url, timeout_s, self.api_key)
-        name = wanted or "none"
+        control = HttpControl(decode_url, timeout_s, self.api_key, client=self._http)
+        engine = self.engine
+
+        def release(blocks: list) -> None:
+            if blocks:
+                engine.post(lambda llm: llm.manager.free(blocks))
+
+        handoff = PrefillHandoff(control, engine.llm.manager.kv_cache, release, self.counters,
+                                 timeout_s)
         try:
-            info = await _control(control.info)
-            name = self._choose(wanted, info)
-            reservation = await _control(control.reserve, prompt_ids, body.cache_salt, name)
-            result, prefill_s = await self._run(control, self.transports[name], reservation,
-                                                prompt_ids, body.cache_salt,
-                                                timeout_s - (time.monotonic() - began))
+            result, prefill_s = await self._run(handoff, control, wanted, prompt_ids,
+                                                body.cache_salt, timeout_s)
         except HandoffFailed as exc:
+            name = handoff.transport.name if handoff.transport is not None else wanted or "none"
             self.counters.add_handoff("prefill", name,
                                       "timeout" if exc.status == 504 else "failed")
             raise APIError(exc.status, str(exc), type_="handoff_error",
@@ -166,6 +191,7 @@ class HandoffService:
                            ) from None
         finally:
             control.close()
+        name = result.transport
         self.counters.add_handoff("prefill", name, "ok")
         return {"handoff_id": result.handoff_id, "transport": name,
                 "prompt_tokens": len(prompt_ids), "blocks_total": result.blocks_total,
@@ -196,58 +222,78 @@ class HandoffService:
                            code="transport_unavailable")
         return common[0]
 
-    async def _run(self, control: HttpControl, transport: HandoffTransport, reservation: Any,
+    async def _reserve(self, control: HttpControl, wanted: str | None,
+                       prompt_ids: list[int], cache_salt: str | None
+                       ) -> tuple[HandoffTransport, Any]:
+        """The decode instance's info, the transport chosen and its reservation (both
+        calls on one worker thread: one hop off the event loop, not two)."""
+        def reserve() -> tuple[HandoffTransport, Any]:
+            name = self._choose(wanted, control.info())
+            return self.transports[name], control.reserve(prompt_ids, cache_salt, name)
+
+        return await _control(reserve)
+
+    async def _run(self, handoff: PrefillHandoff, control: HttpControl, wanted: str | None,
                    prompt_ids: list[int], cache_salt: str | None,
                    timeout_s: float) -> tuple[Any, float]:
-        """Prefill `prompt_ids` with the handoff tapping its blocks; (result, prefill_s)."""
+        """Prefill `prompt_ids` with `handoff` tapping its blocks; (result, prefill_s: from
+        the engine's start to the prompt's end). The prefill starts first and the
+        reservation is made while it computes (its first blocks wait in the handoff's queue
+        meanwhile): the two control round trips to the decode instance are off the
+        request's path whenever the prefill takes longer."""
         engine = self.engine
-
-        def release(blocks: list) -> None:
-            if blocks:
-                engine.post(lambda llm: llm.manager.free(blocks))
-
-        try:
-            handoff = PrefillHandoff(control, transport, reservation,
-                                     engine.llm.manager.kv_cache, release, self.counters,
-                                     timeout_s)
-        except (KeyError, TypeError, ValueError, TransportError) as exc:
-            control.abort(str(reservation.get("handoff_id", "")))
-            raise HandoffFailed(f"cannot use the decode instance's reservation: {exc}") \
-                from exc
-        pump = asyncio.ensure_future(asyncio.to_thread(handoff.pump))
         began = time.monotonic()
         stream = None
+        prefill: asyncio.Future | None = None
+        pump: asyncio.Future | None = None
         try:
-            stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=1),
-                                         request_id=f"handoff-{uuid.uuid4().hex}",
-                                         cache_salt=cache_salt, block_tap=handoff.tap)
+            try:
+                stream = await engine.submit(prompt_ids, SamplingParams(max_tokens=1),
+                                             request_id=f"handoff-{uuid.uuid4().hex}",
+                                             cache_salt=cache_salt, block_tap=handoff.tap)
+            except (EngineFullError, EngineClosedError) as exc:
+                raise APIError(503, str(exc), type_="server_unavailable") from None
+            except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
+                raise APIError(400, str(exc), param="prompt") from None
 
-            async def drain() -> None:
+            async def drain(stream: Any) -> float:
                 async for _ in stream:
                     pass
+                handoff.prompt_done()
+                return time.monotonic()
 
-            await asyncio.wait_for(drain(), timeout_s)
+            prefill = asyncio.ensure_future(drain(stream))
+            transport, reservation = await self._reserve(control, wanted, prompt_ids,
+                                                         cache_salt)
+            try:
+                handoff.start(transport, reservation)
+            except (KeyError, TypeError, ValueError, TransportError) as exc:
+                if isinstance(reservation, dict):
+                    await asyncio.to_thread(control.abort,
+                                            str(reservation.get("handoff_id", "")))
+                raise HandoffFailed(f"cannot use the decode instance's reservation: "
+                                    f"{exc}") from exc
+            pump = _on_own_thread(handoff.pump, "kvtier-handoff-pump")
+            ended = await asyncio.wait_for(
+                prefill, max(0.0, timeout_s - (time.monotonic() - began)))
         except asyncio.TimeoutError:
-            handoff.cancel()
-        except (EngineFullError, EngineClosedError) as exc:
-            handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            raise APIError(503, str(exc), type_="server_unavailable") from None
-        except ValueError as exc:  # a prompt this engine cannot hold (its block budget)
-            handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
-            raise APIError(400, str(exc), param="prompt") from None
+            handoff.cancel()  # the pump fails with a 504
+            if pump is None:
+                raise HandoffFailed("the handoff ran out of time", 504) from None
+            ended = time.monotonic()
         except BaseException:
             handoff.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            if prefill is not None and not prefill.done():
+                prefill.cancel()
+            await asyncio.gather(*(f for f in (prefill, pump) if f is not None),
+                                 return_exceptions=True)
             raise
-        else:
-            handoff.prompt_done()
         finally:
             if stream is not None:
                 stream.abort()
-        prefill_s = time.monotonic() - began
-        return await pump, prefill_s
+            if pump is None:
+                handoff.discard()
+        return await pump, ended - began
 
     # ---- the decode side's internal endpoints --------------------------------------------
 
@@ -303,6 +349,36 @@ class HandoffService:
         except UnknownHandoff:
             pass
         return {}
+
+
+def _on_own_thread(fn: Callable[[], T], name: str) -> asyncio.Future:
+    """A future of `fn()` run on a thread of its own. For work that blocks as long as a
+    handoff lasts (the pump): on the default executor (cores + 4 threads) a few of those
+    would leave the short calls (control, JSON, tokenizing) of every other request queued
+    behind them."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as error:  # noqa: BLE001 (handed to the awaiting caller)
+            result, exc = None, error
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody awaits it any more
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 async def _control(fn: Any, *args: Any) -> Any:

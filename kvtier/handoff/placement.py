@@ -74,9 +74,10 @@ class PoolPlacement:
 
     def claimed(self, blocks: Sequence[KVCacheBlock]) -> bool:
         """Whether the request arrived: someone besides the handoff holds the last of
-        `blocks` (in prompt order; a request takes its whole prefix at once, and only one
-        with this whole prefix shares its last block)."""
-        return bool(blocks) and blocks[-1].ref_cnt > 1
+        `blocks` (the held blocks the request can take, in prompt order; a request takes
+        its whole prefix at once, and only one with this whole prefix shares its last
+        block). With no such block there is nothing to wait for: True."""
+        return not blocks or blocks[-1].ref_cnt > 1
 
     def release(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Give back the handoff's reference on each block (they stay cached)."""

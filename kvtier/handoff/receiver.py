@@ -7,8 +7,8 @@ prompt's full blocks it already holds (those are not sent; the GPU ones are held
 on) and what the transport needs (`ReceiveChannel.offer`). Each commit names blocks whose
 records have landed: each is validated like any tier's read (`check_records`) and placed in
 the GPU pool (`PoolPlacement`), held. The last commit ends the handoff; its blocks stay held
-until the request has taken them (some held block has another reference) or `hold_s` has
-passed, then they are ordinary cached blocks.
+until the request has taken them (`taken` names the last block it can take, or a sweep
+sees it holding that block) or `hold_s` has passed, then they are ordinary cached blocks.
 
 A reservation whose next commit does not come within `timeout_s` (the prefill instance died,
 the network went) expires: what it placed stays cached (a block's hash names its whole
@@ -59,9 +59,16 @@ class _Reservation:
     channel: ReceiveChannel
     metas: list[BlockMeta]
     deadline: float
+    #: Blocks the request can take from the pool: never the one holding its last token
+    #: (the engine computes at least one token), so a prompt of whole blocks leaves its
+    #: last block to the handoff's hold alone.
+    num_usable: int
+    #: The hash of the last of those (None: none), which `taken` watches for.
+    awaited: BlockHash | None
     #: The GPU blocks held for the request, by block index.
     held: dict[int, KVCacheBlock] = field(default_factory=dict)
     done: bool = False
+    claimed: bool = False  # its request took the awaited block (`taken`)
     busy: bool = False  # a commit is under way: it is not ended meanwhile
     #: An end asked for while a commit was under way (its outcome), done once it returns.
     end_after: str | None = None
@@ -98,6 +105,8 @@ class HandoffReceiver:
         self.counters = counters if counters is not None else HandoffCounters()
         self.clock = clock
         self._reservations: dict[str, _Reservation] = {}
+        #: Reservations by the hash of the last block their request can take.
+        self._awaited: dict[BlockHash, set[str]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
 
@@ -126,9 +135,14 @@ class HandoffReceiver:
         except BaseException:
             self.on_engine(lambda: self.placement.release(list(kept.values())))
             raise
+        num_usable = (len(ids) - 1) // self.block_size
+        awaited = hashes[num_usable - 1] if num_usable else None
         with self._lock:
             self._reservations[handoff_id] = _Reservation(
-                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s, kept)
+                handoff_id, chosen, channel, metas, self.clock() + self.timeout_s,
+                num_usable, awaited, kept)
+            if awaited is not None:
+                self._awaited.setdefault(awaited, set()).add(handoff_id)
         return {"handoff_id": handoff_id, "held": held, "offer": channel.offer(),
                 "timeout_s": self.timeout_s}
 
@@ -213,6 +227,22 @@ class HandoffReceiver:
             raise UnknownHandoff(handoff_id)
         self._end(reservation, "failed")
 
+    def taken(self, block_hashes: Sequence[BlockHash]) -> None:
+        """A request now holds the blocks `block_hashes` (the server's block tap on the
+        requests it runs, see `num_awaited`): the handoffs whose last usable block is one
+        of them are claimed, and the next sweep gives their holds back. Any thread."""
+        with self._lock:
+            for block_hash in block_hashes:
+                for handoff_id in self._awaited.get(block_hash, ()):
+                    self._reservations[handoff_id].claimed = True
+
+    @property
+    def num_awaited(self) -> int:
+        """Handoffs waiting for their request to take their blocks (when 0, a request
+        needs no tap)."""
+        with self._lock:
+            return len(self._awaited)
+
     def sweep(self) -> None:
         """Expire reservations whose commit is overdue, and give back the holds of finished
         handoffs whose request arrived or whose hold ran out. Call it every few tenths of a
@@ -221,12 +251,14 @@ class HandoffReceiver:
         with self._lock:
             due = [r for r in self._reservations.values()
                    if not r.busy and (now >= r.deadline or r.done)]
-            held = [_in_order(r.held) for r in due]
+            held = [_in_order({i: b for i, b in r.held.items() if i < r.num_usable})
+                    for r in due]
         if not due:
             return
         claimed = self.on_engine(lambda: [self.placement.claimed(blocks) for blocks in held])
         for reservation, taken in zip(due, claimed):
-            if reservation.done and (taken or now >= reservation.deadline):
+            if reservation.done and (reservation.claimed or taken
+                                     or now >= reservation.deadline):
                 self._end(reservation, None)
             elif not reservation.done and now >= reservation.deadline:
                 log.warning("handoff %s expired: no commit for %.1f s; what landed stays "
@@ -262,6 +294,12 @@ class HandoffReceiver:
                 return
             if self._reservations.pop(reservation.handoff_id, None) is None:
                 return
+            waiting = self._awaited.get(reservation.awaited) \
+                if reservation.awaited is not None else None
+            if waiting is not None:
+                waiting.discard(reservation.handoff_id)
+                if not waiting:
+                    del self._awaited[reservation.awaited]
             held, reservation.held = _in_order(reservation.held), {}
         reservation.channel.close()
         if held:

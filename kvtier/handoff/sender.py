@@ -1,10 +1,13 @@
 """The prefill side of one handoff: blocks in as the engine computes them, records out.
 
 The engine gives the request's prompt blocks to `PrefillHandoff.tap` as each chunk makes
-them full (on the engine thread, each block with a reference taken for the handoff); a
-worker thread running `pump` sends them, at most a channel's `capacity` at a time, and
-commits each group to the decode instance while the engine computes the next chunk. Blocks
-the decode instance said it holds are not sent. While no block comes (the request waits
+them full (on the engine thread, each block with a reference taken for the handoff); they
+wait in a queue until the decode instance's reservation is known (`start`: it is made while
+the prefill computes), then a worker thread running `pump` sends them, at most a channel's
+`capacity` at a time, and commits each group to the decode instance while the engine
+computes the next chunk. Blocks the decode instance said it holds are not sent. The last
+group leaves as soon as every full block of the prompt has been tapped, without waiting for
+the engine to hand the request's end to its caller. While no block comes (the request waits
 its turn, a long chunk computes), an empty commit every third of the decode side's
 reservation timeout keeps the reservation alive. Every block's reference is given back
 (`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
@@ -22,7 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.free_queue import KVCacheBlock
-from kvtier.handoff.base import HandoffTransport, Json, OutgoingBlock, TransportError
+from kvtier.handoff.base import (
+    HandoffTransport,
+    Json,
+    OutgoingBlock,
+    SendChannel,
+    TransportError,
+)
 from kvtier.handoff.control import ControlError, DecodeControl
 from kvtier.handoff.stats import HandoffCounters
 from kvtier.tiers.record import BlockMeta
@@ -62,35 +71,69 @@ class HandoffResult:
 class PrefillHandoff:
     """One handoff, prefill side (see the module docstring).
 
-    control: the decode instance. transport: the one chosen. reservation: the decode's
-    answer to `reserve`. kv_cache: the engine's `[num_blocks, *block_shape]` cache the
-    blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget.
+    control: the decode instance. kv_cache: the engine's `[num_blocks, *block_shape]` cache
+    the blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget,
+    from now. The engine may tap blocks at once; they wait in a queue until `start` gives
+    the decode's reservation (made while the prefill computes) and `pump` runs.
     """
 
-    def __init__(self, control: DecodeControl, transport: HandoffTransport,
-                 reservation: Json, kv_cache: torch.Tensor, release: Release,
+    channel: SendChannel  # opened by `start`
+
+    def __init__(self, control: DecodeControl, kv_cache: torch.Tensor, release: Release,
                  counters: HandoffCounters, timeout_s: float) -> None:
         self.control = control
-        self.transport = transport
-        self.handoff_id = str(reservation["handoff_id"])
-        self.held = [bool(h) for h in reservation["held"]]
         self.kv_cache = kv_cache
         self.release = release
         self.counters = counters
         self.deadline = time.monotonic() + timeout_s
+        self.transport: HandoffTransport | None = None
+        self.handoff_id = ""
+        self.held: list[bool] = []
         #: Seconds without a commit after which an empty one keeps the reservation alive.
-        self.keepalive_s = float(reservation.get("timeout_s", 30.0)) / 3
+        self.keepalive_s = 10.0
         self._last_commit = time.monotonic()
-        self.channel = transport.open_send(reservation["offer"])
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cancelled = threading.Event()
         self._prompt_done_at: float | None = None
+        self._lock = threading.Lock()
+        self._closed = False  # taps from now on are released at once (`discard`)
+        self._num_tapped = 0  # blocks tapped so far (they come in prompt order)
+
+    def start(self, transport: HandoffTransport, reservation: Json) -> None:
+        """Take the decode's answer to `reserve` over `transport`; call it once, before
+        `pump`. Raises KeyError, TypeError or ValueError for a malformed reservation,
+        TransportError when the transport cannot open its channel."""
+        handoff_id = str(reservation["handoff_id"])
+        held = [bool(h) for h in reservation["held"]]
+        keepalive_s = float(reservation.get("timeout_s", 30.0)) / 3
+        self.channel = transport.open_send(reservation["offer"])
+        self.transport, self.handoff_id, self.held = transport, handoff_id, held
+        self.keepalive_s = keepalive_s
+        self._last_commit = time.monotonic()
 
     # ---- the engine's side ---------------------------------------------------------------
 
     def tap(self, first_index: int, metas: list[BlockMeta], blocks: list[KVCacheBlock]) -> None:
-        """`kvtier.engine.scheduler.BlockTap`: queue newly ready blocks for the worker."""
-        self._queue.put((first_index, metas, blocks))
+        """`kvtier.engine.scheduler.BlockTap`: queue newly ready blocks for the worker
+        (after `discard`, give them back at once)."""
+        with self._lock:
+            if not self._closed:
+                self._queue.put((first_index, metas, blocks))
+                return
+        self.release(blocks)
+
+    def discard(self) -> None:
+        """Take no more blocks: release those queued and any tapped from now on. `pump`
+        does it when it ends; call it where `pump` never ran (no reservation)."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _DONE:
+                self.release(item[2])
 
     def prompt_done(self) -> None:
         """The engine has finished the prompt: every block has been tapped."""
@@ -107,6 +150,7 @@ class PrefillHandoff:
     def pump(self) -> HandoffResult:
         """Send and commit blocks until the prompt is done (run on a worker thread). Raises
         HandoffFailed; every block is released either way."""
+        assert self.transport is not None, "start() comes before pump()"
         name = self.transport.name
         pending: list[tuple[int, BlockMeta, KVCacheBlock]] = []
         num_sent = num_rejected = num_bytes = 0
@@ -158,6 +202,7 @@ class PrefillHandoff:
                 raise failure
         finally:
             self.channel.close()
+            self.discard()
             if failure is not None:
                 self.control.abort(self.handoff_id)
         num_skipped = sum(self.held)
@@ -197,6 +242,7 @@ class PrefillHandoff:
                 done = True
                 continue
             first, metas, blocks = item
+            self._num_tapped = max(self._num_tapped, first + len(blocks))
             for k, (meta, block) in enumerate(zip(metas, blocks)):
                 index = first + k
                 if index < len(self.held) and self.held[index]:
@@ -205,7 +251,9 @@ class PrefillHandoff:
                     pending.append((index, meta, block))
         if skipped:
             self.release(skipped)
-        return done
+        # Every full block of the prompt is here: the last group can leave now, while the
+        # engine still samples and hands the request's end to the caller.
+        return done or 0 < len(self.held) <= self._num_tapped
 
     def _overdue(self) -> bool:
         """Whether the decode side has waited `keepalive_s` for a commit: blocks that

@@ -190,6 +190,23 @@ def test_each_transport_hands_the_prompt_over(pair: Pair, colocated: LLM,
     assert pair.decode.metrics()[sample] >= 1
 
 
+def test_a_handoffs_holds_go_back_once_its_short_request_took_the_blocks(
+        pair: Pair) -> None:
+    transport = "mooncake" if "mooncake" in pair.transports else pair.transports[0]
+    used_before = _gpu_blocks_used(pair.decode)  # other tests' holds may still be there
+    prompt = _prompt(9, 64)  # 4 whole blocks: the request takes blocks 0-2, computes 3
+    assert _hand_over(pair, prompt, transport).status_code == 200
+    # One token: the request starts and ends in one engine step, never seen by a sweep.
+    answer = httpx.post(f"{pair.decode.url}/v1/completions", json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        timeout=120).json()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * 16
+    deadline = time.monotonic() + 10  # far below --handoff-hold (60 s)
+    while (used := _gpu_blocks_used(pair.decode)) > used_before:
+        assert time.monotonic() < deadline, f"{used - used_before} blocks still held"
+        time.sleep(0.1)
+
+
 def test_a_later_turn_sends_only_its_new_blocks(pair: Pair, colocated: LLM) -> None:
     transport = "mooncake" if "mooncake" in pair.transports else pair.transports[0]
     first = _prompt(3, 70)
@@ -255,6 +272,19 @@ def test_an_unreachable_decode_instance_is_a_502(pair: Pair) -> None:
     response = _hand_over(gone, _prompt(6, 40), None)
     assert response.status_code == 502, response.text
     assert "cannot reach the decode instance" in response.json()["error"]["message"]
+    # The prefill had started (the reservation is made while it computes): every block it
+    # tapped for the handoff is given back.
+    deadline = time.monotonic() + 10
+    while (used := _gpu_blocks_used(pair.prefill)) != 0:
+        assert time.monotonic() < deadline, f"{used} prefill blocks still referenced"
+        time.sleep(0.1)
     bad = httpx.post(f"{pair.prefill.url}/v1/handoff/prefill", json={
         "endpoint": "/v1/embeddings", "request": {}, "decode": pair.decode.url})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
+
+
+def _gpu_blocks_used(instance: Instance) -> float:
+    for line in httpx.get(f"{instance.url}/metrics").text.splitlines():
+        if line.startswith('kvtier_gpu_blocks{state="used"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no kvtier_gpu_blocks in /metrics")

@@ -128,3 +128,78 @@ def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedMo
         pool.check_invariants()
         sending.close()
         receiving.close()
+
+
+@pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
+        smollm2: LoadedModel) -> None:
+    prompt = PROMPT[:96]  # 6 whole blocks: the request computes its last token, in block 5
+    now = [0.0]
+    with _engine(smollm2) as prefill, _engine(smollm2) as decode:
+        prefill.generate([prompt], SamplingParams(max_tokens=1))
+        hashes = hash_blocks(_namespace(prefill), prompt, 16, prefill.config.hash_algorithm)
+        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
+        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        metas = metas_for(_namespace(prefill), hashes, prompt, 16)
+        receiving = MooncakeTransport(decode.layout, ring=8)
+        sending = MooncakeTransport(prefill.layout, ring=8)
+        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
+                                   lambda salt: _namespace(decode, salt), 16,
+                                   decode.config.hash_algorithm, {"mooncake": receiving},
+                                   timeout_s=5.0, hold_s=60.0, clock=lambda: now[0])
+        control = LocalControl(receiver, {})
+        reservation = control.reserve(prompt, None, "mooncake")
+        channel = sending.open_send(reservation["offer"])
+        entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(6)])
+        answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=True)
+        assert answer == {"accepted": list(range(6)), "rejected": []}
+        channel.close()
+
+        # Before the request: the six blocks are held for it.
+        receiver.sweep()
+        assert receiver.num_reservations == 1
+        pool = decode.manager.pool
+        assert pool.num_free_blocks == decode.num_gpu_blocks - 6
+
+        # The request takes blocks 0-4 (block 5 holds its last token, which it computes):
+        # that is the whole prefix it can take, so the holds go back well before hold_s.
+        decode.add_request(prompt, SamplingParams(max_tokens=2), request_id="r")
+        decode.step()
+        receiver.sweep()
+        assert receiver.num_reservations == 0
+        while decode.has_unfinished():
+            decode.step()
+        assert pool.num_free_blocks == decode.num_gpu_blocks
+
+        # A request that comes and ends between two sweeps is not seen holding the blocks;
+        # a block tap on it (what the server gives every request while a handoff waits)
+        # tells the receiver which blocks it took.
+        reservation = control.reserve(prompt, "another turn", "mooncake")
+        assert receiver.num_awaited == 1
+        salted = _namespace(prefill, "another turn")
+        prefill.add_request(prompt, SamplingParams(max_tokens=1), cache_salt="another turn")
+        while prefill.has_unfinished():
+            prefill.step()
+        hashes = hash_blocks(salted, prompt, 16, prefill.config.hash_algorithm)
+        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        metas = metas_for(salted, hashes, prompt, 16)
+        channel = sending.open_send(reservation["offer"])
+        entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(6)])
+        control.commit(reservation["handoff_id"], "mooncake", entries, last=True)
+        channel.close()
+
+        def tap(first, tapped_metas, blocks) -> None:
+            receiver.taken([meta.block_hash for meta in tapped_metas])
+            decode.manager.free(blocks)
+
+        decode.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="another turn",
+                           block_tap=tap)
+        assert pool.num_free_blocks == decode.num_gpu_blocks - 6  # the handoff's holds
+        while decode.has_unfinished():
+            decode.step()  # blocks 0-4 come from the handoff, the last token is computed
+        receiver.sweep()
+        assert receiver.num_reservations == 0 and receiver.num_awaited == 0
+        assert pool.num_free_blocks == decode.num_gpu_blocks
+        pool.check_invariants()
+        sending.close()
+        receiving.close()
