@@ -27,7 +27,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -213,21 +213,26 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _collect_unless_gone(request: Request, stream: RequestStream,
-                               num_completions: int) -> Result | None:
-    """All of a request's output, or None (the request aborted) if its client left.
-    Raises the engine's errors for this request (RequestFailedError, EngineClosedError)."""
-    collect = asyncio.ensure_future(_collect(stream, num_completions))
+async def unless_gone(request: Request, work: Awaitable[T],
+                      on_gone: Callable[[], None] | None = None) -> T | None:
+    """The result of `work`, or None if the request's client left first: then `on_gone`
+    runs (e.g. aborting the engine request) and `work` is cancelled. Raises what `work`
+    raises."""
+    task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        gone = not collect.done()
+        gone = not task.done()
         if gone:
-            stream.abort()
-            collect.cancel()
-    return None if gone else collect.result()
+            if on_gone is not None:
+                on_gone()
+            task.cancel()
+    if gone:
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
 
 
 def _engine_error(exc: Exception) -> APIError:
@@ -527,7 +532,8 @@ async def _finish(server: _Server, endpoint: str, request: Request, stream: Requ
     """A non-streamed request's result, or the response that ends it early (its client
     left: 499; the server shuts down: 503; the engine failed it: 500)."""
     try:
-        result = await _collect_unless_gone(request, stream, num_completions)
+        result = await unless_gone(request, _collect(stream, num_completions),
+                                   on_gone=stream.abort)
     except (RequestFailedError, EngineClosedError) as exc:
         server.metrics.requests.labels(endpoint, "error").inc()
         raise _engine_error(exc) from None

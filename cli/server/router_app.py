@@ -25,14 +25,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from kvtier.cli.server.app import _Guard, _sse, _wait_for_disconnect
+from kvtier.cli.server.app import _Guard, _sse, unless_gone
 from kvtier.cli.server.instances import Instance, InstancePool
 from kvtier.cli.server.protocol import APIError, ServerLimits, check_api_key
 from prometheus_client import (
@@ -45,7 +45,6 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kvtier.router")
-T = TypeVar("T")
 
 #: The response header carrying the prefill instance's handoff figures (JSON) and the
 #: handoff's wall time at the router (`router_s`), or {"fallback": reason} when the decode
@@ -304,23 +303,6 @@ def _relay(status: int, body: bytes, content_type: str | None) -> Response:
     return Response(body, status_code=status, media_type=content_type or "application/json")
 
 
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
-    """The result of `work`, or None (and `work` cancelled) if the client left first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        gone = not task.done()
-        if gone:
-            task.cancel()
-    if gone:
-        await asyncio.gather(task, return_exceptions=True)
-        return None
-    return task.result()
-
-
 def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]],
                      settings: RouterSettings, api_key: str | None = None) -> FastAPI:
     """The router's FastAPI app over `pools` ({"prefill", "decode"} or {"both"}), serving
@@ -397,7 +379,7 @@ def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]]
         if router.disaggregated:
             # The handoff holds the decode instance's blocks for it: count it in flight.
             with router.decoders.holding(decode):
-                outcome = await _unless_gone(request, router.hand_off(path, body, decode))
+                outcome = await unless_gone(request, router.hand_off(path, body, decode))
             if outcome is None:
                 router.metrics.requests.labels(path, "abort").inc()
                 return Response(status_code=499)
@@ -408,7 +390,7 @@ def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]]
         extra = {HANDOFF_HEADER: json.dumps(handoff, separators=(",", ":"))} if handoff \
             else {}
         try:
-            opened = await _unless_gone(request, router.open_decode(path, content, decode))
+            opened = await unless_gone(request, router.open_decode(path, content, decode))
         except _Failure as failure:
             router.metrics.requests.labels(path, "error").inc()
             if failure.response is not None:
@@ -420,7 +402,7 @@ def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]]
         instance, response, stream = opened
         if stream is None:  # a whole answer (JSON, or an error of any status)
             try:
-                answer = await _unless_gone(request, response.aread())
+                answer = await unless_gone(request, response.aread())
             except httpx.TransportError:
                 router.metrics.requests.labels(path, "error").inc()
                 raise APIError(502, "the decode instance failed while answering; retry the "
