@@ -33,6 +33,10 @@ from kvtier.kernels import SWAP_METHODS
 from rich.console import Console
 
 _JSON_HELP = "Print the result as one JSON object instead of a table."
+_MODEL_HELP = ("Model: an alias, a Hugging Face directory, a .gguf file, or random:<name> "
+               "(e.g. random:llama3-8b).")
+_DEVICE_HELP = "auto, cpu, cuda or cuda:N."
+_DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."
 _DETERMINISTIC_HELP = ("Also run every mode with the deterministic (batch-invariant) "
                        "kernels: outputs equal to the baseline per mode, and the cost.")
 
@@ -75,12 +79,9 @@ def _with_status(message: str, run):
 
 
 def longctx(
-    model: str = typer.Option("smollm2-135m", help="Model: an alias, a Hugging Face "
-                              "directory, a .gguf file, or random:<name> (e.g. "
-                              "random:llama3-8b)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
-                              "float32, bfloat16 or float16."),
+    model: str = typer.Option("smollm2-135m", help=_MODEL_HELP),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
+    dtype: str = typer.Option("auto", help=_DTYPE_HELP),
     num_docs: int = typer.Option(4, help="Documents (the GPU budget holds one request)."),
     doc_tokens: str = typer.Option("1024", help="Tokens per document; several "
                                    "comma-separated values run a sweep on one loaded model."),
@@ -151,10 +152,9 @@ def longctx(
 
 
 def serve(
-    model: str = typer.Option("smollm2-135m", help="Model: an alias, a Hugging Face "
-                              "directory, a .gguf file, or random:<name>."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    model: str = typer.Option("smollm2-135m", help=_MODEL_HELP),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
+    dtype: str = typer.Option("auto", help=_DTYPE_HELP),
     num_conversations: int = typer.Option(8, help="Concurrent conversations (clients)."),
     num_rounds: int = typer.Option(3, help="Requests per conversation."),
     system_tokens: int = typer.Option(256, help="Tokens of the system prompt all share."),
@@ -323,12 +323,9 @@ def diskread(
 
 
 def invariance(
-    model: str = typer.Option("random:tiny-llama", help="Model: an alias, a Hugging Face "
-                              "directory, a .gguf file, or random:<name> (e.g. "
-                              "random:llama3-8b)."),
-    device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), "
-                              "float32, bfloat16 or float16."),
+    model: str = typer.Option("random:tiny-llama", help=_MODEL_HELP),
+    device: str = typer.Option("auto", help=_DEVICE_HELP),
+    dtype: str = typer.Option("auto", help=_DTYPE_HELP),
     num_prompts: int = typer.Option(64, help="Prompts, all submitted at once."),
     min_tokens: int = typer.Option(64, help="Shortest prompt, in tokens."),
     max_prompt_tokens: int = typer.Option(1024, help="Longest prompt, in tokens."),
