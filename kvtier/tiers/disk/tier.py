@@ -14,6 +14,9 @@ its own transactions; none is held across calls. Lookups are answered from this 
 copy of the stored hashes while it is current (`kvtier.tiers.disk.keys`), so a lookup reads
 one page, not the tree, even after the page cache dropped it.
 
+Write transactions are `kvtier.tiers.disk.write`'s, reads of values `kvtier.tiers.disk.read`'s;
+lookups and stats run through `kvtier.tiers.disk.bounded_calls`.
+
 Two LMDB rules shape the code: the map can only be resized while no transaction of this
 process is open (`GuardedEnv`), and values read with buffers=True are only valid inside their
 transaction (bytes are copied into the caller's tensor before it ends).
@@ -25,12 +28,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import lmdb
 import torch
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
@@ -39,21 +39,21 @@ from kvtier.layout import KVLayout
 from kvtier.stats import Tier
 from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.disk.access import PendingTouches, touch_in, write_touches
+from kvtier.tiers.disk.bounded_calls import TIMED_OUT, BoundedCalls
 from kvtier.tiers.disk.index import (
     DISK_FORMAT_VERSION,
     DataFileWatch,
     DiskFilesGone,
     GuardedEnv,
     LmdbIndex,
-    is_disk_full,
 )
 from kvtier.tiers.disk.keys import StoredKeys
 from kvtier.tiers.disk.read import RecordSource, read_records_into
+from kvtier.tiers.disk.write import RecordWriter
 from kvtier.tiers.record import (
     BlockBuffer,
     BlockMeta,
     CorruptRecord,
-    assemble_record,
     decode_record,
     dest_array,
     payload_view,
@@ -160,19 +160,19 @@ class DiskTier(LowerTier):
         self._map = GuardedEnv(self._index.env, self._map_limit, watch)
         self._page_size = self._index.env.stat()["psize"]
         self._lock = threading.Lock()
-        self._scratch = threading.local()
         self._touches = PendingTouches(touch_flush_every)
         self._read_hook = read_hook
-        self._write_hook = write_hook
         self.lookup_deadline_s = lookup_deadline_s
         # Lookups and stats each on a thread of their own: a slow stats read (a metrics
         # scrape) must not hold up the engine's lookups behind it.
-        self._lookups = _BoundedCalls("kvtier-disk-lookup")
-        self._stats_calls = _BoundedCalls("kvtier-disk-stats")
+        self._lookups = BoundedCalls("kvtier-disk-lookup")
+        self._stats_calls = BoundedCalls("kvtier-disk-stats")
         self._last_stats: tuple[int, int] = (0, 0)
         self._data_fd: int | None = None  # data.mdb for payload reads, opened on first use
         self._keys = StoredKeys(self._map, self._index, self._data_file, self._page_size,
                                 self.path)
+        self._writer = RecordWriter(self.path, layout, budget_bytes, self._map, self._index,
+                                    self._keys, self._touches, self._count, write_hook)
         self._counts = {name: 0 for name in ("hits", "misses", "rejected", "puts", "pruned",
                                               "refused")}
         self.format_reset = False
@@ -260,7 +260,7 @@ class DiskTier(LowerTier):
         except DiskFilesGone:
             return [False] * len(block_hashes)
 
-    def _bounded(self, calls: _BoundedCalls, fn: Callable, fallback: Any,
+    def _bounded(self, calls: BoundedCalls, fn: Callable, fallback: Any,
                  *args: object) -> Any:
         """`fn(*args)` on `calls`' thread, or `fallback` if the disk does not answer within
         the deadline (or still has not answered an earlier call there)."""
@@ -271,7 +271,7 @@ class DiskTier(LowerTier):
             raise ValueError(f"disk cache {self.path} is closed")
         if answered:
             return result
-        if calls is self._lookups and result is _TIMED_OUT:
+        if calls is self._lookups and result is TIMED_OUT:
             logger.warning("disk cache %s: a lookup took more than %s s; the disk tier counts "
                            "as unavailable until it returns", self.path, self.lookup_deadline_s)
         return fallback
@@ -450,117 +450,12 @@ class DiskTier(LowerTier):
             if not new:  # all stored already (another writer may have stored them)
                 self.touch(touched)
                 return [True] * len(metas), 0
-            stored, num_written = self._put_new(new, touched, frozenset(items))
+            stored, num_written = self._writer.write(new, touched, frozenset(items))
             if stored is None:  # pruned or split on the way: ask afterwards
                 return self._contains_now(block_hashes), num_written
             return [h in stored for h in block_hashes], num_written
         except DiskFilesGone:
             return [False] * len(metas), 0
-
-    def _assemble(self, meta: BlockMeta, view: memoryview, size: int) -> memoryview:
-        """The record in a per-thread scratch buffer, which LMDB copies on put.
-
-        Assembled inside the write transaction, right before its put: the payload is
-        checksummed while it is copied into the scratch (one pass over it), and LMDB's copy
-        then reads the scratch while it is still in cache. Assembling a batch's records
-        before the transaction (so that they overlap another batch's commit) took a scratch
-        the batch's size and measured slower on a real disk: each commit took longer
-        (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
-        """
-        scratch = getattr(self._scratch, "buffer", None)
-        if scratch is None or len(scratch) < size:
-            scratch = self._scratch.buffer = bytearray(size)
-        return assemble_record(meta, self.layout, view, scratch)
-
-    def _put_new(self, records: list[tuple[BlockMeta, memoryview, int]],
-                 touched: list[BlockHash], keep: frozenset[BlockHash]
-                 ) -> tuple[set[BlockHash] | None, int]:
-        """Write the records of `records` (meta, payload, record size) and touch `touched`:
-        the hashes of both that are stored at the commit (None when the batch had to be
-        split: ask afterwards), and how many records were written. Blocks in `keep` (the
-        caller's whole batch) are never pruned to make room.
-
-        A full map is grown up to its limit; past it, or when the disk refuses the commit
-        (the commit is then rolled back, committed blocks are untouched), least-recently-used
-        blocks are pruned in commits of their own and the write retried. A batch that still
-        fails is split in halves; a single block that still fails is refused.
-        """
-        need = sum(size for _, _, size in records)
-        self._map.grow(need)
-        pressure = 0
-        while pressure < 3 * need:
-            map_size = self._map.map_size
-            try:
-                return self._write_batch(records, touched, keep, pressure)
-            except lmdb.MapFullError:
-                if self._map.grow(need, full=True, failed_at=map_size):
-                    continue
-            except lmdb.Error as exc:
-                if not is_disk_full(exc):
-                    raise
-                logger.info("disk cache %s: commit failed (%s); pruning", self.path, exc)
-            pressure += need
-            if not self._prune_committed(need, keep):
-                break
-        if len(records) > 1:
-            half = len(records) // 2
-            return None, (self._put_new(records[:half], touched, keep)[1]
-                          + self._put_new(records[half:], [], keep)[1])
-        logger.warning("disk cache %s: no room for a block (map or disk full); refused it",
-                       self.path)
-        self._count(refused=len(records))
-        return None, 0
-
-    def _write_batch(self, records: list[tuple[BlockMeta, memoryview, int]],
-                     touched: list[BlockHash], keep: frozenset[BlockHash],
-                     pressure: int) -> tuple[set[BlockHash], int]:
-        """One write transaction of `_put_new`: its hashes stored at the commit, and how
-        many records it wrote."""
-        with self._keys.write() as (txn, changes):
-            if self._write_hook is not None:
-                self._write_hook([meta for meta, _, _ in records])
-            # Earlier reads first, then this batch: the batch is the most recent use.
-            uses = self._touches.take() + touched
-            alive = [h for h, ok in zip(uses, self._index.has_many(txn, uses)) if ok]
-            self._index.touch(txn, alive)
-            stored = set(alive).intersection(touched)
-            found = self._index.has_many(txn, [meta.block_hash for meta, _, _ in records])
-            stored.update(meta.block_hash for (meta, _, _), hit in zip(records, found) if hit)
-            absent = [item for item, hit in zip(records, found) if not hit]
-            need = sum(size for _, _, size in absent)
-            limit = max(0, self.budget_bytes - pressure)
-            over = self._index.counter(txn, "bytes_used") + need - limit
-            num_pruned = self._index.evict(txn, over, keep, changes)[0] if over > 0 else 0
-            room = limit - self._index.counter(txn, "bytes_used")
-            fitting = []
-            for meta, view, size in absent:
-                if size <= room:
-                    fitting.append((meta, view, size))
-                    room -= size
-            # Each record built right before its put, in the one scratch LMDB copies from.
-            added = self._index.insert_many(
-                txn, ((meta.block_hash, self._assemble(meta, view, size))
-                      for meta, view, size in fitting), changes)
-            stored.update(meta.block_hash for (meta, _, _), ok in zip(fitting, added) if ok)
-        num_stored = sum(added)
-        self._count(puts=num_stored, pruned=num_pruned, refused=len(absent) - num_stored)
-        return stored, num_stored
-
-    def _prune_committed(self, num_bytes: int, keep: frozenset[BlockHash]) -> bool:
-        """Prune in a commit of its own; False if nothing could be pruned or written."""
-        try:
-            with self._keys.write() as (txn, changes):
-                num_pruned, _ = self._index.evict(txn, num_bytes, keep, changes)
-            # LMDB reuses the pages freed by commit N from commit N + 2 on (one reader may
-            # still hold snapshot N - 1); a second small commit makes them usable right away.
-            with self._map.txn(write=True) as txn:
-                self._index.set_counter(txn, "budget_bytes", self.budget_bytes)
-        except lmdb.Error as exc:
-            if not (isinstance(exc, lmdb.MapFullError) or is_disk_full(exc)):
-                raise
-            return False
-        self._count(pruned=num_pruned)
-        return num_pruned > 0
 
     # ---- access order and deletes --------------------------------------------------------
 
@@ -593,48 +488,3 @@ class DiskTier(LowerTier):
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
-
-
-
-_TIMED_OUT = object()
-
-
-class _BoundedCalls:
-    """Calls on a thread of their own, each waited for at most a deadline. A call past its
-    deadline stalls the thread: until it returns, later calls are not started (they get no
-    answer at once), so a frozen disk holds one thread, not one per call."""
-
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
-        self._lock = threading.Lock()
-        self._stalled: Future | None = None  # a call past its deadline, until it returns
-
-    @property
-    def stalled(self) -> bool:
-        """Whether a call past its deadline has not returned yet."""
-        stalled = self._stalled
-        return stalled is not None and not stalled.done()
-
-    def call(self, deadline_s: float, fn: Callable, *args: object) -> tuple[bool | None, Any]:
-        """(True, `fn(*args)`) when it returned within `deadline_s`; (False, `_TIMED_OUT`)
-        when it did not (the thread is stalled from now on), (False, None) while an earlier
-        call is still stalled, and (None, None) once shut down."""
-        with self._lock:
-            if self._stalled is not None:
-                if not self._stalled.done():
-                    return False, None
-                self._stalled = None
-        try:
-            future = self._executor.submit(fn, *args)
-        except RuntimeError:  # shut down: the tier is closing
-            return None, None
-        try:
-            return True, future.result(timeout=deadline_s)
-        except FutureTimeout:
-            with self._lock:
-                self._stalled = future
-            return False, _TIMED_OUT
-
-    def shutdown(self) -> None:
-        """Start no more calls; a call under way is not waited for."""
-        self._executor.shutdown(wait=False)
