@@ -140,7 +140,7 @@ def test_a_closed_gate_is_probed_ever_more_rarely_and_never_for_a_short_prefix(
     hook = ReadHook()
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
-        driver.scheduler.prefill_rate.observe(1000, 1e-3)  # 32 tokens in 32 us
+        driver.scheduler.prefill_rate.observe(1000, 1e-3)  # a fast model: computing beats any read
         driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
         for prompt in (PROMPT, SECOND, THIRD):
             driver.add(prompt)
