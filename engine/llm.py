@@ -118,12 +118,11 @@ class LLM:
             self.device, self.dtype = check_loaded(loaded, device or "auto", dtype or "auto")
         else:
             self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
-            bind_thread(self.device)  # the load's warm-up kernels run on it
             backend = select_backend(self.device, block_size, cfg.attn_backend)
             if cfg.deterministic and backend in ("cudnn", "flash"):
                 backend = "triton"  # the mode attends through its own Triton kernel anyway
             loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
-        bind_thread(self.device)
+        bind_thread(self.device)  # load_model launches on the device by itself; the rest here
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
