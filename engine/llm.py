@@ -122,7 +122,7 @@ class LLM:
             if cfg.deterministic and backend in ("cudnn", "flash"):
                 backend = "triton"  # the mode attends through its own Triton kernel anyway
             loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
-        bind_thread(self.device)  # load_model launches on the device by itself; the rest here
+        bind_thread(self.device)  # what follows (cache, warm-up) launches there
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
