@@ -139,6 +139,9 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> hidden [bucket, hidden]
         self._pool = None
+        # torch.cuda.graph's default capture stream is made once per process, on the device
+        # current at the first capture: an engine on another GPU would capture there.
+        self._capture_stream = torch.cuda.Stream(device)
 
     def bucket_for(self, num_rows: int) -> int | None:
         """The smallest bucket holding `num_rows` rows; None when none does."""
@@ -178,7 +181,7 @@ class DecodeGraphs:
         self.model.forward(ids, positions, self.kv_cache, metadata)
         torch.cuda.synchronize(self.kv_cache.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
             hidden = self.model.forward(ids, positions, self.kv_cache, metadata)
         if self._pool is None:
             self._pool = graph.pool()
