@@ -4,7 +4,9 @@
 # STAGES picks stages (default: all): goodput ttft32k.
 #   goodput  colocated (one instance of role both per GPU) against disaggregated (prefill on
 #            cuda:0, decode on cuda:1) over a Poisson sweep of RATES (default 1,2,4,6,8,12)
-#            with NUM_REQUESTS (default 48) per rate, 25% 4K-token and 75% 256-token prompts
+#            with NUM_REQUESTS (default 48) per rate; the mix: LONG_FRACTION (default 0.25)
+#            of LONG_TOKENS-token prompts (default 4096), the rest SHORT_TOKENS (256),
+#            MAX_TOKENS (64) generated each
 #   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: a few 32K prompts far
 #            apart, each mode
 # TRANSPORT (default: the instances' best) is passed as --transport. SMOKE=1 shrinks every
@@ -21,9 +23,10 @@ COMMON="$MODEL --dtype bfloat16 --prefill-device cuda:0 --decode-device cuda:1"
 env_report 2>&1 | tee "$OUT_DIR/env.log"
 if stage goodput; then
     if [ "$SMOKE" = 1 ]; then ARGS="--rates 2,8 --num-requests 8 --long-tokens 1024"
-    else ARGS="--rates ${RATES:-1,2,4,6,8,12} --num-requests ${NUM_REQUESTS:-48} --long-tokens 4096"; fi
-    limit "${GOODPUT_TIMEOUT:-590}" $KV bench disagg $COMMON $ARGS --short-tokens 256 \
-        --long-fraction 0.25 --max-tokens 64 --json > "$OUT_DIR/disagg.json" \
+    else ARGS="--rates ${RATES:-1,2,4,6,8,12} --num-requests ${NUM_REQUESTS:-48} --long-tokens ${LONG_TOKENS:-4096}"; fi
+    limit "${GOODPUT_TIMEOUT:-590}" $KV bench disagg $COMMON $ARGS \
+        --short-tokens "${SHORT_TOKENS:-256}" --long-fraction "${LONG_FRACTION:-0.25}" \
+        --max-tokens "${MAX_TOKENS:-64}" --json > "$OUT_DIR/disagg.json" \
         2> "$OUT_DIR/disagg.log"
 fi
 if stage ttft32k; then

@@ -34,3 +34,15 @@ def on_device(device: torch.device) -> Iterator[None]:
         return
     with torch.cuda.device(device):
         yield
+
+
+def used_on_current_stream(tensor: torch.Tensor) -> None:
+    """`tensor`, made on another stream, has work queued on the calling thread's current
+    stream: its memory is not handed out again before that work ran (nothing off CUDA)."""
+    if tensor.device.type == "cuda":
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """`stream` as the current stream inside the block (its device's); nothing for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -315,10 +315,24 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
         **{f"{phase}_s": _summary_of([float(f[f"{phase}_s"]) for f in done
                                       if isinstance(f.get(f"{phase}_s"), (int, float))])
            for phase in ("prefill", "transfer", "wait", "router")},
+        # Where the transfer seconds went, summed over the handoffs (the prefill instance's
+        # `read` and `commit`; within `commit`, the decode instance's `receive`, `place`).
+        "phases_s": _phase_sums(done),
+        "groups": sum(int(f.get("groups", 0)) for f in done),
         "blocks_sent": sum(int(f.get("blocks_sent", 0)) for f in done),
         "blocks_skipped": sum(int(f.get("blocks_skipped", 0)) for f in done),
         "of_link": gb_s / link["gb_s"] if gb_s is not None and link else None,
     }
+
+
+def _phase_sums(figures: list[dict[str, Any]]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for figure in figures:
+        phases = figure.get("phases_s")
+        for phase, seconds in (phases.items() if isinstance(phases, dict) else ()):
+            if isinstance(seconds, (int, float)):
+                sums[phase] = sums.get(phase, 0.0) + float(seconds)
+    return sums
 
 
 def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
@@ -487,6 +501,11 @@ def print_disagg(result: dict[str, Any]) -> None:
         lines.append(("handoff", rate, f"{handoff['num_handoffs']} handoffs, "
                       f"{handoff['bytes'] / 2**20:,.1f} MiB, {handoff['num_fallbacks']} "
                       "fallbacks"))
+        phases = handoff.get("phases_s") or {}
+        if phases:
+            lines.append(("handoff seconds by part", f"{sum(phases.values()):.3f} s",
+                          ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                          + f"; {handoff.get('groups', 0)} groups"))
     if result["link"] is not None:
         link = result["link"]
         lines.append((f"link ceiling ({link['backend']})", f"{link['gb_s']:.2f} GB/s",

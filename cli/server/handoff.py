@@ -197,7 +197,8 @@ class HandoffService:
                 "prompt_tokens": len(prompt_ids), "blocks_total": result.blocks_total,
                 "blocks_sent": result.blocks_sent, "blocks_skipped": result.blocks_skipped,
                 "bytes": result.bytes, "prefill_s": prefill_s,
-                "transfer_s": result.transfer_s, "wait_s": result.wait_s}
+                "transfer_s": result.transfer_s, "wait_s": result.wait_s,
+                "phases_s": result.phases, "groups": result.num_groups}
 
     def _choose(self, wanted: str | None, info: dict[str, Any]) -> str:
         theirs = info.get("transports") if isinstance(info, dict) else None

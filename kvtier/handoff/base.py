@@ -126,6 +126,12 @@ class HandoffTransport(ABC):
         """The prefill side of a handoff whose decode side offered `offer`. Raises
         ValueError for an offer it cannot use, TransportError for a peer it cannot reach."""
 
+    def receive_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Rows for one commit's payloads: uint8 `[num_blocks, bytes_per_block]` on
+        `device`."""
+        return torch.empty((num_blocks, self.layout.bytes_per_block), dtype=torch.uint8,
+                           device=self.device)
+
     def discard(self, entries: Sequence[Json]) -> None:
         """A commit named a handoff the decode side no longer knows (expired): consume
         whatever the transport must consume so that the next handoff's bytes line up."""

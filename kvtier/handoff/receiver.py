@@ -31,8 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import torch
-
+from kvtier.cuda_device import bind_thread, used_on_current_stream
 from kvtier.free_queue import KVCacheBlock
 from kvtier.handoff.base import HandoffTransport, Json, ReceiveChannel, TransportError
 from kvtier.handoff.placement import PoolPlacement
@@ -174,14 +173,21 @@ class HandoffReceiver:
                                  f"{len(reservation.metas)} blocks")
             metas = [reservation.metas[i] for i in indexes]
             layout = reservation.transport.layout
-            dests = torch.empty((len(entries), layout.bytes_per_block), dtype=torch.uint8,
-                                device=reservation.transport.device)
+            bind_thread(reservation.transport.device)
+            began = time.monotonic()
+            dests = reservation.transport.receive_buffer(len(entries))
             received = True
             intact = reservation.channel.receive_into(entries, metas, dests) if entries else []
             good = [k for k, ok in enumerate(intact) if ok]
+            landed = time.monotonic()
             if good:
-                placed = self.on_engine(lambda: self.placement.place(
-                    [metas[k] for k in good], dests[good]))
+                def place() -> list[KVCacheBlock | None]:
+                    rows = dests if len(good) == len(entries) else dests[good]
+                    placed = self.placement.place([metas[k] for k in good], rows)
+                    used_on_current_stream(dests)  # read there, maybe after it is freed here
+                    return placed
+
+                placed = self.on_engine(place)
                 twice = []
                 with self._lock:
                     for k, block in zip(good, placed):
@@ -216,8 +222,12 @@ class HandoffReceiver:
         if last:
             reservation.channel.close()
             self.counters.add_handoff("decode", name, "ok")
+        # Where this commit's time went, for the sender's figures.
+        timings = {"receive": landed - began, "place": time.monotonic() - landed} \
+            if entries else {}
         return {"accepted": [indexes[k] for k in good],
-                "rejected": [indexes[k] for k, ok in enumerate(intact) if not ok]}
+                "rejected": [indexes[k] for k, ok in enumerate(intact) if not ok],
+                "timings": timings}
 
     def abort(self, handoff_id: str) -> None:
         """The prefill side gave the handoff up: release it now. Raises UnknownHandoff."""

@@ -12,6 +12,11 @@ its turn, a long chunk computes), an empty commit every third of the decode side
 reservation timeout keeps the reservation alive. Every block's reference is given back
 (`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
 handoff with an abort sent to the decode instance and `HandoffFailed` raised.
+
+On a GPU the worker reads blocks on a CUDA stream of its own, after an event the tap
+recorded on the engine's stream when the chunk that filled them was launched: a group then
+waits only for that chunk, not behind the later chunks the engine has queued meanwhile (on
+the engine's stream a group would wait for the whole queue to drain).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.cuda_device import bind_thread, on_stream
 from kvtier.free_queue import KVCacheBlock
 from kvtier.handoff.base import (
     HandoffTransport,
@@ -55,7 +61,9 @@ class HandoffFailed(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class HandoffResult:
     """What one handoff did; `transfer_s` is time spent sending and committing, `wait_s`
-    the time from the end of the prefill to the last commit's answer."""
+    the time from the end of the prefill to the last commit's answer, `phases` the
+    seconds of each part of the transfer (`PrefillHandoff.phases`), `num_groups` the
+    sends it took."""
 
     handoff_id: str
     transport: str
@@ -66,6 +74,8 @@ class HandoffResult:
     bytes: int
     transfer_s: float
     wait_s: float
+    phases: dict[str, float]
+    num_groups: int
 
 
 class PrefillHandoff:
@@ -75,6 +85,10 @@ class PrefillHandoff:
     the blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget,
     from now. The engine may tap blocks at once; they wait in a queue until `start` gives
     the decode's reservation (made while the prefill computes) and `pump` runs.
+    `phases` adds up where the worker's time went (seconds): `read` (waiting for the
+    blocks' chunk, gathering and moving them), `commit` (the decode instance's answer),
+    and, within that, the decode side's own `receive` (bytes and validation) and `place`
+    as its answers report them.
     """
 
     channel: SendChannel  # opened by `start`
@@ -98,6 +112,10 @@ class PrefillHandoff:
         self._lock = threading.Lock()
         self._closed = False  # taps from now on are released at once (`discard`)
         self._num_tapped = 0  # blocks tapped so far (they come in prompt order)
+        on_gpu = kv_cache.device.type == "cuda"
+        self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        self.phases: dict[str, float] = {}
+        self.num_groups = 0
 
     def start(self, transport: HandoffTransport, reservation: Json) -> None:
         """Take the decode's answer to `reserve` over `transport`; call it once, before
@@ -115,10 +133,14 @@ class PrefillHandoff:
 
     def tap(self, first_index: int, metas: list[BlockMeta], blocks: list[KVCacheBlock]) -> None:
         """`kvtier.engine.scheduler.BlockTap`: queue newly ready blocks for the worker
-        (after `discard`, give them back at once)."""
+        (after `discard`, give them back at once). Called on the engine thread right after
+        the step that fills them was launched: an event recorded on its stream now marks
+        when their bytes are there."""
         with self._lock:
             if not self._closed:
-                self._queue.put((first_index, metas, blocks))
+                filled = torch.cuda.current_stream(self.kv_cache.device).record_event() \
+                    if self._stream is not None else None
+                self._queue.put((first_index, metas, blocks, filled))
                 return
         self.release(blocks)
 
@@ -151,8 +173,9 @@ class PrefillHandoff:
         """Send and commit blocks until the prompt is done (run on a worker thread). Raises
         HandoffFailed; every block is released either way."""
         assert self.transport is not None, "start() comes before pump()"
+        bind_thread(self.kv_cache.device)
         name = self.transport.name
-        pending: list[tuple[int, BlockMeta, KVCacheBlock]] = []
+        pending: list[_Pending] = []
         num_sent = num_rejected = num_bytes = 0
         transfer_s = 0.0
         failure: HandoffFailed | None = None
@@ -169,7 +192,7 @@ class PrefillHandoff:
                 if self._cancelled.is_set() and failure is None:
                     failure = HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
                 if failure is not None:
-                    self.release([block for _, _, block in pending])
+                    self.release([item.block for item in pending])
                     pending = []
                     continue
                 while pending and (done or len(pending) >= self.channel.capacity
@@ -184,7 +207,7 @@ class PrefillHandoff:
                         failure = exc
                         break
                     finally:
-                        self.release([block for _, _, block in group])
+                        self.release([item.block for item in group])
                     transfer_s += time.monotonic() - began
                     committed_last = ended
                     num_sent += len(answer["accepted"]) + len(answer["rejected"])
@@ -198,7 +221,7 @@ class PrefillHandoff:
                         failure = exc
                     transfer_s += time.monotonic() - began
             if failure is not None:
-                self.release([block for _, _, block in pending])
+                self.release([item.block for item in pending])
                 raise failure
         finally:
             self.channel.close()
@@ -213,9 +236,10 @@ class PrefillHandoff:
         ended = time.monotonic()
         return HandoffResult(self.handoff_id, name, len(self.held), num_sent, num_skipped,
                              num_rejected, num_bytes, transfer_s,
-                             ended - (self._prompt_done_at or ended))
+                             ended - (self._prompt_done_at or ended), dict(self.phases),
+                             self.num_groups)
 
-    def _collect(self, pending: list[tuple[int, BlockMeta, KVCacheBlock]]) -> bool | None:
+    def _collect(self, pending: list[_Pending]) -> bool | None:
         """Wait for tapped blocks (until the deadline, or `keepalive_s`), then take every
         one queued; add those to send to `pending`, release the others. Returns whether
         the prompt is done, None when nothing came within `keepalive_s`."""
@@ -241,14 +265,14 @@ class PrefillHandoff:
             if item is _DONE:
                 done = True
                 continue
-            first, metas, blocks = item
+            first, metas, blocks, filled = item
             self._num_tapped = max(self._num_tapped, first + len(blocks))
             for k, (meta, block) in enumerate(zip(metas, blocks)):
                 index = first + k
                 if index < len(self.held) and self.held[index]:
                     skipped.append(block)
                 else:
-                    pending.append((index, meta, block))
+                    pending.append(_Pending(index, meta, block, filled))
         if skipped:
             self.release(skipped)
         # Every full block of the prompt is here: the last group can leave now, while the
@@ -260,19 +284,35 @@ class PrefillHandoff:
         trickle in are committed before a group is full, so the reservation stays alive."""
         return time.monotonic() - self._last_commit >= self.keepalive_s
 
-    def _send(self, group: Sequence[tuple[int, BlockMeta, KVCacheBlock]], last: bool) -> Json:
+    def _send(self, group: Sequence[_Pending], last: bool) -> Json:
         """Move `group`'s records and commit them; the decode's answer."""
         if time.monotonic() >= self.deadline:
             raise HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
         try:
             entries = []
+            began = time.monotonic()
             if group:
-                rows = _read_blocks(self.kv_cache, [block.block_id for _, _, block in group])
-                entries = self.channel.send([OutgoingBlock(index, meta, rows[k])
-                                             for k, (index, meta, _) in enumerate(group)])
+                with on_stream(self._stream):
+                    for filled in {id(i.filled): i.filled for i in group if i.filled}.values():
+                        self._stream.wait_event(filled)
+                    rows = _read_blocks(self.kv_cache, [item.block.block_id for item in group])
+                    entries = self.channel.send([OutgoingBlock(item.index, item.meta, rows[k])
+                                                 for k, item in enumerate(group)])
+                if self._stream is not None:
+                    # The blocks go back to the engine next: their bytes must have been read.
+                    self._stream.synchronize()
+                self.num_groups += 1
+            sent = time.monotonic()
             answer = self.control.commit(self.handoff_id, self.transport.name, entries, last)
             self._last_commit = time.monotonic()
             self.channel.committed()
+            self._add_phase("read", sent - began)
+            self._add_phase("commit", self._last_commit - sent)
+            timings = answer.get("timings")
+            if isinstance(timings, dict):
+                for phase, seconds in timings.items():
+                    if isinstance(seconds, (int, float)):
+                        self._add_phase(str(phase), float(seconds))
         except ControlError as exc:
             raise HandoffFailed(f"the decode instance failed handoff {self.handoff_id}: "
                                 f"{exc}", 504 if exc.timed_out else 502) from exc
@@ -283,6 +323,21 @@ class PrefillHandoff:
             raise HandoffFailed(f"the decode instance's commit answer is malformed: "
                                 f"{str(answer)[:200]}")
         return answer
+
+
+    def _add_phase(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A tapped block waiting for its group: its index in the prompt, what names it, its
+    GPU block, and the event after which its bytes are there (None off CUDA)."""
+
+    index: int
+    meta: BlockMeta
+    block: KVCacheBlock
+    filled: torch.cuda.Event | None
 
 
 def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

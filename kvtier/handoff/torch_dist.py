@@ -14,6 +14,13 @@ byte through the host would cost the handoff most of its bandwidth. It is a weig
 the payload's 32-bit words (odd weights, modulo 2**64), computed on the device on both
 sides: any single damaged word changes it.
 
+Both sides move and check bytes on a CUDA stream of the transport's own, so a group never
+waits behind the engine's queued steps; received rows are allocated on that stream and
+marked used where the engine copies them into its pool (`used_on_current_stream`). A send
+carries at most `group_bytes` of payloads: each group costs a commit round trip and a
+checksum pass on both sides, so fewer, larger groups lose less to that fixed cost, at the
+price of that much GPU memory on each side while a group is in flight.
+
 Sends are serialized per process (a group's send holds the transport until its commit is
 answered), so the bytes and the commits that announce them stay in one order; a commit the
 decode side cannot match (an expired handoff) still receives its bytes (`discard`). A failed
@@ -30,6 +37,7 @@ from datetime import timedelta
 
 import torch
 
+from kvtier.cuda_device import on_stream
 from kvtier.handoff.base import (
     HandoffTransport,
     Json,
@@ -50,17 +58,20 @@ from kvtier.tiers.record import (
 log = logging.getLogger("kvtier.handoff")
 
 PREFILL_RANK, DECODE_RANK = 0, 1
+#: Payload bytes per send unless set (`--handoff-nccl-group-mib`).
+DEFAULT_GROUP_BYTES = 256 << 20
 
 
 class TorchDistTransport(HandoffTransport):
     """The pair's group. rank: PREFILL_RANK or DECODE_RANK. backend: "nccl" (CUDA tensors)
     or "gloo" (CPU tensors). timeout_s: how long forming the group and each operation may
-    take. batch: blocks per send. Raises ValueError for a bad setting."""
+    take. group_bytes: most payload bytes per send (at least one block). Raises ValueError
+    for a bad setting."""
 
     name = "nccl"
 
     def __init__(self, layout: KVLayout, init_method: str, rank: int, backend: str = "nccl",
-                 timeout_s: float = 600.0, batch: int = 32) -> None:
+                 timeout_s: float = 600.0, group_bytes: int = DEFAULT_GROUP_BYTES) -> None:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"the handoff's torch.distributed backend must be nccl or gloo, "
                              f"got {backend!r}")
@@ -72,10 +83,14 @@ class TorchDistTransport(HandoffTransport):
         if not init_method.startswith(("tcp://", "file://", "env://")):
             raise ValueError(f"init_method must be tcp://host:port (or file://, env://), got "
                              f"{init_method!r}")
-        self.layout, self.rank, self.backend, self.batch = layout, rank, backend, batch
+        if group_bytes < 1:
+            raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+        self.layout, self.rank, self.backend = layout, rank, backend
+        self.batch = max(1, group_bytes // layout.bytes_per_block)  # blocks per send
         self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
+        self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
         self._group_formed = threading.Event()
         self._broken: str | None = None
         self._send_lock = threading.Lock()
@@ -147,11 +162,15 @@ class TorchDistTransport(HandoffTransport):
                 self._broken = f"a receive failed: {exc}"
                 raise TransportError(self._broken) from exc
 
+    def receive_buffer(self, num_blocks: int) -> torch.Tensor:
+        with on_stream(self.stream):
+            return super().receive_buffer(num_blocks)
+
     def discard(self, entries: Sequence[Json]) -> None:
-        rows = torch.empty((len(entries), self.layout.bytes_per_block), dtype=torch.uint8,
-                           device=self.device)
+        rows = self.receive_buffer(len(entries))
         try:
-            self.receive_into(rows)
+            with on_stream(self.stream):
+                self.receive_into(rows)
         except TransportError:
             pass
 
@@ -178,8 +197,9 @@ class _Receive(ReceiveChannel):
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
                      dests: torch.Tensor) -> list[bool]:
-        self.transport.receive_into(dests)
-        sums = device_checksum(dests)
+        with on_stream(self.transport.stream):
+            self.transport.receive_into(dests)
+            sums = device_checksum(dests)
         fingerprint = self.transport.layout.fingerprint()
         results = []
         for entry, meta, checksum in zip(entries, metas, sums):

@@ -41,6 +41,9 @@ def test_report_shape_of_both_modes(monkeypatch) -> None:
     assert handoff["num_handoffs"] == 8 and handoff["num_fallbacks"] == 0
     assert handoff["bytes"] > 0 and handoff["gb_s"] > 0 and handoff["of_link"] > 0
     assert handoff["transports"] == ["nccl"]  # the torch.distributed pair (gloo here)
+    # Where the transfer's seconds went: each handoff read and committed at least a group.
+    assert {"read", "commit", "receive", "place"} <= set(handoff["phases_s"])
+    assert handoff["groups"] >= handoff["num_handoffs"]
     link = report["link"]
     assert link["backend"] == "gloo" and link["bytes"] == 1048576 and link["gb_s"] > 0
     # float32 on the CPU: the same tokens whichever instance computed the prompt.

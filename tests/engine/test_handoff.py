@@ -101,12 +101,13 @@ def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedMo
         receiving._buffer[offset + entries[1]["length"] - 7] ^= 0x5A  # a payload byte
         answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=False)
         channel.committed()
-        assert answer == {"accepted": [0, 2], "rejected": [1]}
+        assert _outcome(answer) == {"accepted": [0, 2], "rejected": [1]}
+        assert set(answer["timings"]) == {"receive", "place"}  # where the commit's time went
 
         # Blocks 3-5 come as another namespace's records: not the blocks asked for.
         entries = channel.send([OutgoingBlock(i, theirs[i], payloads[i]) for i in (3, 4, 5)])
         answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=False)
-        assert answer == {"accepted": [], "rejected": [3, 4, 5]}
+        assert _outcome(answer) == {"accepted": [], "rejected": [3, 4, 5]}
         channel.close()
         stats = counters.snapshot()
         assert stats.blocks[("decode", "mooncake", "rejected")] == 4
@@ -152,7 +153,7 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
         channel = sending.open_send(reservation["offer"])
         entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(6)])
         answer = control.commit(reservation["handoff_id"], "mooncake", entries, last=True)
-        assert answer == {"accepted": list(range(6)), "rejected": []}
+        assert _outcome(answer) == {"accepted": list(range(6)), "rejected": []}
         channel.close()
 
         # Before the request: the six blocks are held for it.
@@ -203,3 +204,8 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
         pool.check_invariants()
         sending.close()
         receiving.close()
+
+
+def _outcome(answer: dict) -> dict:
+    """A commit's answer without its timings."""
+    return {key: answer[key] for key in ("accepted", "rejected")}
