@@ -13,10 +13,10 @@ reservation timeout keeps the reservation alive. Every block's reference is give
 (`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
 handoff with an abort sent to the decode instance and `HandoffFailed` raised.
 
-On a GPU the worker reads blocks on a CUDA stream of its own, after an event the tap
-recorded on the engine's stream when the chunk that filled them was launched: a group then
-waits only for that chunk, not behind the later chunks the engine has queued meanwhile (on
-the engine's stream a group would wait for the whole queue to drain).
+On a GPU the worker reads blocks on a CUDA stream of its own, once an event the tap
+recorded on the engine's stream, when the chunk that filled them was launched, has passed:
+a group then waits only for that chunk, not behind the later chunks the engine has queued
+meanwhile (on the engine's stream a group would wait for the whole queue to drain).
 """
 
 from __future__ import annotations
@@ -60,10 +60,10 @@ class HandoffFailed(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HandoffResult:
-    """What one handoff did; `transfer_s` is time spent sending and committing, `wait_s`
-    the time from the end of the prefill to the last commit's answer, `phases` the
-    seconds of each part of the transfer (`PrefillHandoff.phases`), `num_groups` the
-    sends it took."""
+    """What one handoff did; `transfer_s` is time spent reading, sending and committing
+    (not waiting for the prefill to fill the blocks), `wait_s` the time from the end of the
+    prefill to the last commit's answer, `phases` the seconds of each part
+    (`PrefillHandoff.phases`), `num_groups` the sends it took."""
 
     handoff_id: str
     transport: str
@@ -85,8 +85,9 @@ class PrefillHandoff:
     the blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget,
     from now. The engine may tap blocks at once; they wait in a queue until `start` gives
     the decode's reservation (made while the prefill computes) and `pump` runs.
-    `phases` adds up where the worker's time went (seconds): `read` (waiting for the
-    blocks' chunk, gathering and moving them), `commit` (the decode instance's answer),
+    `phases` adds up where the worker's time went (seconds): `chunk` (waiting for the
+    prefill to fill a group's blocks), `read` (gathering, checking and moving them),
+    `commit` (the decode instance's answer),
     and, within that, the decode side's own `receive` (bytes and validation) and `place`
     as its answers report them.
     """
@@ -177,7 +178,6 @@ class PrefillHandoff:
         name = self.transport.name
         pending: list[_Pending] = []
         num_sent = num_rejected = num_bytes = 0
-        transfer_s = 0.0
         failure: HandoffFailed | None = None
         done = committed_last = False
         try:
@@ -199,7 +199,6 @@ class PrefillHandoff:
                                    or self._overdue()):
                     group, pending = (pending[:self.channel.capacity],
                                       pending[self.channel.capacity:])
-                    began = time.monotonic()
                     ended = done and not pending
                     try:
                         answer = self._send(group, last=ended)
@@ -208,18 +207,15 @@ class PrefillHandoff:
                         break
                     finally:
                         self.release([item.block for item in group])
-                    transfer_s += time.monotonic() - began
                     committed_last = ended
                     num_sent += len(answer["accepted"]) + len(answer["rejected"])
                     num_rejected += len(answer["rejected"])
                     num_bytes += len(answer["accepted"]) * self.transport.layout.bytes_per_block
                 if done and failure is None and not pending and not committed_last:
-                    began = time.monotonic()
                     try:
                         self._send([], last=True)
                     except HandoffFailed as exc:
                         failure = exc
-                    transfer_s += time.monotonic() - began
             if failure is not None:
                 self.release([item.block for item in pending])
                 raise failure
@@ -234,6 +230,7 @@ class PrefillHandoff:
         self.counters.add_blocks("prefill", name, "rejected", num_rejected)
         self.counters.add_bytes("prefill", name, num_bytes)
         ended = time.monotonic()
+        transfer_s = self.phases.get("read", 0.0) + self.phases.get("commit", 0.0)
         return HandoffResult(self.handoff_id, name, len(self.held), num_sent, num_skipped,
                              num_rejected, num_bytes, transfer_s,
                              ended - (self._prompt_done_at or ended), dict(self.phases),
@@ -292,9 +289,13 @@ class PrefillHandoff:
             entries = []
             began = time.monotonic()
             if group:
+                # The chunks that fill the group compute first: waited for here, on the host,
+                # so that the transfer's own time is told apart from the prefill's.
+                for filled in {id(i.filled): i.filled for i in group if i.filled}.values():
+                    filled.synchronize()
+                self._add_phase("chunk", time.monotonic() - began)
+                began = time.monotonic()
                 with on_stream(self._stream):
-                    for filled in {id(i.filled): i.filled for i in group if i.filled}.values():
-                        self._stream.wait_event(filled)
                     rows = _read_blocks(self.kv_cache, [item.block.block_id for item in group])
                     entries = self.channel.send([OutgoingBlock(item.index, item.meta, rows[k])
                                                  for k, item in enumerate(group)])
