@@ -462,6 +462,26 @@ class GuardedEnv:
         raise OSError(f"disk cache {self._path}: the LMDB map keeps being resized by "
                       "another process; retry later")
 
+    def sync(self) -> None:
+        """Put every transaction committed before the call on the disk (`mdb_env_sync`,
+        forced: one fdatasync of data.mdb, whatever `sync` the environment was opened with).
+
+        Safe beside write transactions: mdb_env_sync takes none of LMDB's locks, and LMDB's
+        author describes it as a plain fsync of the data file that does not interact with
+        transactions and may run concurrently with itself (openldap-technical, 2015-12,
+        "Correct use of mdb_env_sync"); a commit during it is kept by this sync or the next.
+        It runs inside the gate all the same: it reads the meta pages through the map to
+        choose the one in use, so neither a resize (a remap) nor `close` may run meanwhile.
+        A resize that waits for it holds up new transactions until it returns; resizes
+        double the map, so that happens a few times in a tier's life. Raises ValueError
+        once closed, DiskFilesGone once data.mdb is gone, lmdb.Error when the flush fails.
+        """
+        with self._gate.shared():
+            if self.closed:
+                raise ValueError(f"disk cache {self._path} is closed")
+            self.check_files()
+            self.env.sync(True)
+
     @property
     def map_size(self) -> int:
         """The map's size in bytes now."""
