@@ -310,6 +310,28 @@ def test_tiers_bench_is_wired(runner, tmp_path):
     assert report["writers"] == 2 and report["lmdb"]["write"]["mb_per_s"] > 0
 
 
+def test_tiers_bench_ends_each_write_with_one_sync_in_either_mode(runner, tmp_path):
+    tiny = ["bench", "tiers", "--num-blocks", "4", "--num-layers", "2", "--num-kv-heads", "1",
+            "--head-dim", "8", "--repeats", "1", "--batch-size", "2", "--tmpdir",
+            str(tmp_path), "--json"]
+    for extra, durable in (([], False), (["--durable"], True)):  # the default: the engine's
+        result = runner.invoke(app, [*tiny, *extra])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["durable"] is durable
+        assert report["mode"].startswith("durable" if durable else "non-durable")
+        # The tier synced once (the final sync; 64 KiB is far below its 1 GiB period)...
+        assert report["lmdb"]["syncs"] == 1
+        for path in ("lmdb", "file"):
+            write = report[path]["write"]
+            # ... and both final syncs are inside the write's time.
+            assert 0 <= write["sync_s"] <= write["median_s"]
+            assert "sync_s" not in report[path]["read"]
+    table = runner.invoke(app, tiny[:-1])
+    assert table.exit_code == 0, table.output
+    assert "non-durable: one sync at the end" in " ".join(table.stdout.split())
+
+
 def test_roundtrip_bench_is_wired(runner, tmp_path):
     result = runner.invoke(app, ["bench", "roundtrip", "--total-mib", "4", "--repeats", "1",
                                  "--device", "cpu", "--disk-dir", str(tmp_path), "--json"])
