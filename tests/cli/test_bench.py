@@ -332,6 +332,23 @@ def test_tiers_bench_ends_each_write_with_one_sync_in_either_mode(runner, tmp_pa
     assert "non-durable: one sync at the end" in " ".join(table.stdout.split())
 
 
+def test_serve_and_longctx_benches_pass_the_disk_durability_to_their_disk_engines(tmp_path):
+    from kvtier.cli.bench.longctx import LongctxConfig, _engine_options
+    from kvtier.cli.bench.serve import ServeConfig, _tier_options
+
+    from kvtier.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, 16, torch.float32)
+    for durable in (False, True):
+        longctx = LongctxConfig(model="random:tiny-llama", disk_durable=durable)
+        assert _engine_options("disk", longctx, layout, tmp_path)["disk_durable"] is durable
+        assert "disk_durable" not in _engine_options("host", longctx, layout, tmp_path)
+        serve = ServeConfig(model="random:tiny-llama", disk_durable=durable)
+        assert _tier_options("host_disk", serve, layout.bytes_per_block)["disk_durable"] \
+            is durable
+    assert LongctxConfig().disk_durable is False and ServeConfig().disk_durable is False
+
+
 def test_roundtrip_bench_is_wired(runner, tmp_path):
     result = runner.invoke(app, ["bench", "roundtrip", "--total-mib", "4", "--repeats", "1",
                                  "--device", "cpu", "--disk-dir", str(tmp_path), "--json"])
