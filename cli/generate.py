@@ -79,7 +79,8 @@ def stats_dict(stats: ManagerStats) -> dict[str, Any]:
     if stats.disk is not None:
         tiers["disk"].update(num_blocks=stats.disk.num_blocks,
                              bytes_used=stats.disk.bytes_used,
-                             budget_bytes=stats.disk.budget_bytes)
+                             budget_bytes=stats.disk.budget_bytes,
+                             durable=stats.disk.durable, syncs=stats.disk.syncs)
     transfers = {
         direction.value: {"jobs": t.num_jobs, "bytes": t.num_bytes, "seconds": t.seconds,
                           "failures": t.failures}
@@ -103,7 +104,7 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
                    max_num_seqs: int | None, max_num_batched_tokens: int | None,
                    host_cache_gb: float | None, no_host_cache: bool,
                    disk_cache: Path | None, no_disk_cache: bool, disk_cache_gb: float | None,
-                   hash_algorithm: str | None, cache_salt: str | None,
+                   disk_durable: bool | None, hash_algorithm: str | None, cache_salt: str | None,
                    attn_backend: str | None, remote_cache: str | None,
                    deterministic: bool = False) -> dict[str, Any]:
     """`LLM` keyword arguments from the model and cache options of `generate` (which
@@ -119,7 +120,8 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
         "max_num_batched_tokens": max_num_batched_tokens,
         "host_cache": False if no_host_cache else None, "host_cache_gb": host_cache_gb,
         "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
-        "disk_cache_gb": disk_cache_gb, "hash_algorithm": hash_algorithm,
+        "disk_cache_gb": disk_cache_gb, "disk_durable": disk_durable,
+        "hash_algorithm": hash_algorithm,
         "cache_salt": cache_salt, "attn_backend": attn_backend,
         "remote_cache": remote_cache, "deterministic": True if deterministic else None}
     settings = load_engine_config(options, config)  # reject bad settings before loading
@@ -177,6 +179,11 @@ def generate(
     no_disk_cache: bool = typer.Option(False, "--no-disk-cache", help="Turn the disk tier off."),
     disk_cache_gb: float | None = typer.Option(None, "--disk-cache-gb",
                                                help="Disk tier budget, GiB. [default: 10.0]"),
+    disk_durable: bool | None = typer.Option(
+        None, "--disk-durable/--no-disk-durable", show_default=False,
+        help="fsync every disk tier write transaction. Off: the OS writes blocks back (synced "
+        "every GiB and at exit), an OS crash or power loss may lose recent blocks, which "
+        "then miss. [default: off]"),
     hash_algorithm: HashAlgorithm | None = typer.Option(
         None, "--hash-algorithm", help="Block hash; sha256 where tenants do not trust each "
         "other. [default: xxh3_128]"),
@@ -207,8 +214,9 @@ def generate(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, host_cache_gb=host_cache_gb,
         no_host_cache=no_host_cache, disk_cache=disk_cache, no_disk_cache=no_disk_cache,
-        disk_cache_gb=disk_cache_gb, hash_algorithm=hash_algorithm, cache_salt=cache_salt,
-        attn_backend=attn_backend, remote_cache=remote_cache, deterministic=deterministic)
+        disk_cache_gb=disk_cache_gb, disk_durable=disk_durable, hash_algorithm=hash_algorithm,
+        cache_salt=cache_salt, attn_backend=attn_backend, remote_cache=remote_cache,
+        deterministic=deterministic)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -61,6 +61,10 @@ class EngineConfig(CheckedModel):
     host_cache / host_cache_gb: the pinned host tier and its size in GiB.
     disk_cache / disk_cache_dir / disk_cache_gb: the LMDB tier, its directory (None: the
         user cache directory) and its budget in GiB.
+    disk_durable: fsync every write transaction of the disk tier. Off (the default): the OS
+        writes blocks back (the tier syncs every GiB and when the engine closes), so writes
+        run at the disk's speed; an OS crash or power loss may lose recent blocks, which
+        then miss (a process crash loses none).
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
     cache_salt: default salt of every request's cache namespace (a request's own salt wins);
         None: no salt.
@@ -109,6 +113,9 @@ class EngineConfig(CheckedModel):
         None, description="disk tier directory; None: <user cache dir>/kv")
     disk_cache_gb: _PositiveGiB = Field(
         10.0, description="disk tier budget in GiB; turn the tier off instead of giving it 0")
+    disk_durable: bool = Field(
+        False, description="fsync every disk tier write transaction; off: the OS writes "
+        "back, an OS crash or power loss may lose recent blocks (they then miss)")
     hash_algorithm: HashAlgorithm = Field(
         "xxh3_128", description="block hash; sha256 where tenants do not trust each other")
     cache_salt: str | None = Field(

@@ -39,6 +39,9 @@ class TierConfig(CheckedModel):
         It is rounded down to whole blocks (see `num_host_slots`).
     disk_path: directory of the LMDB disk tier; None turns it off.
     disk_budget_bytes: how many bytes the disk tier may hold; required with `disk_path`.
+    disk_durable: fsync every write transaction of the disk tier. Off (the default): the OS
+        writes blocks back, the tier syncs every GiB written and on flush and close; an OS
+        crash or power loss may lose recent blocks, which then miss (see `DiskTier`).
     swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
         gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
         addressing) or "auto" (the kernels' choice).
@@ -63,6 +66,9 @@ class TierConfig(CheckedModel):
         None, description="disk tier directory; None turns the disk tier off")
     disk_budget_bytes: PositiveInt | None = Field(
         None, description="bytes the disk tier may use; required with disk_path")
+    disk_durable: bool = Field(
+        False, description="fsync every disk tier write transaction; off: the OS writes "
+        "back, an OS crash or power loss may lose recent blocks (they then miss)")
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")

@@ -83,7 +83,8 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
     if config.disk_path is not None:
         assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
-                                        tier_class=DiskTier, read_hook=disk_read_hook)
+                                        tier_class=DiskTier, read_hook=disk_read_hook,
+                                        durable=config.disk_durable)
         tiers.append(disk)
     tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
     if config.remote is not None:
@@ -494,7 +495,8 @@ class TierManager:
         written back. With `timeout_s`, what is still unwritten once it has passed (and the
         jobs in flight have ended), or what can make no progress, is given up and counted
         skipped (`SkipReason.FLUSH_TIMEOUT`). `progress` is called after each round of
-        writes."""
+        writes. Ends with a sync of the tiers below the host (`LowerTier.sync`): what
+        was written is then on their storage, not only in the OS's page cache."""
         began = time.monotonic()
         stores = self.stores
         written_before = 0 if stores is None else stores.ledger.written
@@ -528,6 +530,7 @@ class TierManager:
                 self.drain()
         else:
             self.drain()
+        self.lower_tiers.sync()
         return FlushReport(0 if stores is None else stores.ledger.written - written_before,
                            unwritten, time.monotonic() - began)
 

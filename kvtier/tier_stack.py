@@ -89,6 +89,15 @@ class LowerTiers:
                 return {}
             return {tier.name: tier.stats() for tier in self._tiers}
 
+    def sync(self) -> None:
+        """Put what every open tier has written on its storage (`LowerTier.sync`). Called
+        from the thread that closes the tiers; not under the lock, so stats reads meanwhile
+        do not wait for the disk."""
+        if self._closed:
+            return
+        for tier in self._tiers:
+            tier.sync()
+
     def close(self) -> None:
         """Close every tier, after any stats read under way. Idempotent."""
         with self._lock:

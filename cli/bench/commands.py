@@ -37,6 +37,9 @@ _MODEL_HELP = ("Model: an alias, a Hugging Face directory, a .gguf file, or rand
                "(e.g. random:llama3-8b).")
 _DEVICE_HELP = "auto, cpu, cuda or cuda:N."
 _DTYPE_HELP = "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."
+_DISK_DURABLE_HELP = ("fsync every disk tier write transaction. Off (as the engine): the OS "
+                      "writes blocks back, an OS crash or power loss may lose recent blocks, "
+                      "which then miss.")
 _DETERMINISTIC_HELP = ("Also run every mode with the deterministic (batch-invariant) "
                        "kernels: outputs equal to the baseline per mode, and the cost.")
 
@@ -102,6 +105,8 @@ def longctx(
     disk_dir: Path | None = typer.Option(None, help="Where the disk strategy keeps its "
                                          "temporary tier (default: the system temporary "
                                          "directory); it is removed afterwards."),
+    disk_durable: bool = typer.Option(False, "--disk-durable/--no-disk-durable",
+                                      help=_DISK_DURABLE_HELP),
     seed: int = typer.Option(0, help="Seed of the documents' token ids."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also time transformers' "
                                     "own forward pass over the round-two prompts (same "
@@ -129,6 +134,7 @@ def longctx(
                                                    "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
                            compare_hf=compare_hf, host_cache_gb=host_cache_gb,
+                           disk_durable=disk_durable,
                            cold=cold, attn_backend=attn_backend, deterministic=deterministic)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(
@@ -197,6 +203,8 @@ def serve(
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
                                                "host tier in GiB (default: an eighth of what "
                                                "all conversations need)."),
+    disk_durable: bool = typer.Option(False, "--disk-durable/--no-disk-durable",
+                                      help=_DISK_DURABLE_HELP),
 ) -> None:
     """Throughput, TTFT and TPOT of multi-round conversations with tiers off, host, host+disk
     (or, with --url, against a running server)."""
@@ -223,7 +231,8 @@ def serve(
                          hf_prompt_tokens=hf_prompt_tokens, hf_new_tokens=hf_new_tokens,
                          repeats=repeats, runs=runs, seed=seed, remote_cache=remote_cache,
                          attn_backend=attn_backend, deterministic=deterministic,
-                         doc_tokens=doc_tokens, lockstep=lockstep, host_cache_gb=host_cache_gb)
+                         doc_tokens=doc_tokens, lockstep=lockstep, host_cache_gb=host_cache_gb,
+                         disk_durable=disk_durable)
     result = _with_status("bench serve", lambda update: run_serve_bench(config, update))
     if json_output:
         print_json(result)

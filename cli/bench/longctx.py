@@ -110,6 +110,7 @@ class LongctxConfig:
     attn_backend: str = "auto"
     deterministic: bool = False  # also run every strategy in the deterministic mode
     host_cache_gb: float | None = None  # host_small_disk's host tier; None: 1/8 of the docs
+    disk_durable: bool = False  # the disk tier fsyncs every commit (the engine's default: off)
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -202,6 +203,7 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
             tier_bytes // 8, 2 * layout.bytes_per_block) / GIB
     if strategy in DISK_STRATEGIES:
         options["disk_cache_dir"] = disk_dir / strategy
+        options["disk_durable"] = config.disk_durable
     return options
 
 

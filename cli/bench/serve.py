@@ -92,6 +92,7 @@ class ServeConfig:
     doc_tokens: int = 0  # a document of each conversation's own after the system prompt
     lockstep: bool = False  # every conversation's next request sent together
     host_cache_gb: float | None = None  # host_small_disk's host tier (None: 1/8 of all)
+    disk_durable: bool = False  # the disk tier fsyncs every commit (the engine's default: off)
 
     def __post_init__(self) -> None:
         check_attn_backend(self.attn_backend)
@@ -173,6 +174,7 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
             else max(everything // 8, 2 * bytes_per_block) / GIB
     if mode in DISK_MODES:
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
+        options["disk_durable"] = config.disk_durable
     if mode == "host_disk_all":
         options["restore_min_saving_s"] = 0.0
     if config.remote_cache is not None and mode != "off":

@@ -11,7 +11,8 @@ Its verbs are batched, each with one meaning on every tier:
   * `put(metas, payloads)`: store blocks; per block, whether the tier holds it afterwards
     (False: refused for room, or unreachable).
   * `delete(hashes)`: how many of them were stored.
-  * `stats()` (safe on any thread) and `close()`.
+  * `sync()`: what was written is on the storage when it returns (for a flush);
+    `stats()` (safe on any thread) and `close()`.
 
 It also builds its own I/O jobs (`read_job`, `write_job`), run on the manager's I/O threads:
 a tier knows best how to batch its calls and what to count as bytes moved.
@@ -96,7 +97,13 @@ class LowerTier(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release files and connections. Idempotent."""
+        """Release files and connections, after `sync`. Idempotent."""
+
+    def sync(self) -> None:
+        """Put what the tier has written so far on its storage, where it leaves writing back
+        to the operating system (the disk tier when not durable). Never raises for a
+        failure of the storage (logged: the tier is a cache). Default: nothing to do."""
+        return None
 
     @property
     def reads(self) -> Direction:

@@ -310,6 +310,45 @@ def test_tiers_bench_is_wired(runner, tmp_path):
     assert report["writers"] == 2 and report["lmdb"]["write"]["mb_per_s"] > 0
 
 
+def test_tiers_bench_ends_each_write_with_one_sync_in_either_mode(runner, tmp_path):
+    tiny = ["bench", "tiers", "--num-blocks", "4", "--num-layers", "2", "--num-kv-heads", "1",
+            "--head-dim", "8", "--repeats", "1", "--batch-size", "2", "--tmpdir",
+            str(tmp_path), "--json"]
+    for extra, durable in (([], False), (["--durable"], True)):  # the default: the engine's
+        result = runner.invoke(app, [*tiny, *extra])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["durable"] is durable
+        assert report["mode"].startswith("durable" if durable else "non-durable")
+        # The tier synced once (the final sync; 64 KiB is far below its 1 GiB period)...
+        assert report["lmdb"]["syncs"] == 1
+        for path in ("lmdb", "file"):
+            write = report[path]["write"]
+            # ... and both final syncs are inside the write's time.
+            assert 0 <= write["sync_s"] <= write["median_s"]
+            assert "sync_s" not in report[path]["read"]
+    table = runner.invoke(app, tiny[:-1])
+    assert table.exit_code == 0, table.output
+    assert "non-durable: one sync at the end" in " ".join(table.stdout.split())
+
+
+def test_serve_and_longctx_benches_pass_the_disk_durability_to_their_disk_engines(tmp_path):
+    from kvtier.cli.bench.longctx import LongctxConfig, _engine_options
+    from kvtier.cli.bench.serve import ServeConfig, _tier_options
+
+    from kvtier.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, 16, torch.float32)
+    for durable in (False, True):
+        longctx = LongctxConfig(model="random:tiny-llama", disk_durable=durable)
+        assert _engine_options("disk", longctx, layout, tmp_path)["disk_durable"] is durable
+        assert "disk_durable" not in _engine_options("host", longctx, layout, tmp_path)
+        serve = ServeConfig(model="random:tiny-llama", disk_durable=durable)
+        assert _tier_options("host_disk", serve, layout.bytes_per_block)["disk_durable"] \
+            is durable
+    assert LongctxConfig().disk_durable is False and ServeConfig().disk_durable is False
+
+
 def test_roundtrip_bench_is_wired(runner, tmp_path):
     result = runner.invoke(app, ["bench", "roundtrip", "--total-mib", "4", "--repeats", "1",
                                  "--device", "cpu", "--disk-dir", str(tmp_path), "--json"])

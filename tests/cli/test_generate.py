@@ -118,6 +118,15 @@ def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) ->
     assert second["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
 
 
+def test_disk_durable_option_reaches_the_disk_tier(runner, model_dir, tmp_path) -> None:
+    for extra, durable in (([], False), (["--disk-durable"], True),
+                           (["--no-disk-durable"], False)):
+        result = runner.invoke(app, generate_args(model_dir, "hi", "--disk-cache",
+                                                  str(tmp_path / "kv"), *extra, "--json"))
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["stats"]["disk"]["durable"] is durable, extra
+
+
 @pytest.mark.parametrize("extra, message", [
     (["hi", "--device", "tpu"], "unknown device"),
     (["hi", "--max-tokens", "-1"], "at least 1"),

@@ -145,3 +145,9 @@ def test_bad_options_fail_before_loading_the_model(args, message) -> None:
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 1
     assert message in result.output and result.output.startswith("error: ")
+
+
+def test_serve_shares_the_disk_durability_option() -> None:
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0
+    assert "--disk-durable" in result.output and "--no-disk-durable" in result.output

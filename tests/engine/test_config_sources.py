@@ -104,3 +104,25 @@ def test_llm_reads_the_file_and_the_environment(tmp_path, monkeypatch) -> None:
     with pytest.raises(ValueError, match="exceeds the model's context"):
         LLM("random:tiny-llama", device="cpu", max_model_len=10**6, host_cache=False,
             disk_cache=False)
+
+
+def test_disk_durability_from_every_source_reaches_the_opened_tier(tmp_path,
+                                                                   monkeypatch) -> None:
+    assert EngineConfig().disk_durable is False  # the engine's tier leaves write-back to the OS
+    assert load_engine_config({}, None, {"KVTIER_DISK_DURABLE": "true"}).disk_durable is True
+    config_file = write(tmp_path / "kvtier.yaml", "disk_durable: true\n")
+    assert load_engine_config({"disk_durable": False}, config_file, {}).disk_durable is False
+
+    def opened_durable(**options) -> bool:
+        with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
+                 disk_cache_dir=tmp_path / "kv", disk_cache_gb=0.01, **options) as llm:
+            disk = llm.manager.lower_tiers.named("disk")
+            assert disk is not None and llm.stats().disk.durable is disk.durable
+            return disk.durable
+
+    assert opened_durable() is False
+    assert opened_durable(disk_durable=True) is True
+    assert opened_durable(config=config_file) is True
+    monkeypatch.setenv("KVTIER_DISK_DURABLE", "1")
+    assert opened_durable() is True
+    assert opened_durable(disk_durable=False) is False  # a keyword beats the environment

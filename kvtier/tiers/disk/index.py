@@ -462,6 +462,31 @@ class GuardedEnv:
         raise OSError(f"disk cache {self._path}: the LMDB map keeps being resized by "
                       "another process; retry later")
 
+    def sync(self) -> None:
+        """Put every transaction committed before the call on the disk (`mdb_env_sync`,
+        forced: one fdatasync of data.mdb, whatever `sync` the environment was opened with).
+
+        Safe beside write transactions: mdb_env_sync takes none of LMDB's locks, and the
+        answer to "Correct use of mdb_env_sync" on the openldap-technical list (2015-12)
+        describes it as a plain fsync of the data file that does not interact with
+        transactions and may run concurrently with itself; what was committed before it
+        began is on the disk when it returns, a commit during it by this sync or the next.
+        py-lmdb's C extension (what kvtier runs) releases the GIL and takes no lock of its
+        own around the call: commits of other threads went on during a sync when checked
+        with py-lmdb 3.0. Its cffi fallback instead holds a per-environment lock that its
+        transactions take too, so there a writer would wait for the sync. It runs inside
+        the gate all the same: it reads the meta pages through the map to
+        choose the one in use, so neither a resize (a remap) nor `close` may run meanwhile.
+        A resize that waits for it holds up new transactions until it returns; resizes
+        double the map, so that happens a few times in a tier's life. Raises ValueError
+        once closed, DiskFilesGone once data.mdb is gone, lmdb.Error when the flush fails.
+        """
+        with self._gate.shared():
+            if self.closed:
+                raise ValueError(f"disk cache {self._path} is closed")
+            self.check_files()
+            self.env.sync(True)
+
     @property
     def map_size(self) -> int:
         """The map's size in bytes now."""

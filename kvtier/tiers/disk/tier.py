@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import lmdb
 import torch
 
 from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
@@ -49,6 +50,7 @@ from kvtier.tiers.disk.index import (
 )
 from kvtier.tiers.disk.keys import StoredKeys
 from kvtier.tiers.disk.read import RecordSource, read_records_into
+from kvtier.tiers.disk.sync import WriteSync
 from kvtier.tiers.disk.write import RecordWriter
 from kvtier.tiers.record import (
     BlockBuffer,
@@ -74,7 +76,9 @@ class DiskStats:
     """Counters of one DiskTier. `num_blocks` and `bytes_used` (record bytes) are the
     directory's, shared with other processes; the rest count this object's calls. `misses`
     include `rejected` (values that failed validation and were deleted); `refused` counts
-    blocks not stored for lack of room."""
+    blocks not stored for lack of room. `durable`: each commit is synced (see `DiskTier`);
+    `syncs`: syncs of the whole environment this object ran (in the background, `sync`,
+    `close`)."""
 
     num_blocks: int
     bytes_used: int
@@ -85,6 +89,8 @@ class DiskStats:
     puts: int
     pruned: int
     refused: int
+    durable: bool = True
+    syncs: int = 0
 
 
 class DiskTier(LowerTier):
@@ -93,14 +99,26 @@ class DiskTier(LowerTier):
     `path` is created (mode 0o700) when missing. LMDB's map starts at `initial_map_bytes`
     (default 64 MiB, or the data file's size) and grows when needed up to `max_map_bytes`
     (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused.
-    With `durable` each commit is fsynced (LMDB's meta page one commit later, which keeps the
-    database consistent after a crash and may lose the last commit); without it the OS flushes
-    when it likes and an OS crash or power loss may corrupt the database (a process crash
-    cannot). Access-order updates from reads ride on the next write transaction, or get
-    one of their own once `touch_flush_every` are pending (a commit costs an fsync when
-    durable). A directory written with another disk format is cleared on open (`format_reset`
-    is then true) or, read-only, served as empty. Thread-safe; several processes may share
-    `path`, but one process must not open it twice.
+    Access-order updates from reads ride on the next write transaction, or get one of
+    their own once `touch_flush_every` are pending (a commit costs an fsync when durable).
+
+    Durability. With `durable` (the default of this class, kept for direct users) each
+    commit is fsynced (LMDB's meta page one commit later, which keeps the database
+    consistent after a crash and may lose the last commit); every commit then waits for the
+    disk, which holds writes well below its sequential speed. Without it (what the engine
+    opens by default, `TierConfig.disk_durable`) the OS writes the pages back when it likes,
+    and the tier syncs the whole environment on a thread of its own once `sync_every_bytes`
+    (default 1 GiB) were written since the last sync, so no writer waits for a flush;
+    `sync()` and `close()` sync on the caller's thread, so a clean shutdown leaves every
+    block on the disk. A process crash loses nothing either way (committed pages are in the
+    kernel's page cache). An OS crash or a power loss may lose the blocks written since the
+    last sync (they miss) or leave the files inconsistent: the next open checks the tree
+    (`kvtier.tiers.disk.check`) and `open_disk_tier` moves damaged files aside, and every
+    value is checksummed when read, so a stale or torn block is a miss, never served.
+
+    A directory written with another disk format is cleared on open (`format_reset` is then
+    true) or, read-only, served as empty. Thread-safe; several processes may share `path`,
+    but one process must not open it twice.
 
     Trouble under a running tier stays in the tier. data.mdb removed, replaced or cut
     short is noticed before the next transaction (`DataFileWatch`): the tier is then set
@@ -113,8 +131,9 @@ class DiskTier(LowerTier):
     with the figures last read. `write_hook`, like `read_hook`, is for tests: it
     is called with the metas of each write transaction, inside it, before its puts.
 
-    Raises ValueError for a bad budget, the errors of `kvtier.fsutil.ensure_private_dir` for a
-    bad directory, and FileNotFoundError when opened read-only where no cache exists.
+    Raises ValueError for a bad budget or `sync_every_bytes`, the errors of
+    `kvtier.fsutil.ensure_private_dir` for a bad directory, and FileNotFoundError when opened
+    read-only where no cache exists.
 
     As a `LowerTier`: the local store the host writes back to, looked up in memory.
     """
@@ -129,7 +148,7 @@ class DiskTier(LowerTier):
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
                  initial_map_bytes: int | None = None, durable: bool = True,
-                 touch_flush_every: int = 1024,
+                 sync_every_bytes: int = 1 << 30, touch_flush_every: int = 1024,
                  read_hook: Callable[[BlockMeta], None] | None = None,
                  write_hook: Callable[[Sequence[BlockMeta]], None] | None = None,
                  lookup_deadline_s: float = LOOKUP_DEADLINE_S) -> None:
@@ -143,6 +162,9 @@ class DiskTier(LowerTier):
         self.layout = layout
         self.budget_bytes = budget_bytes
         self.readonly = readonly
+        #: Each commit is synced (else: `sync_every_bytes`, see the class docstring).
+        self.durable = durable
+        self._syncs = WriteSync(self._sync_env, sync_every_bytes, name="kvtier-disk-sync")
         self._fingerprint = layout.fingerprint()
         self._map_limit = max_map_bytes or budget_bytes + budget_bytes // 4 + _INITIAL_MAP_BYTES
         data_file = self.path / "data.mdb"
@@ -209,13 +231,16 @@ class DiskTier(LowerTier):
                            "format %d)", self.path, version, DISK_FORMAT_VERSION)
 
     def close(self) -> None:
-        """Flush pending access-order updates and close LMDB. Safe to call twice."""
+        """Flush pending access-order updates, sync (everything written is then on the
+        disk) and close LMDB. Safe to call twice."""
         if self._map.closed:
             return
         self._keys.close()
+        self._syncs.close()  # no background sync may outlive the environment
         try:
             if not self.readonly and self._map.gone is None:
                 self._flush_touches()
+                self.sync()
         finally:
             self._lookups.shutdown()
             self._stats_calls.shutdown()
@@ -224,6 +249,24 @@ class DiskTier(LowerTier):
                 fd, self._data_fd = self._data_fd, None
             if fd is not None:
                 os.close(fd)
+
+    def sync(self) -> None:
+        """Put every block written so far on the disk (one fdatasync of the data file, on
+        the caller's thread). A failure is logged, not raised: the blocks stay readable
+        from the page cache, and one the OS then fails to write back misses when read.
+        Does nothing when read-only, closed or set aside."""
+        if self.readonly or self._map.closed or self._map.gone is not None:
+            return
+        try:
+            self._syncs.sync_now()
+        except (DiskFilesGone, ValueError):
+            pass  # set aside or closed meanwhile: nothing to sync
+        except (OSError, lmdb.Error) as exc:
+            logger.warning("disk cache %s: syncing failed (%s); recent blocks stay in the "
+                           "page cache until the OS writes them", self.path, exc)
+
+    def _sync_env(self) -> None:
+        self._map.sync()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -242,6 +285,12 @@ class DiskTier(LowerTier):
         if self._lookups.stalled:
             return f"a disk lookup has taken more than {self.lookup_deadline_s} s"
         return None
+
+    @property
+    def num_syncs(self) -> int:
+        """Syncs of the whole environment this object ran (`DiskStats.syncs`); readable
+        after `close`, whose last sync it counts."""
+        return self._syncs.num_syncs
 
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Whether each hash has a stored value (not validated: `get_into` may still miss).
@@ -298,7 +347,8 @@ class DiskTier(LowerTier):
         with self._lock:
             counts = dict(self._counts)
         return DiskStats(num_blocks=num_blocks, bytes_used=bytes_used,
-                         budget_bytes=self.budget_bytes, **counts)
+                         budget_bytes=self.budget_bytes, **counts, durable=self.durable,
+                         syncs=self._syncs.num_syncs)
 
     def _stored_figures(self) -> tuple[int, int]:
         try:
@@ -451,6 +501,8 @@ class DiskTier(LowerTier):
                 self.touch(touched)
                 return [True] * len(metas), 0
             stored, num_written = self._writer.write(new, touched, frozenset(items))
+            if not self.durable and num_written:
+                self._syncs.wrote(num_written * self.layout.bytes_per_block)
             if stored is None:  # pruned or split on the way: ask afterwards
                 return self._contains_now(block_hashes), num_written
             return [h in stored for h in block_hashes], num_written
