@@ -39,10 +39,12 @@ def test_an_engine_on_cuda_1_gives_cuda_0s_tokens_from_any_thread() -> None:
                 ids += delta.token_ids
             return tuple(ids)
 
+        async def every() -> list[tuple[int, ...]]:  # gathered inside the running loop
+            return await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), 300)
+
         try:
             torch.cuda.set_device(0)
-            streamed = asyncio.run(asyncio.wait_for(
-                asyncio.gather(*(one(p) for p in PROMPTS)), timeout=300))
+            streamed = asyncio.run(every())
         finally:
             engine.shutdown()
     assert [list(s) for s in streamed] == [list(e) for e in expected]
