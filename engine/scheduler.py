@@ -300,7 +300,7 @@ class Scheduler:
         # could hand one of them out again.
         self.manager.touch([b for b in gpu_blocks if b is not None])
         load_positions = [i for i, tier in enumerate(tiers) if tier is not Tier.GPU]
-        fresh = self.manager.allocate(len(load_positions)) if load_positions else []
+        fresh = self._allocate_for_loads(len(load_positions)) if load_positions else []
         if fresh is None:
             # No room to restore into: keep the GPU part in front of the first lower-tier hit.
             cut = load_positions[0]
@@ -333,6 +333,18 @@ class Scheduler:
             known = self.prefill_rate.tokens_per_s is not None
             restore.issue(num_leading, self.prefill_rate,
                           max_slow_groups=FIRST_SLOW_GROUPS if known else None)
+
+    def _allocate_for_loads(self, num_blocks: int) -> list[KVCacheBlock] | None:
+        """GPU blocks for a restore's loads, or None. Blocks that host stores hold are
+        reclaimed first, waiting for copies in flight if need be: behind a small host tier
+        the write-throughs waiting for slots hold much of the pool, and a restore given up
+        here computes its whole prefix instead of reading it (milliseconds of copies
+        against a prefill)."""
+        while True:
+            blocks = self.manager.allocate(num_blocks)
+            short = num_blocks - self.manager.pool.num_free_blocks
+            if blocks is not None or not self.manager.reclaim_store_blocks(short, wait=True):
+                return blocks
 
     def _worth_reading(self, request: Request, first_block: int) -> bool:
         """Whether `request`'s tokens from block `first_block` on (the first block neither

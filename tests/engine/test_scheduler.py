@@ -209,6 +209,28 @@ def test_prefix_split_between_gpu_and_host_on_a_full_pool(host_manager: TierMana
     driver.run_until_done()
 
 
+def test_a_restore_takes_the_blocks_queued_stores_hold(host_manager: TierManager) -> None:
+    """Write-throughs not started yet hold GPU blocks; a restore short of blocks reclaims
+    them (as a chunk's allocation would) instead of computing a prefix the host holds."""
+    driver = Driver(host_manager)
+    driver.add(prompt_of(25), max_tokens=1)  # 6 full blocks + 1 token
+    driver.run_until_done()
+    driver.evict_gpu()  # the prefix is on the host alone
+    # Another request's 5 computed blocks, queued for the host and not started: the store
+    # path's references are all that hold them, and 3 of the 8 blocks stay free.
+    other = driver.add(prompt_of(20, start=500))
+    blocks = host_manager.allocate(5)
+    assert blocks is not None
+    host_manager.cache_full_blocks(blocks, [other.block_meta(i) for i in range(5)])
+    host_manager.free(blocks)
+    driver.scheduler.waiting.remove(other)  # only its blocks play a part
+    assert host_manager.num_stores_queued == 5 and host_manager.pool.num_free_blocks == 3
+
+    again = driver.add(prompt_of(25), max_tokens=2)
+    driver.run_until_done()
+    assert again.counters.cached_host == 24  # restored, not computed
+
+
 def test_gpu_hits_are_shared_not_recomputed(host_manager: TierManager) -> None:
     driver = Driver(host_manager)
     first = driver.add(prompt_of(9), max_tokens=1)
