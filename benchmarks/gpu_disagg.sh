@@ -7,8 +7,8 @@
 #            with NUM_REQUESTS (default 48) per rate; the mix: LONG_FRACTION (default 0.25)
 #            of LONG_TOKENS-token prompts (default 4096), the rest SHORT_TOKENS (256),
 #            MAX_TOKENS (64) generated each
-#   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: a few 32K prompts far
-#            apart, each mode
+#   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: four 32K prompts one at
+#            a time (--rates 0: no queueing), each mode
 # TRANSPORT (default: the instances' best) is passed as --transport. SMOKE=1 shrinks every
 # size (random:llama3-1b, short prompts). The serving stack (fastapi, uvicorn, httpx,
 # prometheus_client) must be importable there: carry its wheels in .whl/ if it is not.
@@ -31,7 +31,7 @@ if stage goodput; then
 fi
 if stage ttft32k; then
     TOKENS=32768; [ "$SMOKE" = 1 ] && TOKENS=4096
-    limit "${TTFT32K_TIMEOUT:-590}" $KV bench disagg $COMMON --rates 0.1 --num-requests 4 \
+    limit "${TTFT32K_TIMEOUT:-590}" $KV bench disagg $COMMON --rates 0 --num-requests 4 \
         --long-tokens $TOKENS --long-fraction 1 --max-tokens 8 \
         --serve-arg=--max-model-len=40960 --serve-arg=--max-num-batched-tokens=8192 \
         --json > "$OUT_DIR/disagg_ttft32k.json" 2> "$OUT_DIR/disagg_ttft32k.log"

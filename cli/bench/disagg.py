@@ -9,10 +9,11 @@ and the routers itself (or takes the instances' URLs), one mode after the other.
 Workload: `num_requests` per arrival rate, each prompt `long_tokens` (with probability
 `long_fraction`) or `short_tokens` random token ids, each answer `max_tokens` greedy tokens
 (`ignore_eos`), streamed from `/v1/completions`; requests arrive as a Poisson process of the
-rate (seeded exponential gaps), each rate with fresh prompts (no prefix cache carried from
-one rate to the next) that are the same in both modes. Timings are the client's: TTFT from
-sending a request to its first token; TPOT from the first token to the last over the tokens
-after the first.
+rate (seeded exponential gaps), or for rate 0 one at a time, each sent when the one before
+has ended (what a request costs with no queueing: no goodput); each rate with fresh prompts
+(no prefix cache carried from one rate to the next) that are the same in both modes.
+Timings are the client's: TTFT from sending a request to its first token; TPOT from the
+first token to the last over the tokens after the first.
 
 Goodput: a mode meets the SLO at a rate when the P90 TTFT <= --ttft-slo and the P90 TPOT
 <= --tpot-slo over that rate's requests; its goodput is the highest rate of the sweep at
@@ -87,8 +88,9 @@ class DisaggConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
-        if not self.rates or min(self.rates) <= 0:
-            raise ValueError(f"--rates takes positive requests/s, got {self.rates}")
+        if not self.rates or min(self.rates) < 0:
+            raise ValueError(f"--rates takes requests/s (0: one request at a time), got "
+                             f"{self.rates}")
         if not 0 <= self.long_fraction <= 1:
             raise ValueError(f"--long-fraction must lie in [0, 1], got {self.long_fraction}")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
@@ -134,9 +136,11 @@ def resolve_devices(config: DisaggConfig) -> tuple[str, str, tuple[str, ...]]:
 
 def make_workload(config: DisaggConfig, vocab_size: int, rate: float,
                   seed_offset: int) -> list[_Request]:
-    """`num_requests` seeded requests arriving as a Poisson process of `rate`."""
+    """`num_requests` seeded requests arriving as a Poisson process of `rate` (0: no
+    arrival times; `_play` then sends each once the one before has ended)."""
     rng = np.random.default_rng([config.seed, seed_offset])
-    gaps = rng.exponential(1.0 / rate, config.num_requests)
+    gaps = rng.exponential(1.0 / rate, config.num_requests) if rate > 0 \
+        else np.zeros(config.num_requests)
     arrivals = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
     requests = []
     for arrival in arrivals:
@@ -240,12 +244,16 @@ async def _send(client: httpx.AsyncClient, model: str, request: _Request,
                    json.loads(header) if header else None, last - start)
 
 
-async def _play(url: str, model: str, requests: list[_Request], config: DisaggConfig
-                ) -> list[_Record]:
+async def _play(url: str, model: str, requests: list[_Request], config: DisaggConfig,
+                one_at_a_time: bool = False) -> list[_Record]:
+    """Send `requests` at their arrival times, or with `one_at_a_time` each once the one
+    before has ended (what a request costs with no queueing)."""
     limits = httpx.Limits(max_connections=len(requests) + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits,
                                  timeout=config.request_timeout_s) as client:
         start = time.perf_counter()
+        if one_at_a_time:
+            return [await _send(client, model, r, config, start) for r in requests]
         return list(await asyncio.gather(*(_send(client, model, r, config, start)
                                            for r in requests)))
 
@@ -364,12 +372,15 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
                 _warm_up(url, card["id"], config, card["vocab_size"], len(where))
                 runs, records_of_mode = [], []
                 for index, rate in enumerate(config.rates):
-                    progress(f"{mode}: {config.num_requests} requests at {rate:g} req/s")
+                    progress(f"{mode}: {config.num_requests} requests " + (
+                        f"at {rate:g} req/s" if rate else "one at a time"))
                     workload = make_workload(config, card["vocab_size"], rate, index)
-                    records = asyncio.run(_play(url, card["id"], workload, config))
+                    records = asyncio.run(_play(url, card["id"], workload, config,
+                                                one_at_a_time=rate == 0))
                     runs.append(_rate_report(rate, records, config))
                     records_of_mode.append(records)
-            met = [run["rate_rps"] for run in runs if run["slo_met"]]
+            # (One request at a time is no arrival rate: it has no goodput.)
+            met = [run["rate_rps"] for run in runs if run["slo_met"] and run["rate_rps"]]
             modes[mode] = {"instances": where, "rates": runs,
                            "goodput_rps": max(met) if met else 0.0}
             if mode == "disaggregated":
@@ -428,7 +439,8 @@ def disagg(
                                          "redis; default: the best both instances have)."),
     modes: str = typer.Option(",".join(MODES), help="Comma-separated modes to run."),
     rates: str = typer.Option("1,2,4", help="Comma-separated arrival rates (requests/s, "
-                              "Poisson) swept in each mode."),
+                              "Poisson) swept in each mode; 0 sends one request at a "
+                              "time (what a request costs with no queueing)."),
     num_requests: int = typer.Option(64, help="Requests per rate."),
     long_tokens: int = typer.Option(4096, help="Tokens of a long prompt."),
     short_tokens: int = typer.Option(256, help="Tokens of a short prompt."),
@@ -482,7 +494,8 @@ def print_disagg(result: dict[str, Any]) -> None:
     rows = []
     for mode, report in result["modes"].items():
         for run in report["rates"]:
-            rows.append((mode, f"{run['rate_rps']:g}", ms(run["ttft_s"], "p50"),
+            rate = f"{run['rate_rps']:g}" if run["rate_rps"] else "1 at a time"
+            rows.append((mode, rate, ms(run["ttft_s"], "p50"),
                          ms(run["ttft_s"], "p90"), ms(run["ttft_s"], "p99"),
                          ms(run["tpot_s"], "p50"), ms(run["tpot_s"], "p90"),
                          ms(run["tpot_s"], "p99"), "yes" if run["slo_met"] else "no",

@@ -19,7 +19,8 @@ TINY = ["bench", "disagg", "--model", "random:tiny-llama", "--dtype", "float32",
 @pytest.mark.slow
 def test_report_shape_of_both_modes(monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    result = CliRunner().invoke(app, [*TINY, "--rates", "5,50", "--ttft-slo", "1000",
+    # Rate 0: one request at a time (no arrival rate, no goodput), then a Poisson rate.
+    result = CliRunner().invoke(app, [*TINY, "--rates", "0,50", "--ttft-slo", "1000",
                                       "--tpot-slo", "1000", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -30,7 +31,7 @@ def test_report_shape_of_both_modes(monkeypatch) -> None:
     assert report["modes"]["disaggregated"]["instances"] == ["prefill on cpu",
                                                              "decode on cpu"]
     for mode in report["modes"].values():
-        assert [run["rate_rps"] for run in mode["rates"]] == [5.0, 50.0]
+        assert [run["rate_rps"] for run in mode["rates"]] == [0.0, 50.0]
         for run in mode["rates"]:
             assert run["num_requests"] == 4 and run["ttft_s"]["n"] == 4
             assert run["tpot_s"]["p99"] >= run["tpot_s"]["p50"] > 0
@@ -65,7 +66,7 @@ def test_poisson_workload_is_seeded_and_mixed() -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--rates", "0"], "--rates takes positive"),
+    (["--rates", "-1"], "--rates takes requests/s (0: one request at a time)"),
     (["--modes", "split"], "--modes takes colocated and/or disaggregated"),
     (["--long-fraction", "2"], "--long-fraction must lie in [0, 1]"),
     (["--prefill-url", "http://127.0.0.1:1"], "--prefill-url and --decode-url go together"),
