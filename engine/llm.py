@@ -42,7 +42,7 @@ from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_c
 from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import BlockTap, Scheduler
+from kvtier.engine.scheduler import BlockTap, RestoreCounts, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -536,6 +536,12 @@ class LLM:
     def stats(self, lower_tiers: bool = True) -> ManagerStats:
         """The tier manager's counters (`TierManager.stats`; `lower_tiers` as there)."""
         return self.manager.stats(lower_tiers)
+
+    def restore_counts(self) -> RestoreCounts:
+        """How this engine's prefix lookups below the GPU went so far (a copy; see
+        `kvtier.engine.scheduler.RestoreCounts`): restores started, hits given up for lack
+        of GPU blocks, prefixes the measured rates sent to compute, probes."""
+        return dataclasses.replace(self.scheduler.restore_counts)
 
     def close(self) -> FlushReport:
         """Wait for in-flight transfers, write what is still pending to the disk tier (the

@@ -59,6 +59,26 @@ BlockTap = Callable[[int, list[BlockMeta], list[KVCacheBlock]], None]
 
 
 @dataclass(slots=True)
+class RestoreCounts:
+    """How prefix lookups below the GPU went, counted per lookup (a waiting request that
+    cannot be admitted is looked up again at each step).
+
+    started: lookups that started a restore (host hits, or hits below it).
+    no_room: lookups whose hits below the GPU were given up because no GPU blocks could be
+        had to load them into (the request computes that part).
+    turned_away: prefixes the measured prefill and tier rates said to compute rather than
+        read from the disk or remote tier (not looked up there).
+    probes: prefixes read from those tiers although the rates said not to, to measure them
+        again (`Scheduler._worth_reading`).
+    """
+
+    started: int = 0
+    no_room: int = 0
+    turned_away: int = 0
+    probes: int = 0
+
+
+@dataclass(slots=True)
 class _Tap:
     fn: BlockTap
     num_given: int = 0
@@ -159,6 +179,8 @@ class Scheduler:
         #: Requests whose lookup is a probe of a gate closed on measured rates (set by
         #: `_worth_reading`, taken by `_lookup`).
         self._probes: set[RequestId] = set()
+        #: How prefix lookups below the GPU went (for benchmarks and diagnosis).
+        self.restore_counts = RestoreCounts()
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -302,6 +324,7 @@ class Scheduler:
         load_positions = [i for i, tier in enumerate(tiers) if tier is not Tier.GPU]
         fresh = self._allocate_for_loads(len(load_positions)) if load_positions else []
         if fresh is None:
+            self.restore_counts.no_room += 1
             # No room to restore into: keep the GPU part in front of the first lower-tier hit.
             cut = load_positions[0]
             self.manager.free([b for b in gpu_blocks[cut:] if b is not None])
@@ -327,6 +350,7 @@ class Scheduler:
                               None if probe else self.tier_rates.expected(tiers),
                               lookup_began=began, probe=probe)
             self._restores[request.request_id] = restore
+            self.restore_counts.started += 1
             # Before the compute front claims anything: a tier that lands at once wins. Of
             # the slow tiers' groups only a few once the model's speed is known: the rest
             # are issued once the step with the front's first claim is launched.
@@ -351,6 +375,8 @@ class Scheduler:
         the GPU nor the host holds) are worth looking up in the tiers below the host, at
         the measured prefill rate and those tiers' rates (`restore_rates.worth_reading`)."""
         slow = list(dict.fromkeys(tier.kind for tier in self.manager.lower_tiers))
+        if not slow:
+            return False  # nothing below the host to read from
         num_tokens = request.num_tokens - first_block * request.block_size
         # The rate over these tokens, after the context before them.
         seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
@@ -372,7 +398,9 @@ class Scheduler:
         if worth_reading(num_tokens, prefill, None, self.min_restore_saving_s) \
                 and self.tier_rates.turned_away(slow):
             self._probes.add(request.request_id)
+            self.restore_counts.probes += 1
             return True
+        self.restore_counts.turned_away += 1
         return False
 
     def _finish_loads(self) -> None:

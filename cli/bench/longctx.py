@@ -241,6 +241,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     del llm
     free_engine_memory(device)
     resident: list[float | None] = []  # share of the disk tier's file cached after a drop
+    restores: dict[str, dict[str, int]] = {}  # per fresh engine: `LLM.restore_counts`
     if strategy in DISK_STRATEGIES:
         # A fresh engine over the same directory: its host tier is empty, so every block
         # that is not recomputed comes from disk. With `cold`, a second fresh engine then
@@ -260,6 +261,7 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                         f" ({resident[-1]:.1%} of the tier's file cached after the drop)"
                     progress(f"{strategy}: {name}, document {i + 1}/{len(docs)}: TTFT "
                              f"{outputs[name][-1].metrics.ttft_s * 1e3:.1f} ms{share}")
+                restores[name] = asdict(llm.restore_counts())
             del llm
             free_engine_memory(device)
     round2 = outputs["round2"]
@@ -284,6 +286,9 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         "ttft_warm_s": (summarize([o.metrics.ttft_s for o in outputs["round2_warm"]])
                         if "round2_warm" in outputs else None),
         "disk_writes": writes,
+        # How the fresh engines' prefix lookups went (restores started, hits given up for
+        # want of GPU blocks, prefixes the rates sent to compute, probes).
+        "restores": restores,
         "cold": cold,
         "resident_after_drop": resident,
         "num_steps": len(recorder.samples),

@@ -285,6 +285,9 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         "bytes_moved": {d.value: t.num_bytes for d, t in stats.transfers.items()},
         "tier_blocks": {tier.value: asdict(counts)
                         for tier, counts in stats.tiers.items()},
+        # Per lookup: restores started, hits given up for want of GPU blocks, prefixes the
+        # rates sent to compute, probes (`RestoreCounts`).
+        "restores": asdict(llm.restore_counts()),
         "histories": histories,
     }
 

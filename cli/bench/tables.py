@@ -177,6 +177,13 @@ def print_serve(result: dict[str, Any]) -> None:
                 [(name, m["tokens"]["gpu"], m["tokens"]["host"], m["tokens"]["disk"],
                   m["tokens"]["computed"], m["num_preemptions"],
                   mib(sum(m["bytes_moved"].values()))) for name, m in modes.items()])
+    print_table("Prefix lookups below the GPU (per lookup; a waiting request is looked up "
+                "again each step)",
+                ("mode", "restores started", "given up: no GPU blocks", "rates said compute",
+                 "probes"),
+                [(name, *(m["restores"][k] for k in ("started", "no_room", "turned_away",
+                                                     "probes")))
+                 for name, m in modes.items() if "restores" in m])
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"conversations across modes: {verdict}")
     print_numerics(result, "equal_to_baseline", "conversations equal to")

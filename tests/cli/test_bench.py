@@ -66,6 +66,9 @@ def test_longctx_strategies_restore_from_their_tier_and_agree(longctx_run):
     assert disk["tokens"]["gpu"] + disk["tokens"]["disk"] <= 3 * full_blocks
     assert [m["gpu"] + m["disk"] + m["computed"] for m in disk["meeting_blocks"]] == [4] * 3
     assert disk["bytes_moved"][Direction.DISK_TO_HOST.value] > 0
+    # The fresh engine's own account: a restore started for each document that read disk.
+    assert disk["restores"]["round2"]["started"] >= sum(
+        1 for m in disk["meeting_blocks"] if m["disk"])
     for figures in strategies.values():
         ttft = figures["ttft_s"]
         assert ttft["n"] == 3 and 0 < ttft["p50"] <= ttft["p90"] <= ttft["p99"]
@@ -211,6 +214,8 @@ def test_serve_compares_the_disk_with_the_same_host_tier_alone(runner):
     assert third["tokens"]["disk"] == 0 and third["bytes_moved"]["host->disk"] == 0
     assert third["tokens"]["host"] > 0
     assert third["tier_blocks"]["host"]["hits"] * 16 >= third["tokens"]["host"]
+    assert third["restores"]["started"] > 0  # per lookup: host hits start restores
+    assert report["modes"]["off"]["restores"]["started"] == 0
     # The same host tier; what it evicts goes to disk. (Whether it comes back from there
     # or is computed depends on the rates: prompts this short on this model are computed.)
     assert disk["bytes_moved"]["host->disk"] > 0

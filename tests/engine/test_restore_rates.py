@@ -94,6 +94,10 @@ def test_a_disk_too_slow_to_save_time_on_a_prefix_is_asked_only_to_probe(
         requests.append(driver.add(THIRD))
         finish_idle(driver)
         assert hook.read and set(hook.read) <= set(requests[1].block_hashes)
+        # The scheduler's own account of it: two probes, one prefix sent to compute.
+        counts = driver.scheduler.restore_counts
+        assert (counts.probes, counts.turned_away) == (2, 1)
+        assert counts.started == 2 and counts.no_room == 0
     assert restored_blocks(requests[0]) == 0 and requests[0].counters.computed == 33
 
 

@@ -197,6 +197,7 @@ def test_prefix_split_between_gpu_and_host_on_a_full_pool(host_manager: TierMana
     # room for the load or the computation, so the request waits, holding nothing.
     assert not plan.scheduled and again.status is RequestStatus.WAITING
     assert again.block_table == []
+    assert driver.scheduler.restore_counts.no_room >= 1  # its host hits were given up
     host_manager.pool.check_invariants()
     host_manager.free(held[:3])
     while not any(p.request is again for p in plan.scheduled):
@@ -229,6 +230,7 @@ def test_a_restore_takes_the_blocks_queued_stores_hold(host_manager: TierManager
     again = driver.add(prompt_of(25), max_tokens=2)
     driver.run_until_done()
     assert again.counters.cached_host == 24  # restored, not computed
+    assert driver.scheduler.restore_counts.no_room == 0
 
 
 def test_gpu_hits_are_shared_not_recomputed(host_manager: TierManager) -> None:
