@@ -207,11 +207,14 @@ class StorePath:
                     del deferred[block_hash]
                     self._skip(SkipReason.GPU_REUSED)
 
-    def release_deferred(self, num_blocks: int) -> int:
+    def release_deferred(self, num_blocks: int, freeing_only: bool = True) -> int:
         """Drop the pool references of up to `num_blocks` deferred write-throughs (the GPU
         pool is short): those a restore would compute first, each kind oldest first. They
         stay deferred and enter the free queue as its most recent blocks, so the GPU evicts
-        every other cached block before them. Returns how many were released."""
+        every other cached block before them. With `freeing_only`, only blocks the deferral
+        alone holds are released: one a request also holds (a prefix hit) would not come
+        free, and releasing it instead of another left allocations short. Returns how many
+        were released."""
         if not self._held:
             return 0
         released: list[KVCacheBlock] = []
@@ -219,7 +222,7 @@ class StorePath:
             for block, _, _ in deferred.values():
                 if len(released) >= num_blocks:
                     break
-                if block.block_id in self._held:
+                if block.block_id in self._held and (block.ref_cnt == 1 or not freeing_only):
                     self._held.discard(block.block_id)
                     released.append(block)
         self.pool.free(released)
@@ -234,7 +237,7 @@ class StorePath:
         """Give up what is still deferred or dirty and not being written (closing ran out of
         time): counted skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. The
         writes under way end as they end. Returns how many blocks were given up."""
-        self.release_deferred(len(self._held))
+        self.release_deferred(len(self._held), freeing_only=False)
         num = self.num_deferred
         self._deferred_tail.clear()
         self._deferred_head.clear()

@@ -90,6 +90,30 @@ def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, manage
 
 
 @pytest.mark.timeout(120)
+def test_a_short_pool_releases_deferred_blocks_that_come_free(tmp_path, managers, release):
+    """A deferred block that a request also holds (a prefix hit) would not come free: a short
+    allocation releases another deferred block instead, and gets its blocks."""
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    layout = m.layout
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
+    metas = chain(layout, "held", 6)
+    blocks = compute(m, metas, random_blocks(layout, 6, seed=5))
+    deferred = [block for block in blocks if block.ref_cnt == 1]  # held by their deferral
+    assert len(deferred) == 4 == m.stores.num_held and m.pool.num_free_blocks == 4
+    m.touch(deferred[:1])  # a request's prefix hit on the first deferred one
+    taken = m.allocate(5)  # one short: a deferred block the deferral alone holds comes free
+    assert taken is not None and deferred[0] not in taken
+    assert m.stores.num_held == 3
+    m.free(taken + deferred[:1])
+    release.set()
+    m.flush()
+    stores = m.stats().stores
+    assert stores.lost == 0 and stores.pending == 0
+    assert stores.written + stores.num_skipped == stores.offered == 6
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
 def test_a_lookup_with_gaps_finds_a_stored_tail(tmp_path, managers):
     m = small_manager(managers, tmp_path, gpu=8, host=2)
     layout = m.layout
