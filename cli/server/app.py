@@ -370,7 +370,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None,
         try:
             snapshot, manager = await engine.call(lambda llm: (EngineSnapshot(
                 llm.stats(lower_tiers=False), len(llm.scheduler.running),
-                len(llm.scheduler.waiting)), llm.manager))
+                len(llm.scheduler.waiting), llm.restore_counts()), llm.manager))
         except EngineClosedError as exc:
             raise APIError(503, str(exc), type_="server_unavailable") from None
         # The disk tier's figures read LMDB (disk reads when its pages are cold): on a worker

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier.cli.server.engine_output import FinishedRequest
+from kvtier.engine.scheduler import RestoreCounts
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -35,6 +36,8 @@ class EngineSnapshot:
     stats: ManagerStats
     num_running: int
     num_waiting: int
+    #: How prefix lookups below the GPU went (`LLM.restore_counts`); None: not read.
+    restores: RestoreCounts | None = None
 
 
 class _EngineCollector(Collector):
@@ -111,6 +114,18 @@ class _EngineCollector(Collector):
                                     "way to the disk tier", value=ledger.pending)
             yield GaugeMetricFamily("kvtier_disk_lost_blocks", "Offered blocks not accounted "
                                     "for (must stay 0)", value=ledger.lost)
+        if snap.restores is not None:
+            lookups = CounterMetricFamily(
+                "kvtier_prefix_lookups", "Prefix lookups with blocks below the GPU, by "
+                "outcome: a restore started, the hits given up for want of GPU blocks, the "
+                "disk and remote tiers not asked on the measured rates, or asked to measure "
+                "them again", labels=["outcome"])
+            for outcome, num in (("restore", snap.restores.started),
+                                 ("no_gpu_blocks", snap.restores.no_room),
+                                 ("computed_on_rates", snap.restores.turned_away),
+                                 ("probe", snap.restores.probes)):
+                lookups.add_metric([outcome], num)
+            yield lookups
         yield GaugeMetricFamily("kvtier_loads_in_flight", "Restores not completed yet",
                                 value=stats.num_loads_in_flight)
         yield GaugeMetricFamily("kvtier_requests_running", "Requests in the running batch",

@@ -17,7 +17,8 @@ def test_metrics_expose_the_disk_ledger(tmp_path: Path) -> None:
                      SamplingParams(max_tokens=4, ignore_eos=True))
         llm.manager.flush()
         stats = llm.stats()
-        text = ServerMetrics().render(EngineSnapshot(stats, 0, 0)).decode()
+        text = ServerMetrics().render(EngineSnapshot(stats, 0, 0,
+                                                     llm.restore_counts())).decode()
     lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
                  if line and not line.startswith("#"))
     offered = stats.stores.offered
@@ -27,3 +28,22 @@ def test_metrics_expose_the_disk_ledger(tmp_path: Path) -> None:
     assert float(lines['kvtier_disk_skipped_blocks_total{reason="gpu_reused"}']) == 0
     assert float(lines["kvtier_disk_lost_blocks"]) == 0
     assert float(lines["kvtier_disk_pending_blocks"]) == 0
+
+
+def test_metrics_count_prefix_lookups_by_outcome(tmp_path: Path) -> None:
+    first = [3 + i % 200 for i in range(150)]
+    others = [[3 + (i * 7 + k) % 250 for i in range(300)] for k in (1, 2)]
+    with LLM(model="random:tiny-llama", device="cpu", dtype="float32", gpu_blocks=40,
+             host_cache_gb=4 * 8192 / 2**30, disk_cache_dir=tmp_path / "kv",
+             disk_cache_gb=0.05, restore_min_saving_s=0.0) as llm:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        for prompt in [first, *others, first]:  # the others push `first` off the GPU
+            llm.generate([prompt], params)
+        counts = llm.restore_counts()
+        text = ServerMetrics().render(EngineSnapshot(llm.stats(), 0, 0, counts)).decode()
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                 if line and not line.startswith("#"))
+    assert counts.started >= 1  # `first` came back from the host or the disk
+    for outcome, num in (("restore", counts.started), ("no_gpu_blocks", counts.no_room),
+                         ("computed_on_rates", counts.turned_away), ("probe", counts.probes)):
+        assert float(lines[f'kvtier_prefix_lookups_total{{outcome="{outcome}"}}']) == num
