@@ -41,8 +41,9 @@ from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, comb
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
 from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
+from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import BlockTap, RestoreCounts, Scheduler
+from kvtier.engine.scheduler import BlockTap, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -539,7 +540,7 @@ class LLM:
 
     def restore_counts(self) -> RestoreCounts:
         """How this engine's prefix lookups below the GPU went so far (a copy; see
-        `kvtier.engine.scheduler.RestoreCounts`): restores started, hits given up for lack
+        `kvtier.engine.restore_gate.RestoreCounts`): restores started, hits given up for lack
         of GPU blocks, prefixes the measured rates sent to compute, probes."""
         return dataclasses.replace(self.scheduler.restore_counts)
 

@@ -39,13 +39,8 @@ from kvtier.engine.restore import (
     Restore,
     RestoreFronts,
 )
-from kvtier.engine.restore_rates import (
-    MIN_SAVING_S,
-    PrefillRate,
-    TierRates,
-    expected_head_tokens,
-    worth_reading,
-)
+from kvtier.engine.restore_gate import RestoreCounts, RestoreGate
+from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, expected_head_tokens
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
@@ -56,26 +51,6 @@ from kvtier.tiers.record import BlockMeta
 #: thread. Each block carries one more reference, taken for the tap: whoever receives them
 #: gives it back with `TierManager.free` (on the engine thread) once done with the bytes.
 BlockTap = Callable[[int, list[BlockMeta], list[KVCacheBlock]], None]
-
-
-@dataclass(slots=True)
-class RestoreCounts:
-    """How prefix lookups below the GPU went, counted per lookup (a waiting request that
-    cannot be admitted is looked up again at each step).
-
-    started: lookups that started a restore (host hits, or hits below it).
-    no_room: lookups whose hits below the GPU were given up because no GPU blocks could be
-        had to load them into (the request computes that part).
-    turned_away: prefixes the measured prefill and tier rates said to compute rather than
-        read from the disk or remote tier (not looked up there).
-    probes: prefixes read from those tiers although the rates said not to, to measure them
-        again (`Scheduler._worth_reading`).
-    """
-
-    started: int = 0
-    no_room: int = 0
-    turned_away: int = 0
-    probes: int = 0
 
 
 @dataclass(slots=True)
@@ -166,21 +141,36 @@ class Scheduler:
         # Tokens of a looked-up, not yet running request's prefix shared from the GPU pool
         # (those from below count as their restore lands them).
         self._gpu_hit_tokens: dict[RequestId, int] = {}
-        #: The model's measured prefill speed, which sizes restores' claims (the engine
-        #: feeds it: `PrefillRate.observe`).
-        self.prefill_rate = PrefillRate()
-        #: What the disk and remote tiers delivered to recent restores (learnt here).
-        self.tier_rates = TierRates()
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
         self._taps: dict[RequestId, _Tap] = {}
-        #: Seconds reading from the disk or remote tier must be expected to save before they
-        #: are asked (`restore_rates.worth_reading`); 0 asks them for every prefix.
-        self.min_restore_saving_s = min_restore_saving_s
-        #: Requests whose lookup is a probe of a gate closed on measured rates (set by
-        #: `_worth_reading`, taken by `_lookup`).
-        self._probes: set[RequestId] = set()
-        #: How prefix lookups below the GPU went (for benchmarks and diagnosis).
-        self.restore_counts = RestoreCounts()
+        #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
+        self.gate = RestoreGate(min_restore_saving_s)
+
+    @property
+    def prefill_rate(self) -> PrefillRate:
+        """The model's measured prefill speed, which sizes restores' claims and weighs
+        reads (the engine feeds it: `PrefillRate.observe`)."""
+        return self.gate.prefill_rate
+
+    @property
+    def tier_rates(self) -> TierRates:
+        """What the disk and remote tiers delivered to recent restores."""
+        return self.gate.tier_rates
+
+    @property
+    def restore_counts(self) -> RestoreCounts:
+        """How prefix lookups below the GPU went (for benchmarks and diagnosis)."""
+        return self.gate.counts
+
+    @property
+    def min_restore_saving_s(self) -> float:
+        """Seconds reading from the disk or remote tier must be expected to save before
+        they are asked (`restore_rates.worth_reading`); 0 asks them for every prefix."""
+        return self.gate.min_saving_s
+
+    @min_restore_saving_s.setter
+    def min_restore_saving_s(self, seconds: float) -> None:
+        self.gate.min_saving_s = seconds
 
     # ---- queue ---------------------------------------------------------------------------
 
@@ -340,8 +330,7 @@ class Scheduler:
         request.num_computed_tokens = num_leading * request.block_size
         request.num_cached_blocks = num_leading
         self._gpu_hit_tokens[request.request_id] = tiers.count(Tier.GPU) * request.block_size
-        probe = request.request_id in self._probes
-        self._probes.discard(request.request_id)
+        probe = self.gate.take_probe(request.request_id)
         if load_positions:
             # A probe restores as if the slow tiers' rates were not known: it measures them.
             restore = Restore(self.manager, tiers, table,
@@ -372,36 +361,15 @@ class Scheduler:
 
     def _worth_reading(self, request: Request, first_block: int) -> bool:
         """Whether `request`'s tokens from block `first_block` on (the first block neither
-        the GPU nor the host holds) are worth looking up in the tiers below the host, at
-        the measured prefill rate and those tiers' rates (`restore_rates.worth_reading`)."""
+        the GPU nor the host holds) are worth looking up in the tiers below the host
+        (`RestoreGate.worth_reading`)."""
         slow = list(dict.fromkeys(tier.kind for tier in self.manager.lower_tiers))
-        if not slow:
-            return False  # nothing below the host to read from
-        num_tokens = request.num_tokens - first_block * request.block_size
-        # The rate over these tokens, after the context before them.
-        seconds = self.prefill_rate.seconds(num_tokens, first_block * request.block_size)
         # Host blocks further on (a conversation's later ones outlive its first) come at once.
-        on_host = self.manager.any_on_host(
+        on_host = bool(slow) and self.manager.any_on_host(
             request.block_hashes[first_block + 1:(request.num_tokens - 1) // request.block_size])
-        prefill = None if not seconds else num_tokens / seconds
-        load_rate = self.tier_rates.expected(slow)
-        if worth_reading(num_tokens, prefill, load_rate, self.min_restore_saving_s,
-                         self.tier_rates.expected_latency(slow), fast_blocks_behind=on_host):
-            if load_rate is not None:
-                self.tier_rates.opened(slow)
-            return True
-        # Turned away on measured rates. A probe reads it anyway now and then, if the prefix
-        # is long enough to be worth reading from a tier of unknown speed (the rule before
-        # any read): with no latency, the fronts together are never slower than the
-        # model alone, and the compute front waits for a first landing at most
-        # `FIRST_LANDING_WAIT_SHARE` of the compute time.
-        if worth_reading(num_tokens, prefill, None, self.min_restore_saving_s) \
-                and self.tier_rates.turned_away(slow):
-            self._probes.add(request.request_id)
-            self.restore_counts.probes += 1
-            return True
-        self.restore_counts.turned_away += 1
-        return False
+        context = first_block * request.block_size
+        return self.gate.worth_reading(request.request_id, request.num_tokens - context,
+                                       context, slow, on_host)
 
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
@@ -410,7 +378,7 @@ class Scheduler:
             restore.collect()
             if not restore.num_in_flight:
                 self._ending.remove(restore)
-                self._learn_rates(restore)
+                self.gate.learn(restore)
         for restore in self._restores.values():
             restore.collect()
 
@@ -557,12 +525,7 @@ class Scheduler:
         if restore.num_in_flight:
             self._ending.append(restore)
         else:
-            self._learn_rates(restore)
-
-    def _learn_rates(self, restore: Restore) -> None:
-        for tier, num_tokens, seconds, latency_s in restore.measured_rates():
-            self.tier_rates.observe(tier, num_tokens, seconds, latency_s,
-                                    replace=restore.probe)
+            self.gate.learn(restore)
 
     def _give_to_tap(self, request: Request) -> None:
         """The request's prompt blocks that became ready since its tap was last called."""

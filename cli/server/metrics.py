@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier.cli.server.engine_output import FinishedRequest
-from kvtier.engine.scheduler import RestoreCounts
+from kvtier.engine.restore_gate import RestoreCounts
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector

@@ -1,0 +1,101 @@
+"""Whether a prefix's blocks below the host are read or computed, and how lookups went.
+
+At admission, at the first block that neither the GPU nor the host holds, the scheduler asks
+`RestoreGate.worth_reading` whether the disk and remote tiers are worth looking up for the
+tokens from there on: `restore_rates.worth_reading` at the model's measured prefill rate and
+those tiers' measured rates. A gate closed on measured rates would never learn that a tier
+became faster (a cold first read after start), so a prefix it turns away is read anyway now
+and then (`TierRates.turned_away`): a probe, which restores as if the rates were not known
+and whose rates replace the old ones. `RestoreCounts` keeps the account of every lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.engine.request import RequestId
+from kvtier.engine.restore import Restore
+from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
+
+from kvtier.stats import Tier
+
+
+@dataclass(slots=True)
+class RestoreCounts:
+    """How prefix lookups below the GPU went, counted per lookup (a waiting request that
+    cannot be admitted is looked up again at each step).
+
+    started: lookups that started a restore (host hits, or hits below it).
+    no_room: lookups whose hits below the GPU were given up because no GPU blocks could be
+        had to load them into (the request computes that part).
+    turned_away: prefixes the measured prefill and tier rates said to compute rather than
+        read from the disk or remote tier (not looked up there).
+    probes: prefixes read from those tiers although the rates said not to, to measure them
+        again.
+    """
+
+    started: int = 0
+    no_room: int = 0
+    turned_away: int = 0
+    probes: int = 0
+
+
+class RestoreGate:
+    """The read-or-compute decision of one scheduler (see the module docstring).
+
+    prefill_rate: the model's measured speed (the engine feeds it). tier_rates: what the
+    disk and remote tiers delivered to recent restores (`learn`). min_saving_s: seconds
+    reading must be expected to save before those tiers are asked; 0 asks them for every
+    prefix. counts: how lookups went (the scheduler counts restores started and given up).
+    """
+
+    def __init__(self, min_saving_s: float = MIN_SAVING_S) -> None:
+        self.prefill_rate = PrefillRate()
+        self.tier_rates = TierRates()
+        self.min_saving_s = min_saving_s
+        self.counts = RestoreCounts()
+        self._probes: set[RequestId] = set()  # their lookups read to measure the rates
+
+    def worth_reading(self, request_id: RequestId, num_tokens: int, context: int,
+                      slow: Sequence[Tier], fast_blocks_behind: bool) -> bool:
+        """Whether the `num_tokens` tokens after `context` of request `request_id` are worth
+        looking up in the `slow` tiers (those below the host); `fast_blocks_behind`: the
+        host holds some of their blocks further on (they come at once). A probe when the
+        measured rates say no but the tiers are due to be measured again (`take_probe`)."""
+        if not slow:
+            return False  # nothing below the host to read from
+        seconds = self.prefill_rate.seconds(num_tokens, context)
+        prefill = None if not seconds else num_tokens / seconds
+        load_rate = self.tier_rates.expected(slow)
+        if worth_reading(num_tokens, prefill, load_rate, self.min_saving_s,
+                         self.tier_rates.expected_latency(slow),
+                         fast_blocks_behind=fast_blocks_behind):
+            if load_rate is not None:
+                self.tier_rates.opened(slow)
+            return True
+        # Turned away on measured rates. A probe reads it anyway now and then, if the prefix
+        # is long enough to be worth reading from a tier of unknown speed (the rule before
+        # any read): with no latency, the fronts together are never slower than the
+        # model alone, and the compute front waits for a first landing at most
+        # `FIRST_LANDING_WAIT_SHARE` of the compute time.
+        if worth_reading(num_tokens, prefill, None, self.min_saving_s) \
+                and self.tier_rates.turned_away(slow):
+            self._probes.add(request_id)
+            self.counts.probes += 1
+            return True
+        self.counts.turned_away += 1
+        return False
+
+    def take_probe(self, request_id: RequestId) -> bool:
+        """Whether the lookup of `request_id` that just ran was a probe (asked once)."""
+        if request_id in self._probes:
+            self._probes.discard(request_id)
+            return True
+        return False
+
+    def learn(self, restore: Restore) -> None:
+        """The slow tiers' rates as `restore` measured them (a probe's replace the old)."""
+        for tier, num_tokens, seconds, latency_s in restore.measured_rates():
+            self.tier_rates.observe(tier, num_tokens, seconds, latency_s,
+                                    replace=restore.probe)
