@@ -15,10 +15,6 @@ seconds); the kill test starts a prefill process of its own.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
@@ -40,60 +37,27 @@ _START_TIMEOUT_S = 180.0
 MAX_TOKENS = 6
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _serve(cache_dir: Path, log: Path, *args: str) -> Process:
+    """A `kvtier serve` of SmolLM2 on the CPU with `args`, healthy; its output in `log`."""
+    instance = launch(log.stem, ["serve", MODEL_NAME, "--device", "cpu", "--dtype", "float32",
+                                 "--gpu-blocks", "256", "--no-host-cache", "--no-disk-cache",
+                                 *args], log.parent, cache_dir=cache_dir, num_threads=1)
+    try:
+        wait_healthy([instance], _START_TIMEOUT_S)
+    except BaseException:
+        instance.stop(60)
+        raise
+    return instance
 
 
-@dataclass(slots=True)
-class Instance:
-    """One `kvtier serve` process."""
-
-    process: subprocess.Popen
-    url: str
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=30).text)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
-
-
-def _serve(cache_dir: Path, log: Path, *args: str) -> Instance:
-    port = _free_port()
-    env = {**os.environ, "KVTIER_CACHE_DIR": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.cli.main", "serve", MODEL_NAME, "--port", str(port),
-             "--device", "cpu", "--dtype", "float32", "--gpu-blocks", "256",
-             "--no-host-cache", "--no-disk-cache", *args],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
-    instance = Instance(process, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"serve {args} exited:\n{log.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{instance.url}/health", timeout=5).status_code == 200:
-                return instance
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    instance.stop()
-    raise AssertionError(f"serve {args} did not start:\n{log.read_text()[-3000:]}")
+def _metrics(instance: Process) -> dict[str, float]:
+    return parse_metrics(httpx.get(f"{instance.url}/metrics", timeout=30).text)
 
 
 @dataclass(slots=True)
 class Pair:
-    decode: Instance
-    prefill: Instance
+    decode: Process
+    prefill: Process
     transports: list[str]
     cache_dir: Path
     tmp: Path
@@ -104,7 +68,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
          smollm2_conversion: Path) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("handoff")
     cache_dir = seed_model_cache(tmp / "cache", smollm2_conversion)
-    nccl = f"tcp://127.0.0.1:{_free_port()}"
+    nccl = f"tcp://127.0.0.1:{free_port()}"
     decode_args = ["--role", "decode", "--handoff-timeout", "3", "--handoff-nccl", nccl,
                    "--handoff-nccl-backend", "gloo"]
     try:
@@ -128,7 +92,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     finally:
         for instance in (prefill, decode):
             if instance is not None:
-                instance.stop()
+                instance.stop(60)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +107,7 @@ def _prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 def _hand_over(pair: Pair, prompt: list[int], transport: str | None,
-               prefill: Instance | None = None, timeout_s: float = 60.0) -> httpx.Response:
+               prefill: Process | None = None, timeout_s: float = 60.0) -> httpx.Response:
     return httpx.post(f"{(prefill or pair.prefill).url}/v1/handoff/prefill", json={
         "endpoint": "/v1/completions",
         "request": {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -187,7 +151,7 @@ def test_each_transport_hands_the_prompt_over(pair: Pair, colocated: LLM,
     assert tokens == _reference(colocated, prompt)
     assert cached == 7 * 16  # the handed-over blocks, none computed again
     sample = f'kvtier_handoffs_total{{outcome="ok",role="decode",transport="{transport}"}}'
-    assert pair.decode.metrics()[sample] >= 1
+    assert _metrics(pair.decode)[sample] >= 1
 
 
 def test_a_handoffs_holds_go_back_once_its_short_request_took_the_blocks(
@@ -232,7 +196,7 @@ def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> No
     bytes_sample = f'kvtier_handoff_bytes_total{{role="decode",transport="{transport}"}}'
     timeout_sample = (f'kvtier_handoffs_total{{outcome="timeout",role="decode",'
                       f'transport="{transport}"}}')
-    before = pair.decode.metrics()
+    before = _metrics(pair.decode)
     outcome: list[object] = []
 
     def hand_over() -> None:
@@ -246,17 +210,16 @@ def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> No
     try:
         thread.start()
         deadline = time.monotonic() + 120
-        while pair.decode.metrics().get(bytes_sample, 0) <= before.get(bytes_sample, 0):
+        while _metrics(pair.decode).get(bytes_sample, 0) <= before.get(bytes_sample, 0):
             assert time.monotonic() < deadline and thread.is_alive(), \
                 f"no block landed: {outcome}"
             time.sleep(0.05)
-        doomed.process.kill()  # mid-handoff: blocks have landed, the prompt is not done
-        doomed.process.wait(30)
+        doomed.kill()  # mid-handoff: blocks have landed, the prompt is not done
         thread.join(60)
         assert outcome and isinstance(outcome[0], httpx.HTTPError), outcome
         # The reservation expires (--handoff-timeout 3); the decode instance never waits.
         deadline = time.monotonic() + 60
-        while pair.decode.metrics().get(timeout_sample, 0) <= before.get(timeout_sample, 0):
+        while _metrics(pair.decode).get(timeout_sample, 0) <= before.get(timeout_sample, 0):
             assert time.monotonic() < deadline, "the reservation did not expire"
             time.sleep(0.2)
         tokens, cached = _decode(pair, prompt)
@@ -267,8 +230,8 @@ def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> No
 
 
 def test_an_unreachable_decode_instance_is_a_502(pair: Pair) -> None:
-    gone = Pair(Instance(pair.decode.process, f"http://127.0.0.1:{_free_port()}",
-                         pair.decode.log), pair.prefill, [], pair.cache_dir, pair.tmp)
+    gone = Pair(Process("gone", pair.decode.proc, f"http://127.0.0.1:{free_port()}",
+                        pair.decode.log), pair.prefill, [], pair.cache_dir, pair.tmp)
     response = _hand_over(gone, _prompt(6, 40), None)
     assert response.status_code == 502, response.text
     assert "cannot reach the decode instance" in response.json()["error"]["message"]
@@ -283,7 +246,7 @@ def test_an_unreachable_decode_instance_is_a_502(pair: Pair) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
 
 
-def _gpu_blocks_used(instance: Instance) -> float:
+def _gpu_blocks_used(instance: Process) -> float:
     for line in httpx.get(f"{instance.url}/metrics").text.splitlines():
         if line.startswith('kvtier_gpu_blocks{state="used"}'):
             return float(line.split()[-1])
