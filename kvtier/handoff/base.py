@@ -55,6 +55,22 @@ class OutgoingBlock:
         return self.payload.cpu().numpy()
 
 
+def payload_rows(blocks: Sequence[OutgoingBlock]) -> torch.Tensor:
+    """The payloads of `blocks` as one uint8 `[len(blocks), bytes_per_block]` tensor: the
+    rows they already are when they are consecutive rows of one gathered copy (what the
+    prefill side sends), else a stacked copy."""
+    first = blocks[0].payload
+    size, storage = first.numel(), first.untyped_storage()
+    consecutive = first.is_contiguous() \
+        and first.storage_offset() + len(blocks) * size <= storage.nbytes() \
+        and all(block.payload.untyped_storage().data_ptr() == storage.data_ptr()
+                and block.payload.data_ptr() == first.data_ptr() + k * size
+                for k, block in enumerate(blocks))
+    if consecutive:
+        return first.as_strided((len(blocks), size), (size, 1))
+    return torch.stack([block.payload for block in blocks])
+
+
 class SendChannel(ABC):
     """The prefill side of one handoff over one transport. Used from one thread."""
 

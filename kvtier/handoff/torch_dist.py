@@ -45,6 +45,7 @@ from kvtier.handoff.base import (
     ReceiveChannel,
     SendChannel,
     TransportError,
+    payload_rows,
 )
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import (
@@ -229,7 +230,7 @@ class _Send(SendChannel):
         transport._check()
         if not blocks:
             return []
-        rows = torch.stack([block.payload for block in blocks]).to(transport.device)
+        rows = payload_rows(blocks).to(transport.device)
         sums = device_checksum(rows)
         entries = [{"index": block.index,
                     "header": encode_header(block.meta, transport.layout, rows.shape[1],

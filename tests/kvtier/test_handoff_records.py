@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.handoff.base import check_records
+from kvtier.handoff.base import OutgoingBlock, check_records, payload_rows
 from kvtier.handoff.torch_dist import device_checksum
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
@@ -63,3 +63,17 @@ def test_the_device_checksum_changes_with_any_word() -> None:
 def test_the_device_checksum_is_the_same_on_the_gpu() -> None:
     _, payloads = _blocks()
     assert device_checksum(payloads.cuda()) == device_checksum(payloads)
+
+
+def test_a_gathered_group_is_sent_as_it_is_and_other_payloads_stacked() -> None:
+    cache = torch.arange(6 * 32, dtype=torch.int64).to(torch.uint8).view(6, 32)
+    gathered = cache[torch.tensor([5, 1, 3, 0])]  # one gathered copy, as the sender makes
+    group = [OutgoingBlock(i, None, gathered[i]) for i in range(1, 4)]
+    rows = payload_rows(group)
+    assert rows.data_ptr() == gathered[1].data_ptr()  # no copy
+    assert torch.equal(rows, gathered[1:])
+    shuffled = [OutgoingBlock(i, None, gathered[i]) for i in (2, 0, 3)]
+    rows = payload_rows(shuffled)
+    assert rows.data_ptr() != gathered.data_ptr()
+    assert torch.equal(rows, gathered[torch.tensor([2, 0, 3])])
+
