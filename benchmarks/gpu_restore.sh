@@ -4,11 +4,17 @@
 # memory pressure (host_third: host_disk's host tier without the disk), three runs of each
 # mode. JSON and logs go to OUT_DIR; tables are printed last.
 #   bash benchmarks/gpu_restore.sh [OUT_DIR]      (default: $OUT, else ./out)
-# STAGES picks stages (default: all): diskread longctx_cold longctx_warm serve. Together they
+# Behind a small host tier (the case a disk exists for): `small_host` serves three 32K
+# documents through a 1 GB host tier + disk, then restores them in a fresh engine with the page
+# cache dropped; `conversations` serves 24 conversations over 6K-token documents in lockstep
+# through a 40K-token GPU pool: tiers off, a host tier holding everything, 3 GB host + disk
+# (and that asking the disk for every prefix); CONVERSATION_MODES picks the modes.
+# STAGES picks stages (default: all): diskread longctx_cold longctx_warm serve small_host
+# conversations. Together they
 # take longer than one 10-minute device call: split them, e.g. STAGES=longctx_cold, then
 # STAGES=serve, then the rest.
 set -u
-STAGES=${STAGES:-"diskread longctx_cold longctx_warm serve"}
+STAGES=${STAGES:-"diskread longctx_cold longctx_warm serve small_host conversations"}
 source "$(dirname "$0")/gpu_env.sh" "$@"
 MODEL=(--model random:llama3-8b --device cuda --dtype bfloat16)
 LONG=(--num-docs 3 --max-batched-tokens 8192 --disk-dir /tmp --json)
@@ -30,5 +36,17 @@ if stage serve; then
     limit 540 $KV bench serve "${MODEL[@]}" --num-conversations 16 --num-rounds 3 \
         --system-tokens 512 --user-tokens 512 --modes off,host,host_third,host_disk --runs 3 \
         --json > "$OUT_DIR/serve.json" 2> "$OUT_DIR/serve.log"
+fi
+if stage small_host; then
+    limit 300 $KV bench longctx "${MODEL[@]}" "${LONG[@]}" --doc-tokens 32768 --cold \
+        --strategies recompute,host_small_disk --host-cache-gb 1 \
+        > "$OUT_DIR/small_host.json" 2> "$OUT_DIR/small_host.log"
+fi
+if stage conversations; then
+    limit 420 $KV bench serve "${MODEL[@]}" --num-conversations 24 --num-rounds 4 \
+        --system-tokens 64 --user-tokens 200 --max-tokens 64 --doc-tokens 6000 --lockstep \
+        --gpu-blocks 2500 --max-batched-tokens 4096 --host-cache-gb 3 \
+        --modes "${CONVERSATION_MODES:-off,host,host_small_disk,host_small_disk_all}" \
+        --json > "$OUT_DIR/conversations.json" 2> "$OUT_DIR/conversations.log"
 fi
 limit 60 $PY benchmarks/summary.py "$OUT_DIR"

@@ -174,7 +174,8 @@ def serve(
                               "first is the baseline of the ratios. Also host_third: the "
                               "host tier of host_disk without the disk; host_disk_all: "
                               "host_disk asking the disk for every prefix; host_small_disk: a "
-                              "host tier of --host-cache-gb, then disk."),
+                              "host tier of --host-cache-gb, then disk; host_small_disk_all: "
+                              "that, asking the disk for every prefix."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),

@@ -52,10 +52,10 @@ from kvtier.engine.loader import LoadedModel
 #: that holds a third of them (host_disk's), no disk. host_disk: that host tier, then disk.
 #: host_disk_all: host_disk with the disk asked for every prefix (restore_min_saving_s 0).
 #: host_small_disk: a host tier of `host_cache_gb` (default an eighth of the conversations),
-#: then disk.
+#: then disk. host_small_disk_all: host_small_disk with the disk asked for every prefix.
 MODES = ("off", "host", "host_disk")
-EXTRA_MODES = ("host_third", "host_disk_all", "host_small_disk")
-DISK_MODES = ("host_disk", "host_disk_all", "host_small_disk")
+EXTRA_MODES = ("host_third", "host_disk_all", "host_small_disk", "host_small_disk_all")
+DISK_MODES = ("host_disk", "host_disk_all", "host_small_disk", "host_small_disk_all")
 GIB = 1 << 30
 
 Progress = Callable[[str], None]
@@ -169,13 +169,13 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
         # The host tier holds a third of the conversations; the rest must go to disk (or,
         # without one, be computed again).
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
-    elif mode == "host_small_disk":
+    elif mode in ("host_small_disk", "host_small_disk_all"):
         options["host_cache_gb"] = config.host_cache_gb if config.host_cache_gb is not None \
             else max(everything // 8, 2 * bytes_per_block) / GIB
     if mode in DISK_MODES:
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
         options["disk_durable"] = config.disk_durable
-    if mode == "host_disk_all":
+    if mode in ("host_disk_all", "host_small_disk_all"):
         options["restore_min_saving_s"] = 0.0
     if config.remote_cache is not None and mode != "off":
         from kvtier.tiers.remote.config import RemoteConfig
