@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 from kvtier.engine.request import RequestId
 from kvtier.engine.restore import Restore
-from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
+from kvtier.engine.restore_rates import (
+    BUSY_MIN_SAVING_S,
+    MIN_SAVING_S,
+    PrefillRate,
+    TierRates,
+    worth_reading,
+)
 
 from kvtier.stats import Tier
 
@@ -29,6 +35,8 @@ class RestoreCounts:
     started: lookups that started a restore (host hits, or hits below it).
     no_room: lookups whose hits below the GPU were given up because no GPU blocks could be
         had to load them into (the request computes that part).
+    room_waits: lookups that found no GPU blocks to load into and left the request waiting
+        for running requests to free some (`Scheduler._waits_for_room`).
     turned_away: prefixes the measured prefill and tier rates said to compute rather than
         read from the disk or remote tier (not looked up there).
     probes: prefixes read from those tiers although the rates said not to, to measure them
@@ -37,6 +45,7 @@ class RestoreCounts:
 
     started: int = 0
     no_room: int = 0
+    room_waits: int = 0
     turned_away: int = 0
     probes: int = 0
 
@@ -58,17 +67,28 @@ class RestoreGate:
         self._probes: set[RequestId] = set()  # their lookups read to measure the rates
 
     def worth_reading(self, request_id: RequestId, num_tokens: int, context: int,
-                      slow: Sequence[Tier], fast_blocks_behind: bool) -> bool:
+                      slow: Sequence[Tier], fast_blocks_behind: bool,
+                      busy: bool = False) -> bool:
         """Whether the `num_tokens` tokens after `context` of request `request_id` are worth
         looking up in the `slow` tiers (those below the host); `fast_blocks_behind`: the
         host holds some of their blocks further on (they come at once). A probe when the
-        measured rates say no but the tiers are due to be measured again (`take_probe`)."""
+        measured rates say no but the tiers are due to be measured again (`take_probe`).
+
+        `busy`: other requests run or wait. Then, once the tiers' rates are measured (their
+        first read's latency included), a saving of `BUSY_MIN_SAVING_S` is enough, not
+        only one of `min_saving_s`: the GPU time a read saves goes to the other requests. A request
+        alone keeps the margin, as do all while the rates are unknown: there a read that
+        lands later than measured makes its own prompt slower. (Many conversations behind
+        a small host tier: the margin turned away most reads, and served 0.96x of tiers
+        off against 1.07x with every prefix read; docs/BENCHMARKS.md.)"""
         if not slow:
             return False  # nothing below the host to read from
         seconds = self.prefill_rate.seconds(num_tokens, context)
         prefill = None if not seconds else num_tokens / seconds
         load_rate = self.tier_rates.expected(slow)
-        if worth_reading(num_tokens, prefill, load_rate, self.min_saving_s,
+        margin = min(self.min_saving_s, BUSY_MIN_SAVING_S) if busy and load_rate is not None \
+            else self.min_saving_s
+        if worth_reading(num_tokens, prefill, load_rate, margin,
                          self.tier_rates.expected_latency(slow),
                          fast_blocks_behind=fast_blocks_behind):
             if load_rate is not None:

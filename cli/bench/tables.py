@@ -179,10 +179,10 @@ def print_serve(result: dict[str, Any]) -> None:
                   mib(sum(m["bytes_moved"].values()))) for name, m in modes.items()])
     print_table("Prefix lookups below the GPU (per lookup; a waiting request is looked up "
                 "again each step)",
-                ("mode", "restores started", "given up: no GPU blocks", "rates said compute",
-                 "probes"),
-                [(name, *(m["restores"][k] for k in ("started", "no_room", "turned_away",
-                                                     "probes")))
+                ("mode", "restores started", "given up: no GPU blocks",
+                 "waiting for GPU blocks", "rates said compute", "probes"),
+                [(name, *(m["restores"].get(k, 0) for k in ("started", "no_room", "room_waits",
+                                                            "turned_away", "probes")))
                  for name, m in modes.items() if "restores" in m])
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"conversations across modes: {verdict}")

@@ -117,11 +117,12 @@ class _EngineCollector(Collector):
         if snap.restores is not None:
             lookups = CounterMetricFamily(
                 "kvtier_prefix_lookups", "Prefix lookups with blocks below the GPU, by "
-                "outcome: a restore started, the hits given up for want of GPU blocks, the "
-                "disk and remote tiers not asked on the measured rates, or asked to measure "
-                "them again", labels=["outcome"])
+                "outcome: a restore started, the hits given up for want of GPU blocks, "
+                "waiting for GPU blocks, the disk and remote tiers not asked on the measured "
+                "rates, or asked to measure them again", labels=["outcome"])
             for outcome, num in (("restore", snap.restores.started),
                                  ("no_gpu_blocks", snap.restores.no_room),
+                                 ("waiting_for_gpu_blocks", snap.restores.room_waits),
                                  ("computed_on_rates", snap.restores.turned_away),
                                  ("probe", snap.restores.probes)):
                 lookups.add_metric([outcome], num)

@@ -233,6 +233,43 @@ def test_a_restore_takes_the_blocks_queued_stores_hold(host_manager: TierManager
     assert driver.scheduler.restore_counts.no_room == 0
 
 
+@pytest.mark.parametrize("seconds_per_token", [1.0, None])
+def test_a_restore_short_of_blocks_waits_for_running_requests(
+        host_manager: TierManager, seconds_per_token: float | None) -> None:
+    """Host hits that find no GPU blocks while another request runs: the request waits for
+    that one to free its blocks, then restores every hit, rather than computing them a
+    chunk at a time as blocks come free. It waits at most as long as computing them would
+    take (the first step only while the model's rate is unknown), then computes."""
+    driver = Driver(host_manager, max_num_batched_tokens=8)  # a chunk fits in 2 blocks
+    driver.add(prompt_of(25), max_tokens=1)  # 6 full blocks + 1 token
+    driver.run_until_done()
+    driver.evict_gpu()  # the prefix is on the host alone
+    if seconds_per_token is not None:
+        driver.scheduler.prefill_rate.observe(64, 64 * seconds_per_token)
+    running = driver.add(prompt_of(13, start=500), max_tokens=8)  # 4 blocks now, 6 at the end
+    driver.step()
+    assert running.status is RequestStatus.RUNNING
+    again = driver.add(prompt_of(25), max_tokens=2)
+    plan, _ = driver.step()  # 6 hits, 4 free blocks
+    assert again.status is RequestStatus.WAITING and again.block_table == []
+    assert driver.scheduler.restore_counts.room_waits == 1
+    assert driver.scheduler.restore_counts.no_room == 0
+    host_manager.pool.check_invariants()
+    for _ in range(500):  # until its last prompt token is computed (it then samples)
+        plan, _ = driver.step()
+        if any(p.request is again and p.samples for p in plan.scheduled):
+            break
+        time.sleep(0 if not driver.scheduler.num_loading else 0.001)
+    assert_kv_matches_tokens(host_manager, again, 25)
+    driver.run_until_done()
+    counts = driver.scheduler.restore_counts
+    if seconds_per_token is not None:  # computing 24 tokens takes 24 s: it waits
+        assert again.counters.cached_host == 24 and again.counters.computed == 2
+        assert counts.no_room == 0 and counts.room_waits > 1 and counts.started == 1
+    else:  # the rate is unknown: one step, then it computes its prefix, a chunk at a time
+        assert counts.no_room >= 1 and again.counters.computed > 2
+
+
 def test_gpu_hits_are_shared_not_recomputed(host_manager: TierManager) -> None:
     driver = Driver(host_manager)
     first = driver.add(prompt_of(9), max_tokens=1)
