@@ -80,7 +80,8 @@ class EngineConfig(CheckedModel):
         token-identical across tiers in float32 only.
     restore_min_saving_s: seconds reading a prefix from the disk or remote tier must be
         expected to save over computing it (at the measured rates) before those tiers are
-        asked at all; 0 asks them for every prefix.
+        asked at all; 0 asks them for every prefix. With other requests running or
+        waiting and the tiers' rates measured, a millisecond is enough.
     remote_cache: the shared remote tier below the disk: a Redis / Redis Cluster URL
         (`redis://`, `rediss://`, `redis+cluster://`) or a `RemoteConfig`; None: off.
     flush_timeout_s: seconds closing the engine (`LLM.close`, the end of `kvtier generate`,

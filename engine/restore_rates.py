@@ -19,6 +19,11 @@ SLOW_TIERS = (Tier.DISK, Tier.REMOTE)
 #: read cost tens of milliseconds, more than a short prefix takes to compute
 #: (docs/BENCHMARKS.md, "Figures behind the engine's constants").
 MIN_SAVING_S = 0.05
+#: ... and while other requests run or wait, once the slow tiers' rates are measured: a
+#: read must still be expected to save something, but the GPU time it saves serves the
+#: others, so the margin for a wrong estimate is the lone request's alone
+#: (`engine.restore_gate.RestoreGate.worth_reading`).
+BUSY_MIN_SAVING_S = 0.001
 #: A gate closed on measured rates is probed: the first prefix it turns away after a read
 #: is read anyway, then every second, fourth, ... up to every this many.
 MAX_PROBE_INTERVAL = 16

@@ -318,3 +318,26 @@ def test_the_threshold_is_an_engine_option() -> None:
         assert llm.scheduler.min_restore_saving_s == 0.0
     with pytest.raises(ValueError, match="restore_min_saving_s"):
         LLM("random:tiny-llama", device="cpu", restore_min_saving_s=-1.0)
+
+
+def test_under_load_a_measured_tier_is_read_for_any_saving() -> None:
+    """A prefix whose read saves 10 ms at the measured rates: a request alone computes it
+    (the margin guards its own latency); with others running or waiting the read is taken,
+    the GPU time it saves going to them. While the tier's rate is unknown the margin holds
+    either way."""
+    from kvtier.engine.request import RequestId
+    from kvtier.engine.restore_gate import RestoreGate
+
+    gate = RestoreGate()
+    gate.prefill_rate.observe(10_000, 1.0)  # 10K tokens/s
+    num_tokens = 200  # 20 ms to compute; read with the model at 10K tokens/s: 10 ms
+    slow = [Tier.DISK]
+    assert not gate.worth_reading(RequestId("alone"), num_tokens, 0, slow, False, busy=True)
+    assert gate.counts.turned_away == 1  # no rate yet: the margin, and nothing to probe
+    gate.tier_rates.observe(Tier.DISK, 10_000, 1.0, latency_s=0.0)
+    assert not gate.worth_reading(RequestId("alone"), num_tokens, 0, slow, False, busy=False)
+    assert gate.worth_reading(RequestId("busy"), num_tokens, 0, slow, False, busy=True)
+    assert not gate.take_probe(RequestId("busy"))  # read on the rates, not as a probe
+    # A first read that lands after the prefix would be computed saves nothing at all.
+    gate.tier_rates.observe(Tier.DISK, 10_000, 1.0, latency_s=0.1, replace=True)
+    assert not gate.worth_reading(RequestId("late"), num_tokens, 0, slow, False, busy=True)
