@@ -1,4 +1,4 @@
-"""Whether a prefix's blocks below the host are read or computed, and how lookups went.
+"""Whether a prefix's blocks below the GPU are read or computed, and how lookups went.
 
 At admission, at the first block that neither the GPU nor the host holds, the scheduler asks
 `RestoreGate.worth_reading` whether the disk and remote tiers are worth looking up for the
@@ -6,11 +6,14 @@ tokens from there on: `restore_rates.worth_reading` at the model's measured pref
 those tiers' measured rates. A gate closed on measured rates would never learn that a tier
 became faster (a cold first read after start), so a prefix it turns away is read anyway now
 and then (`TierRates.turned_away`): a probe, which restores as if the rates were not known
-and whose rates replace the old ones. `RestoreCounts` keeps the account of every lookup.
+and whose rates replace the old ones. Hits that find no GPU blocks to load into wait for
+some while other requests run, for at most the time computing them would take
+(`RestoreGate.waits_for_room`). `RestoreCounts` keeps the account of every lookup.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +39,7 @@ class RestoreCounts:
     no_room: lookups whose hits below the GPU were given up because no GPU blocks could be
         had to load them into (the request computes that part).
     room_waits: lookups that found no GPU blocks to load into and left the request waiting
-        for running requests to free some (`Scheduler._waits_for_room`).
+        for running requests to free some (`RestoreGate.waits_for_room`).
     turned_away: prefixes the measured prefill and tier rates said to compute rather than
         read from the disk or remote tier (not looked up there).
     probes: prefixes read from those tiers although the rates said not to, to measure them
@@ -65,6 +68,8 @@ class RestoreGate:
         self.min_saving_s = min_saving_s
         self.counts = RestoreCounts()
         self._probes: set[RequestId] = set()  # their lookups read to measure the rates
+        #: When each waiting request first found no GPU blocks to load into.
+        self._room_wait_began: dict[RequestId, float] = {}
 
     def worth_reading(self, request_id: RequestId, num_tokens: int, context: int,
                       slow: Sequence[Tier], fast_blocks_behind: bool,
@@ -106,6 +111,30 @@ class RestoreGate:
             return True
         self.counts.turned_away += 1
         return False
+
+    def waits_for_room(self, request_id: RequestId, num_tokens: int, context: int,
+                       others_run: bool) -> bool:
+        """Whether request `request_id`, whose `num_tokens` tokens after `context` were
+        found below the GPU but find no GPU blocks to load into, waits for blocks (True)
+        or computes those tokens (False, the hits given up): it waits while other requests
+        run (`others_run`: they free blocks as they finish), for at most the time computing
+        the tokens is expected to take (the first step only, while the rate is unknown).
+        Computing instead takes blocks a chunk at a time and gives the restore up for
+        good: behind a full pool (many conversations in lockstep) most restores were given
+        up that way, each prefix computed at the GPU's cost."""
+        if others_run:
+            now = time.monotonic()
+            began = self._room_wait_began.setdefault(request_id, now)
+            if began == now or now - began < (self.prefill_rate.seconds(num_tokens, context)
+                                              or 0.0):
+                self.counts.room_waits += 1
+                return True
+        self.counts.no_room += 1
+        return False
+
+    def left_waiting(self, request_id: RequestId) -> None:
+        """`request_id` was admitted or stopped: its wait for blocks, if any, is over."""
+        self._room_wait_began.pop(request_id, None)
 
     def take_probe(self, request_id: RequestId) -> bool:
         """Whether the lookup of `request_id` that just ran was a probe (asked once)."""

@@ -143,8 +143,6 @@ class Scheduler:
         self._gpu_hit_tokens: dict[RequestId, int] = {}
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
         self._taps: dict[RequestId, _Tap] = {}
-        #: When a waiting request first found no GPU blocks to restore into (`_waits_for_room`).
-        self._room_wait_began: dict[RequestId, float] = {}
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
         self.gate = RestoreGate(min_restore_saving_s)
 
@@ -303,8 +301,8 @@ class Scheduler:
     def _lookup(self, request: Request) -> bool:
         """Give a waiting request its cached prefix: GPU hits shared, a restore started for
         the rest. False: the pool has no room to restore its hits below the GPU into yet,
-        and it waits for room rather than computing them (`_waits_for_room`); it holds no
-        block then."""
+        and it waits for room rather than computing them (`RestoreGate.waits_for_room`); it
+        holds no block then."""
         num_lookup = (request.num_tokens - 1) // request.block_size
         began = time.monotonic()
         # Past blocks no tier holds: a stored tail behind a head that was never written.
@@ -319,12 +317,12 @@ class Scheduler:
         load_positions = [i for i, tier in enumerate(tiers) if tier is not Tier.GPU]
         fresh = self._allocate_for_loads(len(load_positions)) if load_positions else []
         if fresh is None:
-            if self._waits_for_room(request, len(load_positions) * request.block_size,
-                                    load_positions[0] * request.block_size):
-                self.restore_counts.room_waits += 1
+            if self.gate.waits_for_room(request.request_id,
+                                        len(load_positions) * request.block_size,
+                                        load_positions[0] * request.block_size,
+                                        others_run=bool(self.running)):
                 self.manager.free([b for b in gpu_blocks if b is not None])
                 return False
-            self.restore_counts.no_room += 1
             # No room to restore into: keep the GPU part in front of the first lower-tier hit.
             cut = load_positions[0]
             self.manager.free([b for b in gpu_blocks[cut:] if b is not None])
@@ -357,22 +355,6 @@ class Scheduler:
             restore.issue(num_leading, self.prefill_rate,
                           max_slow_groups=FIRST_SLOW_GROUPS if known else None)
         return True
-
-    def _waits_for_room(self, request: Request, num_tokens: int, context: int) -> bool:
-        """Whether `request`, whose `num_tokens` tokens after `context` were found below the
-        GPU but find no GPU blocks to load into, should wait for blocks rather than compute
-        those tokens: while requests run (they free blocks as they finish), for at most
-        the time computing the tokens is expected to take (`PrefillRate`; the first step
-        only, while the rate is unknown). Computing instead takes blocks a chunk at a time
-        and gives up the restore for good: behind a full pool (many conversations in
-        lockstep) most restores were given up that way, each prefix computed at the
-        GPU's cost."""
-        if not self.running:
-            return False  # nothing will free blocks: compute
-        now = time.monotonic()
-        began = self._room_wait_began.setdefault(request.request_id, now)
-        return now - began < (self.prefill_rate.seconds(num_tokens, context) or 0.0) \
-            or began == now
 
     def _allocate_for_loads(self, num_blocks: int) -> list[KVCacheBlock] | None:
         """GPU blocks for a restore's loads, or None. Blocks that host stores hold are
@@ -459,7 +441,7 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         self.waiting.remove(request)
-        self._room_wait_began.pop(request.request_id, None)
+        self.gate.left_waiting(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         request.counters.cached_gpu += self._gpu_hit_tokens.pop(request.request_id, 0)
@@ -539,7 +521,7 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         self._gpu_hit_tokens.pop(request.request_id, None)
-        self._room_wait_began.pop(request.request_id, None)
+        self.gate.left_waiting(request.request_id)
         self._finish(request, reason)
 
     def _drop_restore(self, request: Request) -> None:
