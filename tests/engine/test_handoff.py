@@ -26,7 +26,7 @@ from kvtier.handoff.mooncake import MooncakeTransport, mooncake_available
 from kvtier.handoff.placement import PoolPlacement
 from kvtier.handoff.receiver import HandoffReceiver
 from kvtier.handoff.stats import HandoffCounters
-from kvtier.hashing import hash_blocks, namespace_hash
+from kvtier.hashing import BlockHash, hash_blocks, namespace_hash
 from kvtier.tiers.record import metas_for
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -43,6 +43,18 @@ def _engine(model: LoadedModel) -> LLM:
 
 def _namespace(llm: LLM, salt: str | None = None) -> bytes:
     return namespace_hash(llm.model_fingerprint, llm.layout, llm.config.hash_algorithm, salt)
+
+
+def _computed_blocks(prefill: LLM, prompt: list[int], salt: str | None = None
+                     ) -> tuple[list[BlockHash], list[torch.Tensor]]:
+    """`prefill` computes `prompt` (under cache salt `salt`): its full blocks' hashes and
+    their bytes (uint8 rows of its pool)."""
+    prefill.add_request(prompt, SamplingParams(max_tokens=1), cache_salt=salt)
+    while prefill.has_unfinished():
+        prefill.step()
+    hashes = hash_blocks(_namespace(prefill, salt), prompt, 16, prefill.config.hash_algorithm)
+    rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
+    return hashes, [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
 
 
 def test_the_tap_gives_each_prompt_block_once_in_order_with_a_reference(
@@ -73,10 +85,7 @@ def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedMo
     now = [0.0]
     with _engine(smollm2) as prefill, _engine(smollm2) as decode:
         # The prefill engine computes the prompt; its blocks' bytes are read from its pool.
-        prefill.generate([PROMPT], SamplingParams(max_tokens=1))
-        hashes = hash_blocks(_namespace(prefill), PROMPT, 16, prefill.config.hash_algorithm)
-        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
-        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        hashes, payloads = _computed_blocks(prefill, PROMPT)
         ours = metas_for(_namespace(prefill), hashes, PROMPT, 16)
         other = _namespace(prefill, "another tenant")
         theirs = metas_for(other, hash_blocks(other, PROMPT, 16), PROMPT, 16)
@@ -137,10 +146,7 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
     prompt = PROMPT[:96]  # 6 whole blocks: the request computes its last token, in block 5
     now = [0.0]
     with _engine(smollm2) as prefill, _engine(smollm2) as decode:
-        prefill.generate([prompt], SamplingParams(max_tokens=1))
-        hashes = hash_blocks(_namespace(prefill), prompt, 16, prefill.config.hash_algorithm)
-        rows = prefill.manager.kv_cache.view(prefill.num_gpu_blocks, -1).view(torch.uint8)
-        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
+        hashes, payloads = _computed_blocks(prefill, prompt)
         metas = metas_for(_namespace(prefill), hashes, prompt, 16)
         receiving = MooncakeTransport(decode.layout, ring=8)
         sending = MooncakeTransport(prefill.layout, ring=8)
@@ -177,13 +183,8 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
         # tells the receiver which blocks it took.
         reservation = control.reserve(prompt, "another turn", "mooncake")
         assert receiver.num_awaited == 1
-        salted = _namespace(prefill, "another turn")
-        prefill.add_request(prompt, SamplingParams(max_tokens=1), cache_salt="another turn")
-        while prefill.has_unfinished():
-            prefill.step()
-        hashes = hash_blocks(salted, prompt, 16, prefill.config.hash_algorithm)
-        payloads = [rows[prefill.manager.pool.get_cached_block(h).block_id] for h in hashes]
-        metas = metas_for(salted, hashes, prompt, 16)
+        hashes, payloads = _computed_blocks(prefill, prompt, "another turn")
+        metas = metas_for(_namespace(prefill, "another turn"), hashes, prompt, 16)
         channel = sending.open_send(reservation["offer"])
         entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(6)])
         control.commit(reservation["handoff_id"], "mooncake", entries, last=True)

@@ -330,7 +330,7 @@ def test_under_load_a_measured_tier_is_read_for_any_saving() -> None:
 
     gate = RestoreGate()
     gate.prefill_rate.observe(10_000, 1.0)  # 10K tokens/s
-    num_tokens = 200  # 20 ms to compute; read with the model at 10K tokens/s: 10 ms
+    num_tokens = 200  # the fronts of equal speeds halve its compute time: a 10 ms saving
     slow = [Tier.DISK]
     assert not gate.worth_reading(RequestId("alone"), num_tokens, 0, slow, False, busy=True)
     assert gate.counts.turned_away == 1  # no rate yet: the margin, and nothing to probe
