@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvtier.engine.block_taps import BlockTap
 from kvtier.engine.llm import LLM
 from kvtier.engine.sampler import SamplingParams
-from kvtier.engine.scheduler import BlockTap
 from kvtier.engine.streaming import RequestDelta
 
 from kvtier.cuda_device import bind_thread

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
+from kvtier.engine.block_taps import BlockTap
 from kvtier.engine.config_sources import load_engine_config
 from kvtier.engine.cpu_threads import leave_a_core_to_io
 from kvtier.engine.flush_progress import FlushProgressLine
@@ -43,7 +44,7 @@ from kvtier.engine.request import ParentRequest, Request, RequestId, check_token
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import BlockTap, Scheduler
+from kvtier.engine.scheduler import Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -210,7 +211,7 @@ class LLM:
         tenants' (default: the engine's `cache_salt`). Raises ValueError for a bad prompt, a
         duplicate id, a prompt that leaves no room in the model's context, or one that cannot
         fit alone in the GPU block budget. `block_tap` is given the prompt's blocks as they
-        become ready (`kvtier.engine.scheduler.BlockTap`; with n > 1, the first
+        become ready (`kvtier.engine.block_taps.BlockTap`; with n > 1, the first
         completion's)."""
         self._check_open()
         token_ids = self.tokenize(prompt)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+from kvtier.engine.block_taps import BlockTap, BlockTaps
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import (
     DISK_GROUP_BYTES,
@@ -44,19 +45,6 @@ from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, ex
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
-from kvtier.tiers.record import BlockMeta
-
-#: tap(first_index, metas, blocks): a request's prompt blocks from block `first_index` on,
-#: newly full and computed (or restored), each given once, in order; called on the engine
-#: thread. Each block carries one more reference, taken for the tap: whoever receives them
-#: gives it back with `TierManager.free` (on the engine thread) once done with the bytes.
-BlockTap = Callable[[int, list[BlockMeta], list[KVCacheBlock]], None]
-
-
-@dataclass(slots=True)
-class _Tap:
-    fn: BlockTap
-    num_given: int = 0
 
 if TYPE_CHECKING:
     from kvtier.manager import TierManager
@@ -142,7 +130,7 @@ class Scheduler:
         # (those from below count as their restore lands them).
         self._gpu_hit_tokens: dict[RequestId, int] = {}
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
-        self._taps: dict[RequestId, _Tap] = {}
+        self._taps = BlockTaps(manager)
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
         self.gate = RestoreGate(min_restore_saving_s)
 
@@ -181,7 +169,7 @@ class Scheduler:
     def tap_blocks(self, request_id: RequestId, tap: BlockTap) -> None:
         """Give `tap` the prompt blocks of request `request_id` as they become ready (see
         `BlockTap`): a prefill instance hands them over while later chunks compute."""
-        self._taps[request_id] = _Tap(tap)
+        self._taps.add(request_id, tap)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or loads given up whose I/O has not ended (they hold blocks)."""
@@ -285,8 +273,7 @@ class Scheduler:
             request.num_computed_tokens += planned.num_new_tokens
             request.counters.computed += planned.num_new_tokens
             self._cache_full_blocks(request)
-            if request.request_id in self._taps:
-                self._give_to_tap(request)
+            self._taps.give(request)
             if not planned.samples:
                 continue
             assert token_id is not None, f"{request.request_id} should have sampled"
@@ -539,21 +526,8 @@ class Scheduler:
         else:
             self.gate.learn(restore)
 
-    def _give_to_tap(self, request: Request) -> None:
-        """The request's prompt blocks that became ready since its tap was last called."""
-        tap = self._taps[request.request_id]
-        num_ready = min(min(request.num_computed_tokens, request.num_prompt_tokens)
-                        // request.block_size, len(request.block_hashes))
-        if num_ready <= tap.num_given:
-            return
-        first = tap.num_given
-        blocks = request.block_table[first:num_ready]
-        self.manager.touch(blocks)  # the tap's reference, given back by whoever gets them
-        tap.num_given = num_ready
-        tap.fn(first, [request.block_meta(i) for i in range(first, num_ready)], blocks)
-
     def _finish(self, request: Request, reason: str) -> None:
-        self._taps.pop(request.request_id, None)
+        self._taps.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
         self._drop_restore(request)

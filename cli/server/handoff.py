@@ -36,8 +36,8 @@ from kvtier.cli.server.protocol import (
     parse_body,
 )
 from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError
+from kvtier.engine.block_taps import BlockTap
 from kvtier.engine.sampler import SamplingParams
-from kvtier.engine.scheduler import BlockTap
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 

@@ -133,7 +133,7 @@ class PrefillHandoff:
     # ---- the engine's side ---------------------------------------------------------------
 
     def tap(self, first_index: int, metas: list[BlockMeta], blocks: list[KVCacheBlock]) -> None:
-        """`kvtier.engine.scheduler.BlockTap`: queue newly ready blocks for the worker
+        """`kvtier.engine.block_taps.BlockTap`: queue newly ready blocks for the worker
         (after `discard`, give them back at once). Called on the engine thread right after
         the step that fills them was launched: an event recorded on its stream now marks
         when their bytes are there."""
