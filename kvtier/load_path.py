@@ -18,6 +18,7 @@ the way down).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Sequence
@@ -148,7 +149,7 @@ def _unless_cancelled(job: IOJob, cancelled: threading.Event) -> IOJob:
     def run() -> int:
         return 0 if cancelled.is_set() else job.run()
 
-    return IOJob(job.direction, run)
+    return dataclasses.replace(job, run=run)
 
 
 def _also_into(job: IOJob, results: list[bool], keeper: LowerTier,
@@ -162,4 +163,4 @@ def _also_into(job: IOJob, results: list[bool], keeper: LowerTier,
             keeper.put([metas[i] for i in hits], [dests[i] for i in hits])
         return num_bytes
 
-    return IOJob(job.direction, run)
+    return dataclasses.replace(job, run=run)

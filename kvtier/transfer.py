@@ -29,6 +29,7 @@ submit jobs themselves (a worker blocked on a full queue would wait for itself).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -88,6 +89,9 @@ class IOJob:
 
     direction: Direction
     run: Callable[[], int]
+    #: A write its tier runs one at a time (the disk's: LMDB has one write transaction): the
+    #: I/O queue starts one such job at a time and leaves the other threads to reads.
+    serial: bool = False
 
 
 def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
@@ -99,7 +103,7 @@ def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
         finally:
             spans.append((start, time.monotonic()))
 
-    return IOJob(job.direction, run)
+    return dataclasses.replace(job, run=run)
 
 
 def chunks(items: list, size: int) -> list[list]:
@@ -186,7 +190,8 @@ class TransferEngine:
             self._next_job_id += 1
             self._in_flight.add(job_id)
         if isinstance(job, IOJob):
-            self._queue.put((job_id, job), is_write=job.direction in _IO_WRITES)
+            self._queue.put((job_id, job), is_write=job.direction in _IO_WRITES,
+                            serial=job.serial)
         elif self._use_cuda:
             self._launch_cuda(job_id, job)
         else:
@@ -242,7 +247,7 @@ class TransferEngine:
                 ok = False
             finally:
                 if is_write:
-                    self._queue.write_done()
+                    self._queue.write_done(job.serial)
             self._finish(job_id, job.direction, num_bytes, time.perf_counter() - started, ok)
 
     def _finish(self, job_id: JobId, direction: Direction, num_bytes: int, seconds: float,

@@ -83,3 +83,24 @@ def test_sizes_must_be_positive():
         IOQueue(capacity=0, num_threads=1)
     with pytest.raises(ValueError, match="positive"):
         IOQueue(capacity=1, num_threads=0)
+
+
+@pytest.mark.timeout(60)
+def test_serial_writes_run_one_at_a_time_leaving_threads_to_reads():
+    """Two serial writes (the disk's) on four threads: the second waits for the first,
+    and so does an ordinary write queued behind it, while reads are handed out."""
+    q: IOQueue[str] = IOQueue(capacity=16, num_threads=4)
+    for name, serial in (("disk1", True), ("disk2", True), ("remote", False)):
+        q.put(name, is_write=True, serial=serial)
+    assert q.get() == ("disk1", True)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(q.get()))
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not got  # a writer is free, but disk2 waits for disk1
+    q.put("r", is_write=False)
+    waiter.join(timeout=30)
+    assert got == [("r", False)]
+    q.write_done(serial=True)
+    assert q.get() == ("disk2", True)
+    assert q.get() == ("remote", True)  # not serial: it runs beside disk2

@@ -455,7 +455,7 @@ class DiskTier(LowerTier):
     def write_job(self, metas: Sequence[BlockMeta],
                   payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
         """`LowerTier.write_job`: `put` on an I/O thread, counting only the bytes of the
-        blocks it wrote as moved."""
+        blocks it wrote as moved; serial (LMDB runs one write transaction at a time)."""
         stored: list[bool] = []
 
         def run() -> int:
@@ -463,7 +463,7 @@ class DiskTier(LowerTier):
             stored.extend(present)
             return num_written * self.layout.bytes_per_block
 
-        return IOJob(self.writes, run), stored
+        return IOJob(self.writes, run, serial=True), stored
 
     def put_counted(self, metas: Sequence[BlockMeta], payloads: Sequence[object]
                     ) -> tuple[list[bool], int]:
