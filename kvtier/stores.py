@@ -61,9 +61,15 @@ from kvtier.transfer import JobId, SwapJob, chunks, timed_job
 STORE_BATCH_BLOCKS = 8
 STORE_MAX_OFFERS = 16
 #: Write-back batches kept in flight while dirty host blocks wait, unless the caller says
-#: otherwise: LMDB runs one write transaction at a time, so two keep the next batch ready
-#: (copied and checksummed) while one commits.
+#: otherwise: LMDB runs one write transaction at a time, so two keep the next batch queued
+#: while one commits.
 DEFAULT_WRITE_DEPTH = 2
+#: Share of the host slots that write-throughs leave to reads from the tiers below while a
+#: write-back tier exists (the rest is the disk's write buffer). Behind a small host tier
+#: under serving load the buffer stays full of dirty blocks, and a disk read needs a clean
+#: slot: with a sixteenth reserved, restores read a fraction of each prefix before their
+#: compute front met them (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
+READ_RESERVE_SHARE = 1 / 4
 
 #: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
 #: is expected to load it (written first).
@@ -115,7 +121,8 @@ class StorePath:
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
         #: out of evictable ones (writes outpacing the disk): without them, every slot a
         #: write-back cleaned went to the next store, and no disk read ever started.
-        self._read_reserve = num_slots // 16 if caches and self.write_back is not None else 0
+        self._read_reserve = int(num_slots * READ_RESERVE_SHARE) \
+            if caches and self.write_back is not None else 0
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],
                       loaded_later: Sequence[bool] | None = None) -> None:
