@@ -81,11 +81,11 @@ class RestoreGate:
 
         `busy`: other requests run or wait. Then, once the tiers' rates are measured (their
         first read's latency included), a saving of `BUSY_MIN_SAVING_S` is enough, not
-        only one of `min_saving_s`: the GPU time a read saves goes to the other requests. A request
-        alone keeps the margin, as do all while the rates are unknown: there a read that
-        lands later than measured makes its own prompt slower. (Many conversations behind
-        a small host tier: the margin turned away most reads, and served 0.96x of tiers
-        off against 1.07x with every prefix read; docs/BENCHMARKS.md.)"""
+        only one of `min_saving_s`: the GPU time a read saves goes to the other requests.
+        A request alone keeps the margin, as do all while the rates are unknown: there a
+        read that lands later than measured makes its own prompt slower. (Serving many
+        conversations behind a small host tier, the margin turned most reads away;
+        docs/BENCHMARKS.md, "The disk tier behind a small host tier".)"""
         if not slow:
             return False  # nothing below the host to read from
         seconds = self.prefill_rate.seconds(num_tokens, context)
