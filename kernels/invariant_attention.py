@@ -4,24 +4,29 @@ whatever the batch, the chunking of its prompt, and which of its keys were cache
 `paged_attention` picks its tiling from the step's shape and, for short batches, cuts each
 request's keys into `num_splits` ranges whose length follows its seq_len: a token's output
 then depends on its neighbours. Here the keys of every row are cut at fixed absolute
-positions into splits of SPLIT_LEN keys, each split is reduced in tiles of 64 keys with
-the online softmax (`paged_attention._attend_tile`), and the splits' normalised outputs and
-log2-sum-exps are merged one after the other in split order (`_merge_split`). The tiling is
-one per model (head counts, head dim, dtype), never the step's: unlike the matrix products'
-(`invariant_linear`), a query tile's height changes a row's bits on the GPU (16-row decode
-tiles against 128-row prefill tiles disagreed on Hopper GPUs, most likely because the softmax's
-row sums are reduced in the order of the tile's register layout). Decodes therefore run the same
-64-row tile as prefill chunks, which costs them compute (see docs/DETERMINISM.md).
+positions into splits of SPLIT_LEN keys, each split is reduced in key tiles of one width per
+model with the online softmax (`_attend_tile`), and the splits' normalised outputs and
+log2-sum-exps are merged one after the other in split order (`_merge_split`).
 
-Two launch shapes give the same bits: a program that walks all the splits of its rows and
-merges them in registers (prefill: enough programs already), or `num_split_programs`
+A row's operations do not depend on the query tile it sits in, so the tile's height follows
+the step (16 score rows for decodes, 128 for prefill chunks): the scores' scale and max are
+folded into explicit FMAs, which the compiler cannot contract one way in masked tiles and
+another in unmasked ones, and each row's probabilities are summed through the tensor cores
+(a product with ones) rather than by `tl.sum`, whose order follows the tile's register
+layout (16- and 128-row tiles disagreed on Hopper GPUs with `tl.sum`; with the product,
+tiles of 16 to 256 rows on 4 or 8 warps gave the same bits on an H200, which the GPU tests
+check). The key tile's width would change a row's bits, so it is one per model.
+
+Two launch shapes give the same bits: a program that walks all the keys of its rows in one
+pass, folding each split into the merged state where the split ends (prefill: enough
+programs already, and one long loop keeps the loads pipelined), or `num_split_programs`
 programs per query tile taking every so many splits, each split's partial left in float32
 scratch for `_merge_splits_kernel` (decodes and short chunks, which otherwise give the GPU
 too few programs; the merge reads only the splits of the row's own keys). Both run the same
-merge step, compiled without floating-point contraction, in the same order. A split no key
-of which a row sees, and a key tile past a row's position, leave its running state exactly
-as it was, so rows read through whatever pages the block table names, cached or just
-stored, in one kernel for prefill and decode rows alike.
+split result and merge steps in the same order. A split no key of which a row sees, and a
+key tile past a row's position, leave its running state exactly as it was, so rows read
+through whatever pages the block table names, cached or just stored, in one kernel for
+prefill and decode rows alike.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ import triton
 import triton.language as tl
 from kvtier.kernels import _checks
 from kvtier.kernels._attention_checks import check_args, looks_valid
-from kvtier.kernels.paged_attention import _attend_tile, _find_request
+from kvtier.kernels.paged_attention import _find_request, _key_rows
 
 _LOG2E = 1.4426950408889634
 #: Keys per split: a fixed length, so split boundaries sit at the same absolute positions for
-#: every row of every batch. 512 gives a batch-1 decode of a 6K context 12 splits per kv head.
-SPLIT_LEN = 512
+#: every row of every batch. 1024 gives a batch-1 decode of a 6K context 6 splits per kv head;
+#: 512 decoded batches of 1 faster and everything else slower (docs/DETERMINISM.md).
+SPLIT_LEN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,30 +64,138 @@ class InvariantAttentionConfig:
             raise ValueError(f"block_q must be a power of two, got {self.block_q}")
 
 
-@functools.lru_cache(maxsize=64)
-def pick_invariant_config(group: int, head_dim: int,
-                          dtype: torch.dtype) -> InvariantAttentionConfig:
-    """The one tiling for a model, whatever the step: 64 score rows (query tokens x the GQA
-    group) and 64-key tiles on 4 warps; float32 (CUDA-core dots) and wide heads take 16
-    rows to stay in registers."""
+_DECODE_ROWS = 16
+_MIXED_ROWS = 64
+_PREFILL_ROWS = 128
+
+
+@functools.lru_cache(maxsize=256)
+def pick_invariant_config(group: int, head_dim: int, dtype: torch.dtype,
+                          max_query_len: int = 1,
+                          mean_query_len: int | None = None) -> InvariantAttentionConfig:
+    """The tiling for a step whose requests have at most `max_query_len` queries and
+    `mean_query_len` on average (None: the maximum). Score rows (query tokens x the GQA
+    group) per tile: 16 for decodes, 128 on 8 warps for prefill chunks, 64 for steps that
+    mix them (a decode's tile computes all its rows). The tile's height never changes a
+    row's bits (see the module docstring); the key tile's width would, so it is one per
+    model: 128 keys, 64 for float32 and wide heads (CUDA-core dots, whose order may follow
+    the layout, keep 16 rows for every step) and under Triton's interpreter (numpy dots
+    round by the tile's shape: 64 rows for every step)."""
     group_pad = triton.next_power_of_2(group)
-    rows = 16 if dtype == torch.float32 or head_dim > 128 else 64
-    return InvariantAttentionConfig(block_q=max(1, rows // group_pad), tile_n=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return InvariantAttentionConfig(block_q=max(1, _DECODE_ROWS // group_pad), tile_n=64)
+    if _checks.interpreting():
+        return InvariantAttentionConfig(block_q=max(1, 64 // group_pad), tile_n=64)
+    mean = max_query_len if mean_query_len is None else mean_query_len
+    if max_query_len * group_pad <= _DECODE_ROWS:
+        rows, warps = _DECODE_ROWS, 4
+    elif mean * group_pad >= _PREFILL_ROWS:
+        rows, warps = _PREFILL_ROWS, 8
+    else:
+        rows, warps = _MIXED_ROWS, 4
+    return InvariantAttentionConfig(block_q=max(1, rows // group_pad), tile_n=128,
+                                    num_warps=warps)
 
 
 @triton.jit
 def _merge_split(acc, total, m, part, lse):
     """Fold one split's normalised output `part` [.., HEAD_DIM_PAD] and log2-sum-exp `lse`
     into the running (weighted sum, weight sum, max lse). An empty split (lse -inf) leaves
-    the state as it was."""
+    the state as it was. Its multiply-adds are explicit FMAs, so both kernels that merge
+    round alike whatever the compiler would contract."""
     part = tl.where((lse == float("-inf"))[:, None], 0.0, part)  # unwritten scratch
     m_new = tl.maximum(m, lse)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_safe)
     weight = tl.exp2(lse - m_safe)
-    acc = acc * alpha[:, None] + part * weight[:, None]
-    total = total * alpha + weight
+    acc = tl.fma(acc, alpha[:, None], part * weight[:, None])
+    total = tl.fma(total, alpha, weight)
     return acc, total, m_new
+
+
+@triton.jit
+def _split_result(acc, m_i, l_i):
+    """One split's normalised output [BLOCK_M, HEAD_DIM_PAD] and log2-sum-exp [BLOCK_M]
+    (-inf where the split had no key of the row)."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    return acc * (1.0 / l_safe)[:, None], lse
+
+
+@triton.jit
+def _fold_where_split_ends(end_n, acc, m_i, l_i, merged, total, m_run,
+                           SPLIT_LEN: tl.constexpr):
+    """Where keys up to `end_n` close a split: its result merged into (merged, total,
+    m_run) and the split's running (acc, m_i, l_i) started again; else all as they were."""
+    if end_n % SPLIT_LEN == 0:
+        part, lse = _split_result(acc, m_i, l_i)
+        merged, total, m_run = _merge_split(merged, total, m_run, part, lse)
+        m_i = tl.full(m_i.shape, float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros(l_i.shape, dtype=tl.float32)
+        acc = tl.zeros(acc.shape, dtype=tl.float32)
+    return acc, m_i, l_i, merged, total, m_run
+
+
+@triton.jit
+def _normalised(merged, total):
+    """The merged weighted sum over its weight (rows without keys stay 0)."""
+    return merged * (1.0 / tl.where(total == 0.0, 1.0, total))[:, None]
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
+                 stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Fold keys [start_n, start_n + TILE_N) into the running (acc, m_i, l_i) with the same
+    operations for a row whatever the tile's height and warps, and whether the tile is
+    masked (which follows where the query tile starts):
+
+    - the scores are scaled inside one explicit FMA with the max subtracted, the max taken
+      before scaling (rounding is monotone, so it is the max of the scaled scores);
+    - a row's probabilities are summed through the tensor cores, a product with ones over
+      the 16-bit probabilities the values are weighted by: the MMA chain adds a row in one
+      order for any tile, where `tl.sum` follows the tile's register layout (float32 keeps
+      `tl.sum` and one tiling);
+    - the running sum is rescaled with an FMA, and the values' product accumulates onto the
+      rescaled output inside the MMA.
+    """
+    offs_n = start_n + tl.arange(0, TILE_N)  # [TILE_N] key positions
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    if MASKED:
+        n_ok = offs_n < hi
+    else:
+        n_ok = offs_n >= 0  # every key of an unmasked tile is in range
+    k_rows, v_rows = _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t,
+                               stride_v_b, stride_v_t, BLOCK_SIZE)
+    k = tl.load(k_base + k_rows[None, :] + dims[:, None],
+                mask=n_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] float32, unscaled
+    if MASKED:
+        visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    # A row may see no key of this tile yet (split ranges); keep its exponents finite.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(tl.fma(s, qk_scale, -m_safe[:, None]))
+    v = tl.load(v_base + v_rows[:, None] + dims[None, :],
+                mask=n_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+    if DOT_FP32:
+        v = v.to(tl.float32)
+        row_sum = tl.sum(p, 1)
+    else:
+        p = p.to(v.dtype)
+        ones = tl.full([TILE_N, 16], 1.0, dtype=v.dtype)
+        # [BLOCK_M, 16], every column the row's sum; max picks one of them exactly.
+        row_sum = tl.max(tl.dot(p, ones, input_precision=DOT_PRECISION), 1)
+    l_i = tl.fma(l_i, alpha, row_sum)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_splits", "num_split_programs",
@@ -129,40 +243,60 @@ def _invariant_attention_kernel(
         m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         merged = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-        for split in range(split_program, tl.cdiv(tile_hi, SPLIT_LEN), num_split_programs):
-            lo = split * SPLIT_LEN
-            hi = tl.minimum(tile_hi, lo + SPLIT_LEN)
-            unmasked_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) \
-                // TILE_N * TILE_N
-            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-            for start_n in range(lo, unmasked_end, TILE_N):
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
-                    stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
-                    BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION,
-                    DOT_FP32)
-            for start_n in range(unmasked_end, hi, TILE_N):
-                acc, m_i, l_i = _attend_tile(
-                    acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
-                    stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
-                    BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION,
-                    DOT_FP32)
-            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-            part = acc / l_safe[:, None]
-            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-            if not WRITE_PARTS:
-                merged, total, m_run = _merge_split(merged, total, m_run, part, lse)
-            else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        if WRITE_PARTS:
+            for split in range(split_program, tl.cdiv(tile_hi, SPLIT_LEN), num_split_programs):
+                lo = split * SPLIT_LEN
+                hi = tl.minimum(tile_hi, lo + SPLIT_LEN)
+                unmasked_end = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) \
+                    // TILE_N * TILE_N
+                m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+                for start_n in range(lo, unmasked_end, TILE_N):
+                    acc, m_i, l_i = _attend_tile(
+                        acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
+                        stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
+                        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION,
+                        DOT_FP32)
+                for start_n in range(unmasked_end, hi, TILE_N):
+                    acc, m_i, l_i = _attend_tile(
+                        acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
+                        stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
+                        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION,
+                        DOT_FP32)
+                part, lse = _split_result(acc, m_i, l_i)
                 po = split * stride_po_s + token * stride_po_t + head * stride_po_h
                 tl.store(part_out_ptr + po[:, None] + dims[None, :], part, mask=io_mask)
                 tl.store(part_lse_ptr + split * stride_pl_s + token * stride_pl_t + head, lse,
                          mask=row_ok)
-        if not WRITE_PARTS:
-            total = tl.where(total == 0.0, 1.0, total)
+        else:
+            # One pass over the keys, each split folded in where it ends: the same
+            # operations as above, in loops long enough for the loads to pipeline.
+            unmasked_end = (first_pos + 1) // TILE_N * TILE_N
+            for start_n in range(0, unmasked_end, TILE_N):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, q_pos, start_n, tile_hi, k_base, v_base,
+                    block_table_ptr, stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
+                    BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, False, DOT_PRECISION,
+                    DOT_FP32)
+                acc, m_i, l_i, merged, total, m_run = _fold_where_split_ends(
+                    start_n + TILE_N, acc, m_i, l_i, merged, total, m_run, SPLIT_LEN)
+            for start_n in range(unmasked_end, tile_hi, TILE_N):
+                acc, m_i, l_i = _attend_tile(
+                    acc, m_i, l_i, q, q_pos, start_n, tile_hi, k_base, v_base,
+                    block_table_ptr, stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
+                    BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, True, DOT_PRECISION,
+                    DOT_FP32)
+                acc, m_i, l_i, merged, total, m_run = _fold_where_split_ends(
+                    start_n + TILE_N, acc, m_i, l_i, merged, total, m_run, SPLIT_LEN)
+            if tile_hi % SPLIT_LEN != 0:  # the last split ends inside the keys
+                part, lse = _split_result(acc, m_i, l_i)
+                merged, total, m_run = _merge_split(merged, total, m_run, part, lse)
             tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h
-                     + dims[None, :], (merged / total[:, None]).to(out_ptr.dtype.element_ty),
+                     + dims[None, :], _normalised(merged, total).to(out_ptr.dtype.element_ty),
                      mask=io_mask)
 
 
@@ -202,9 +336,8 @@ def _merge_splits_kernel(
                            + heads[:, None] * stride_po_h + dims[None, :], mask=mask,
                            other=0.0)
             merged, total, m_run = _merge_split(merged, total, m_run, part, lse)
-        total = tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + token64 * stride_o_t + heads[:, None] * stride_o_h + dims[None, :],
-                 (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+                 _normalised(merged, total).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -224,7 +357,8 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                         block_tables: torch.Tensor, max_query_len: int, max_seq_len: int,
                         softmax_scale: float, out: torch.Tensor | None = None,
                         split_programs: bool | None = None,
-                        split_len: int = SPLIT_LEN) -> torch.Tensor:
+                        split_len: int = SPLIT_LEN,
+                        config: InvariantAttentionConfig | None = None) -> torch.Tensor:
     """Causal paged attention for prefill chunks and decodes, each row batch-invariant.
 
     Arguments as `kernels.paged_attention` (same shapes, dtypes and meaning).
@@ -232,8 +366,10 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     value only costs empty programs). split_programs: force (True) or forbid (False) one
     program per split; None decides from the launch's size. Either way a row's output is
     the same bits. split_len: keys per split (tests use short ones; rows are comparable
-    only under one split_len). Accumulates in float32. Runs on the current stream. Raises ValueError
-    on a wrong device, dtype, shape or stride, or heads that do not divide.
+    only under one split_len). config: tiling override (tests, benchmarks; rows are
+    comparable only under one `tile_n`); None: `pick_invariant_config` for the step.
+    Accumulates in float32. Runs on the current stream. Raises ValueError on a wrong device,
+    dtype, shape or stride, or heads that do not divide.
     """
     if not looks_valid(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out):
         check_args(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out)
@@ -246,7 +382,9 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    config = pick_invariant_config(group, head_dim, query.dtype)
+    if config is None:
+        config = pick_invariant_config(group, head_dim, query.dtype, max_query_len,
+                                       num_tokens // num_reqs)
     if split_len % config.tile_n:
         raise ValueError(f"split_len={split_len} must be a multiple of the {config.tile_n}-key "
                          "tile")

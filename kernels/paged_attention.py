@@ -57,6 +57,16 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t, stride_v_b, stride_v_t,
+              BLOCK_SIZE: tl.constexpr):
+    """Offsets of keys `offs_n` (where `n_ok`) in the K and V caches, through the block
+    table: [TILE_N] each."""
+    phys = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    return phys * stride_k_b + in_block * stride_k_t, phys * stride_v_b + in_block * stride_v_t
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_table_ptr,
                  stride_k_b, stride_k_t, stride_v_b, stride_v_t, qk_scale,
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -70,10 +80,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
         n_ok = offs_n < hi
     else:
         n_ok = offs_n >= 0  # every key of an unmasked tile is in range
-    phys = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    in_block = offs_n % BLOCK_SIZE
-    k_rows = phys * stride_k_b + in_block * stride_k_t  # [TILE_N]
-    v_rows = phys * stride_v_b + in_block * stride_v_t
+    k_rows, v_rows = _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t,
+                               stride_v_b, stride_v_t, BLOCK_SIZE)
     k = tl.load(k_base + k_rows[None, :] + dims[:, None],
                 mask=n_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
     if DOT_FP32:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kvtier.kernels import invariant_attention, invariant_linear, reference
-from kvtier.kernels.invariant_attention import pick_invariant_config
+from kvtier.kernels.invariant_attention import InvariantAttentionConfig, pick_invariant_config
 from kvtier.kernels.invariant_linear import LinearConfig, linear_tilings
 
 from tests.kernels.kernel_cases import TOLERANCES, needs_interpreter, requires_cuda
@@ -241,3 +241,23 @@ def test_gpu_invariant_attention_rows_are_the_same_bits_in_any_step(dtype: torch
     one_program = seqs.attend(fn, [(0, 2290, 2300), (1, 2290, 2300)], split_programs=False)
     for other in (chunked, decodes, single_decode, split, one_program):
         assert_rows_equal(whole, other)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_every_attention_tile_height_gives_the_same_bits() -> None:
+    # pick_invariant_config chooses the query tile's height by the step: on this GPU every
+    # height and warp count must give a row the same bits (the key tile's width is fixed).
+    seqs = Sequences(3, 2300, num_kv_heads=8, group=4, head_dim=128, block_size=16,
+                     dtype=torch.bfloat16, device="cuda")
+    tile_n = pick_invariant_config(4, 128, torch.bfloat16, 1).tile_n
+    pieces = [(0, 0, 2300), (1, 700, 1500), (2, 2299, 2300)]
+    first = None
+    for rows, warps in [(16, 4), (64, 4), (128, 4), (128, 8), (256, 8)]:
+        config = InvariantAttentionConfig(block_q=rows // 4, tile_n=tile_n, num_warps=warps)
+        for split_programs in (False, True):
+            got = seqs.attend(invariant_attention, pieces, config=config,
+                              split_programs=split_programs)
+            if first is None:
+                first = got
+            assert_rows_equal(first, got)
