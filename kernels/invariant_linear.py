@@ -30,7 +30,7 @@ older GPUs take the first kernel.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -62,15 +62,20 @@ class LinearConfig:
 
 
 #: Tilings by the most rows they serve (bf16 / fp16), the fastest for the Llama-3-8B
-#: projections (`docs/DETERMINISM.md` has the timings): decode-sized steps read the weights with
-#: many narrow programs, prefill-sized ones reuse each weight tile across 128 rows.
+#: projections in a sweep of 54 decode and 36 mid-sized tilings on an H200
+#: (`docs/DETERMINISM.md` has the timings): decode-sized steps read the weights with many
+#: narrow programs and deep loads, prefill-sized ones reuse each weight tile across 128 rows.
 _TILINGS_16BIT = (
-    (16, LinearConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)),
-    (128, LinearConfig(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=4)),
+    (16, LinearConfig(block_m=16, block_n=32, block_k=256, num_warps=2, num_stages=4)),
+    (128, LinearConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)),
     (1024, LinearConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
     (None, LinearConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
 )
-_WIDE_64_ROWS = LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+#: Wide projections (gate/up) of decode- and mid-sized steps: enough programs already, so
+#: shallower loads (16 rows) and wider tiles (64 rows).
+_WIDE_16_ROWS = LinearConfig(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=3)
+_WIDE_64_ROWS = LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+_WIDE_MIN_COLUMNS = 16384
 #: Prefill-sized steps through the persistent TMA kernel: 128 x 256 tiles once the step has
 #: more than 1024 rows or the projection is wide, else 128 x 128 (more programs for narrow
 #: projections of mid-sized steps); the Llama-3-8B timings are in docs/DETERMINISM.md.
@@ -88,8 +93,8 @@ def linear_tilings(dtype: torch.dtype) -> tuple[LinearConfig, ...]:
     bit; the GPU tests compare them)."""
     if dtype == torch.float32:
         return (_FLOAT32,)
-    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_64_ROWS, _TMA_WIDE,
-                                                            _TMA_NARROW)
+    return tuple(config for _, config in _TILINGS_16BIT) + (_WIDE_16_ROWS, _WIDE_64_ROWS,
+                                                            _TMA_WIDE, _TMA_NARROW)
 
 
 def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConfig:
@@ -101,13 +106,15 @@ def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConf
         return _TMA_WIDE if m > 1024 or n > 4096 else _TMA_NARROW
     for max_rows, config in _TILINGS_16BIT:
         if max_rows is None or m <= max_rows:
-            if config.block_m == 64 and n >= 16384:
-                return _WIDE_64_ROWS  # wide projections: fewer, wider programs
+            if n >= _WIDE_MIN_COLUMNS and config.block_m in (16, 64):
+                return _WIDE_16_ROWS if config.block_m == 16 else _WIDE_64_ROWS
             return config
     raise AssertionError("the last tiling serves any number of rows")
 
 
-@triton.jit
+# The row count changes from step to step: not specialised on (Triton would compile a
+# variant for 1 and one for multiples of 16), so warm-up compiles every variant a step meets.
+@triton.jit(do_not_specialize=["M"])
 def _invariant_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
@@ -151,7 +158,7 @@ def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (tile_id % in_group) % size_m, (tile_id % in_group) // size_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _invariant_linear_tma_kernel(
     x_desc, w_desc, out_desc, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -174,10 +181,24 @@ def _invariant_linear_tma_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def _device_facts(device: torch.device) -> tuple[bool, int]:
-    """(whether the GPU has TMA, i.e. is Hopper or later; its multiprocessor count)."""
+def _device_facts(device: torch.device) -> tuple[bool, int, int]:
+    """(whether the GPU has TMA, i.e. is Hopper or later; its multiprocessor count; the
+    shared memory a program may use, in bytes)."""
     props = torch.cuda.get_device_properties(device)
-    return props.major >= 9, props.multi_processor_count
+    shared = int(getattr(props, "shared_memory_per_block_optin", 0)) or 48 * 1024
+    return props.major >= 9, props.multi_processor_count, shared
+
+
+def _fit_stages(config: LinearConfig, x: torch.Tensor) -> LinearConfig:
+    """`config` with as many load stages as the GPU's shared memory holds (at least 2).
+    The stages only pipeline the loads, so they never change a row's bits."""
+    if x.device.type != "cuda":
+        return config
+    per_stage = (config.block_m + config.block_n) * config.block_k * x.element_size()
+    stages = config.num_stages
+    while stages > 2 and stages * per_stage > _device_facts(x.device)[2]:
+        stages -= 1
+    return config if stages == config.num_stages else replace(config, num_stages=stages)
 
 
 def _tma_describable(*tensors: torch.Tensor) -> bool:
@@ -196,8 +217,10 @@ def _launch_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     num_tokens, k = x.shape
     n = weight.shape[0]
-    tiles = triton.cdiv(num_tokens, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(tiles, _device_facts(x.device)[1])
+    # A program per SM whatever the tile count (those without a tile return at once): the
+    # count is a compile-time constant, and one following the step's rows would compile a
+    # kernel for every new count a prompt length brings.
+    programs = _device_facts(x.device)[1]
     _invariant_linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
         TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
@@ -259,6 +282,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             and _tma_describable(x, weight, out):
         _launch_tma(x, weight, bias, out, config)
         return out
+    config = _fit_stages(config, x)
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))
