@@ -12,7 +12,8 @@ on what the model fixes (dtype, head counts, head dim, block size) and on the ti
                    the cudnn backend also one just under the size it takes, for Triton
     long prefix    a short chunk after a long context (split-KV)
     decode         short decodes, and decodes over long contexts (split-KV, merged)
-    mixed          a prefill chunk batched with decodes
+    mid-sized      a fresh chunk of 512 tokens (the deterministic mode's products tile by rows)
+    mixed          a prefill chunk batched with decodes, over long and short contexts
     sampling       the logits head, both sampler paths (greedy, seeded random) and the
                    read-back of the sampled ids (`kernels.store_to_host`)
     block copies   one block GPU -> pinned host -> GPU, and one GPU -> GPU block copy
@@ -61,6 +62,8 @@ logger = logging.getLogger(__name__)
 LONG_CONTEXT = 2048
 #: Query tokens of the warm-up's short prefill chunks.
 SHORT_CHUNK = 48
+#: Query tokens of the warm-up's mid-sized prefill chunk.
+MID_CHUNK = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +145,12 @@ def warmup_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: 
         mixed_chunk = max(1, min(chunk, budget - num_decodes))
         steps.append(WarmupStep("mixed", (mixed_chunk,) + (1,) * num_decodes,
                                 (mixed_chunk,) + (long_context,) * num_decodes))
+        steps.append(WarmupStep("mixed, short contexts", (mixed_chunk,) + (1,) * num_decodes,
+                                (mixed_chunk,) + (17,) * num_decodes))
+    if MID_CHUNK < budget:
+        # The deterministic mode's matrix products tile by the step's rows (<= 16, <= 128,
+        # <= 1024, more): a mid-sized chunk reaches the third.
+        steps.append(WarmupStep("mid-sized prefill", (MID_CHUNK,), (MID_CHUNK,)))
     return steps
 
 

@@ -42,7 +42,8 @@ def test_steps_fit_the_engine_limits(budget: int, max_num_seqs: int, max_model_l
         assert below[0].q_lens == below[0].seq_lens == (cudnn_min_tokens - 1,)
     names = [n for n in names if n != "prefill below cuDNN"]
     assert names[:4] == ["prefill", "long prefix", "decode", "long decode"]
-    assert ("mixed" in names) == (max_num_seqs > 1)
+    assert ("mixed" in names) == ("mixed, short contexts" in names) == (max_num_seqs > 1)
+    assert ("mid-sized prefill" in names) == (steps[0].q_lens[0] > 512)
     for step in steps:
         assert 0 < sum(step.q_lens) <= budget, step
         assert len(step.q_lens) <= max_num_seqs, step
