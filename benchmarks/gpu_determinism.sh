@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The deterministic mode on the lent GPU: its GPU tests, token and log-probability identity
 # across batch sizes 1/8/64 and step budgets 2048/8192 (with each run's time in both modes),
-# and 32K host restores against recompute in both modes.
+# and 32K host and disk restores against recompute in both modes.
 #   bash benchmarks/gpu_determinism.sh [OUT_DIR]      (default: $OUT, else ./out)
 # STAGES picks stages (default: all): tests invariance longctx.
 set -u
@@ -23,7 +23,7 @@ if stage invariance; then
 fi
 if stage longctx; then
     limit 300 $KV bench longctx $M8 --num-docs 2 --doc-tokens 32768 \
-        --max-batched-tokens 8192 --max-tokens 2 --strategies recompute,host --deterministic \
+        --max-batched-tokens 8192 --max-tokens 2 --strategies recompute,host,disk --deterministic \
         --json > "$OUT_DIR/longctx.json" 2> "$OUT_DIR/longctx.log"
 fi
 limit 60 $PY benchmarks/summary.py "$OUT_DIR"
