@@ -22,7 +22,7 @@ SwapMethod = Literal["auto", "dma", "staged", "triton"]
 #: tier is on (blocks pass through it on their way to and from disk; nothing is cached there).
 DEFAULT_STAGING_SLOTS = 16
 #: Threads running host <-> disk jobs unless TierConfig says otherwise.
-DEFAULT_IO_THREADS = 4
+DEFAULT_IO_THREADS = 8
 
 PositiveInt = Annotated[int, Field(gt=0)]
 

@@ -67,9 +67,9 @@ DEFAULT_WRITE_DEPTH = 2
 #: Share of the host slots that write-throughs leave to reads from the tiers below while a
 #: write-back tier exists (the rest is the disk's write buffer). Behind a small host tier
 #: under serving load the buffer stays full of dirty blocks, and a disk read needs a clean
-#: slot: with a sixteenth reserved, restores read a fraction of each prefix before their
-#: compute front met them (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
-READ_RESERVE_SHARE = 1 / 4
+#: slot: the larger the reserve, the more of each prefix restores read before their compute
+#: front met them, up to half (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
+READ_RESERVE_SHARE = 1 / 2
 
 #: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
 #: is expected to load it (written first).
