@@ -23,6 +23,10 @@ SwapMethod = Literal["auto", "dma", "staged", "triton"]
 DEFAULT_STAGING_SLOTS = 16
 #: Threads running host <-> disk jobs unless TierConfig says otherwise.
 DEFAULT_IO_THREADS = 8
+#: Share of the host slots write-throughs leave to reads from the tiers below, unless
+#: TierConfig says otherwise (`kvtier.stores.StorePath`; docs/BENCHMARKS.md, "The disk
+#: tier behind a small host tier", has the sweep that chose it).
+DEFAULT_READ_RESERVE_SHARE = 0.5
 
 PositiveInt = Annotated[int, Field(gt=0)]
 
@@ -49,6 +53,9 @@ class TierConfig(CheckedModel):
     max_pending_io: bound on queued host <-> disk jobs; a full queue blocks the submitter.
     write_depth: write-back batches kept in flight while any dirty host block waits, so the
         disk writes at its own speed whenever there is a backlog (`kvtier.stores`).
+    read_reserve_share: share of the host slots that write-throughs leave (free or clean)
+        to reads from the tiers below while a write-back tier exists: behind a small host
+        tier under load the rest fills with dirty blocks, and a disk read needs a slot.
     staging_slots: slab slots used for disk traffic when the host tier is off.
     remote: the shared remote tier below the disk (`RemoteConfig`); None turns it off.
     directory_path: a directory of one file per block (`kvtier.tiers.directory`), in the
@@ -75,6 +82,9 @@ class TierConfig(CheckedModel):
     max_pending_io: PositiveInt = Field(1024, description="bound on queued host <-> disk jobs")
     write_depth: PositiveInt = Field(
         2, description="write-back batches kept in flight while dirty host blocks wait")
+    read_reserve_share: Annotated[float, Field(ge=0, lt=1)] = Field(
+        DEFAULT_READ_RESERVE_SHARE, description="share of the host slots write-throughs "
+        "leave to reads from the tiers below, while a write-back tier exists")
     staging_slots: PositiveInt = Field(
         DEFAULT_STAGING_SLOTS, description="slab slots for disk traffic without a host tier")
     remote: RemoteConfig | None = Field(

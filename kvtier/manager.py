@@ -141,8 +141,8 @@ class TierManager:
         #: The way up: reads from below into host slots, host -> GPU copies.
         self.load_path = LoadPath(self.tiers, config.io_threads)
         #: The way down (None: no tier below the GPU).
-        self.stores = (StorePath(self.tiers, config.write_depth) if self.host is not None
-                       else None)
+        self.stores = (StorePath(self.tiers, config.write_depth, config.read_reserve_share)
+                       if self.host is not None else None)
         self._closed = False
 
     @property

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvtier.config import DEFAULT_READ_RESERVE_SHARE
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.stats import Direction, Tier, busy_seconds
@@ -64,13 +65,6 @@ STORE_MAX_OFFERS = 16
 #: otherwise: LMDB runs one write transaction at a time, so two keep the next batch queued
 #: while one commits.
 DEFAULT_WRITE_DEPTH = 2
-#: Share of the host slots that write-throughs leave to reads from the tiers below while a
-#: write-back tier exists (the rest is the disk's write buffer). Behind a small host tier
-#: under serving load the buffer stays full of dirty blocks, and a disk read needs a clean
-#: slot: the larger the reserve, the more of each prefix restores read before their compute
-#: front met them, up to half (docs/BENCHMARKS.md, "The disk tier behind a small host tier").
-READ_RESERVE_SHARE = 1 / 2
-
 #: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
 #: is expected to load it (written first).
 _Store = tuple[KVCacheBlock, BlockMeta, bool]
@@ -81,7 +75,8 @@ class StorePath:
     manager's tiers (`tiers.host` must exist: the host tier, or the staging slab in front of
     the tiers below)."""
 
-    def __init__(self, tiers: TierStack, write_depth: int = DEFAULT_WRITE_DEPTH) -> None:
+    def __init__(self, tiers: TierStack, write_depth: int = DEFAULT_WRITE_DEPTH,
+                 read_reserve_share: float = DEFAULT_READ_RESERVE_SHARE) -> None:
         assert tiers.host is not None, "stores need the host tier or its staging slab"
         self.tiers, self.pool, self.kv_cache = tiers, tiers.pool, tiers.kv_cache
         self.host: HostTier = tiers.host
@@ -121,7 +116,7 @@ class StorePath:
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
         #: out of evictable ones (writes outpacing the disk): without them, every slot a
         #: write-back cleaned went to the next store, and no disk read ever started.
-        self._read_reserve = int(num_slots * READ_RESERVE_SHARE) \
+        self._read_reserve = int(num_slots * read_reserve_share) \
             if caches and self.write_back is not None else 0
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],

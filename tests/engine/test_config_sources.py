@@ -75,6 +75,8 @@ def test_validation_replaces_the_hand_written_checks() -> None:
         EngineConfig(disk_cache_gb=float("nan"))
     with pytest.raises(ValueError, match="TierConfig.io_threads: must be > 0, got 0"):
         TierConfig(num_gpu_blocks=4, io_threads=0)
+    with pytest.raises(ValueError, match="TierConfig.read_reserve_share: must be < 1"):
+        TierConfig(num_gpu_blocks=4, read_reserve_share=1.0)
     with pytest.raises(ValueError, match="TierConfig.swap_method: must be one of"):
         TierConfig(num_gpu_blocks=4, swap_method="fast")
     config = TierConfig(num_gpu_blocks=4)

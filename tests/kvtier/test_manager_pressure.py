@@ -67,7 +67,8 @@ def test_a_slot_pinned_by_a_load_survives_host_exhaustion(tmp_path, managers, re
 
 @pytest.mark.timeout(120)
 def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release):
-    m = small_manager(managers, tmp_path, gpu=8, host=3, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=8, host=3, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     m.disk.put_counted, entered = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "wb", 5), random_blocks(layout, 5, seed=3)
@@ -110,7 +111,8 @@ def test_write_back_commits_before_the_slot_is_freed(tmp_path, managers, release
 @pytest.mark.timeout(120)
 def test_a_deferred_write_through_is_dropped_once_its_gpu_block_is_reused(tmp_path, managers,
                                                                          release):
-    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "gone", 3), random_blocks(layout, 3, seed=5)
@@ -171,7 +173,8 @@ def test_a_disk_read_takes_a_cleaned_slot_before_a_deferred_write_through(tmp_pa
 @pytest.mark.timeout(120)
 def test_a_disk_read_gets_a_slot_and_a_thread_while_writes_outpace_the_disk(tmp_path, managers,
                                                                             release):
-    m = small_manager(managers, tmp_path, gpu=32, host=16, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=32, host=16, io_threads=2,
+                      read_reserve_share=0.25)
     layout = m.layout
     x, z, w = (chain(layout, name, 1) for name in ("x", "z", "w"))
     z_data = random_blocks(layout, 1, seed=1)

@@ -36,8 +36,26 @@ def compute(m, metas, data, loaded_later=None):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("share", "taken"), [(0, 6), (0.25, 6), (0.5, 4)])
+def test_write_throughs_leave_the_read_reserve_to_reads(tmp_path, managers, release,
+                                                       share, taken):
+    # 8 host slots, a disk that takes nothing yet: the stores get what the reserve leaves.
+    m = small_manager(managers, tmp_path, gpu=16, host=8, io_threads=2,
+                      read_reserve_share=share)
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
+    metas, data = chain(m.layout, "doc", 6), random_blocks(m.layout, 6, seed=2)
+    compute(m, metas, data)
+    assert sum(m.host.contains(meta.block_hash) for meta in metas) == taken
+    assert m.stores.num_deferred == 6 - taken
+    release.set()
+    assert m.flush().num_written == 6  # the deferred ones follow once slots come clean
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
 def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers, release):
-    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     # The disk takes nothing for now.
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
@@ -60,7 +78,8 @@ def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers
 
 @pytest.mark.timeout(120)
 def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, managers, release):
-    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     stored = chain(layout, "stored", 2)
     compute(m, stored, random_blocks(layout, 2, seed=2))
@@ -93,7 +112,8 @@ def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, manage
 def test_a_short_pool_releases_deferred_blocks_that_come_free(tmp_path, managers, release):
     """A deferred block that a request also holds (a prefix hit) would not come free: a short
     allocation releases another deferred block instead, and gets its blocks."""
-    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     metas = chain(layout, "held", 6)
@@ -142,7 +162,8 @@ def test_a_lookup_with_gaps_finds_a_stored_tail(tmp_path, managers):
 
 @pytest.mark.timeout(120)
 def test_a_flush_out_of_time_counts_what_it_gave_up(tmp_path, managers, release):
-    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2)
+    m = small_manager(managers, tmp_path, gpu=16, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
     layout = m.layout
     m.disk.put_counted, entered = held_before(m.disk.put_counted, release)
     metas = chain(layout, "late", 5)

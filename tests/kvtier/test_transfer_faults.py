@@ -289,7 +289,8 @@ def test_a_batch_half_written_before_the_error_is_whole_on_disk(faulty_manager):
     """A write-back batch fails after its first half committed: those blocks are on disk,
     byte-exact, and served after a restart; the rest are misses."""
     writes = Faults(calls=frozenset({0}), partial_rate=1.0)
-    m = faulty_manager(num_gpu=8, num_host=8, reads=Faults(), writes=writes)
+    # Host slots for all six beside the slots kept for reads.
+    m = faulty_manager(num_gpu=8, num_host=12, reads=Faults(), writes=writes)
     truth = Truth()
     metas = truth.sequence("half", 6)
     compute(m, truth, metas)
