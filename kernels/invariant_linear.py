@@ -10,9 +10,9 @@ operations over the same K order, and a row never meets another row's values.
 
 The tiling may follow M, because on the GPU it does not change a row's bits: whatever the
 tile's rows, columns and load depth, an element is the same chain of 16-deep tensor-core
-steps over K into one float32 accumulator, starting from zero (16- to 128-row tiles, 32 to
-256 columns, 64- and 128-deep loads, mma and warpgroup-mma alike give identical rows on
-Hopper; `tests/kernels/test_kernel_invariant.py` checks every tiling of
+steps over K into one float32 accumulator, starting from zero (16- to 128-row tiles, 16 to
+256 columns, 64- to 256-deep loads, 2 to 8 warps, mma and warpgroup-mma alike give
+identical rows on Hopper; `tests/kernels/test_kernel_invariant.py` checks every tiling of
 `pick_linear_config` against the others on the GPU). float32 operands (exact dots on CUDA
 cores, whose order may follow the thread layout) keep one tiling for every M. Rows past M
 in the last tile are masked loads of zeros, which touch no real row.
@@ -112,8 +112,8 @@ def pick_linear_config(m: int, n: int, k: int, dtype: torch.dtype) -> LinearConf
     raise AssertionError("the last tiling serves any number of rows")
 
 
-# The row count changes from step to step: not specialised on (Triton would compile a
-# variant for 1 and one for multiples of 16), so warm-up compiles every variant a step meets.
+# The row count changes from step to step and is not specialised on: Triton would compile
+# a variant for 1 and one for multiples of 16, which a new prompt length could meet mid-run.
 @triton.jit(do_not_specialize=["M"])
 def _invariant_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
