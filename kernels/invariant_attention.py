@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from kvtier.kernels import _checks
 from kvtier.kernels._attention_checks import check_args, looks_valid
-from kvtier.kernels.paged_attention import _find_request, _key_rows
+from kvtier.kernels.paged_attention import _find_request, _key_tile, _value_tile
 
 _LOG2E = 1.4426950408889634
 #: Keys per split: a fixed length, so split boundaries sit at the same absolute positions for
@@ -161,19 +161,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
     - the running sum is rescaled with an FMA, and the values' product accumulates onto the
       rescaled output inside the MMA.
     """
-    offs_n = start_n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    if MASKED:
-        n_ok = offs_n < hi
-    else:
-        n_ok = offs_n >= 0  # every key of an unmasked tile is in range
-    k_rows, v_rows = _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t,
-                               stride_v_b, stride_v_t, BLOCK_SIZE)
-    k = tl.load(k_base + k_rows[None, :] + dims[:, None],
-                mask=n_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
-    if DOT_FP32:
-        k = k.to(tl.float32)
+    offs_n, n_ok, k, v_rows = _key_tile(
+        start_n, hi, k_base, block_table_ptr, stride_k_b, stride_k_t, stride_v_b, stride_v_t,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, MASKED, DOT_FP32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N] float32, unscaled
     if MASKED:
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -183,10 +173,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(tl.fma(s, qk_scale, -m_safe[:, None]))
-    v = tl.load(v_base + v_rows[:, None] + dims[None, :],
-                mask=n_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+    v = _value_tile(v_base, v_rows, n_ok, HEAD_DIM, HEAD_DIM_PAD, DOT_FP32)
     if DOT_FP32:
-        v = v.to(tl.float32)
         row_sum = tl.sum(p, 1)
     else:
         p = p.to(v.dtype)

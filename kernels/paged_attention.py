@@ -57,13 +57,39 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t, stride_v_b, stride_v_t,
-              BLOCK_SIZE: tl.constexpr):
-    """Offsets of keys `offs_n` (where `n_ok`) in the K and V caches, through the block
-    table: [TILE_N] each."""
+def _key_tile(start_n, hi, k_base, block_table_ptr, stride_k_b, stride_k_t, stride_v_b,
+              stride_v_t, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+              DOT_FP32: tl.constexpr):
+    """Keys [start_n, start_n + TILE_N) through the block table: their positions and
+    in-range mask [TILE_N], the K tile [HEAD_DIM_PAD, TILE_N], and the offsets of their V
+    rows [TILE_N] (loaded later by `_value_tile`, where the caller needs them)."""
+    offs_n = start_n + tl.arange(0, TILE_N)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    if MASKED:
+        n_ok = offs_n < hi
+    else:
+        n_ok = offs_n >= 0  # every key of an unmasked tile is in range
     phys = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
     in_block = offs_n % BLOCK_SIZE
-    return phys * stride_k_b + in_block * stride_k_t, phys * stride_v_b + in_block * stride_v_t
+    k_rows = phys * stride_k_b + in_block * stride_k_t
+    k = tl.load(k_base + k_rows[None, :] + dims[:, None],
+                mask=n_ok[None, :] & (dims < HEAD_DIM)[:, None], other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    return offs_n, n_ok, k, phys * stride_v_b + in_block * stride_v_t
+
+
+@triton.jit
+def _value_tile(v_base, v_rows, n_ok, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    """The V tile [TILE_N, HEAD_DIM_PAD] of the rows `_key_tile` found."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    v = tl.load(v_base + v_rows[:, None] + dims[None, :],
+                mask=n_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    return v
 
 
 @triton.jit
@@ -73,19 +99,9 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
                  HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
     """Fold keys [start_n, start_n + TILE_N) into the running (acc, m_i, l_i)."""
-    offs_n = start_n + tl.arange(0, TILE_N)  # [TILE_N] key positions
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    if MASKED:
-        n_ok = offs_n < hi
-    else:
-        n_ok = offs_n >= 0  # every key of an unmasked tile is in range
-    k_rows, v_rows = _key_rows(block_table_ptr, offs_n, n_ok, stride_k_b, stride_k_t,
-                               stride_v_b, stride_v_t, BLOCK_SIZE)
-    k = tl.load(k_base + k_rows[None, :] + dims[:, None],
-                mask=n_ok[None, :] & dim_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
-    if DOT_FP32:
-        k = k.to(tl.float32)
+    offs_n, n_ok, k, v_rows = _key_tile(
+        start_n, hi, k_base, block_table_ptr, stride_k_b, stride_k_t, stride_v_b, stride_v_t,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PAD, MASKED, DOT_FP32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N] float32
     if MASKED:
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -96,10 +112,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start_n, hi, k_base, v_base, block_tab
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + v_rows[:, None] + dims[None, :],
-                mask=n_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
-    if DOT_FP32:
-        v = v.to(tl.float32)
+    v = _value_tile(v_base, v_rows, n_ok, HEAD_DIM, HEAD_DIM_PAD, DOT_FP32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
