@@ -56,8 +56,8 @@ from kvtier.tiers.remote.config import RemoteConfig
 
 log = logging.getLogger("kvtier.engine")
 
-#: While only transfers are in flight a step may have nothing to run; it then waits this long
-#: (seconds) instead of spinning.
+#: While only transfers are in flight a step may have nothing to run; it then waits for one
+#: to finish, at most this long (seconds; CUDA copies are polled, not signalled).
 _IDLE_WAIT_S = 0.0005
 
 
@@ -412,7 +412,7 @@ class LLM:
                 finished.append(request)
         self._failures.end_failed(self._requests, self.scheduler, finished)
         if self.scheduler.idle(ran=bool(plan.scheduled or finished)):
-            time.sleep(_IDLE_WAIT_S)
+            self.manager.wait_for_transfers(_IDLE_WAIT_S)
         return stepped, finished
 
     def _complete(self, request: Request) -> RequestOutput | None:

@@ -438,6 +438,12 @@ class TierManager:
             load.job_ids.add(job_id)
         return job_id
 
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        """Block until a transfer finished that `poll` has not taken in yet, or for
+        `timeout_s` seconds: what an engine with nothing to run but transfers in flight
+        waits on (a disk read wakes it as it lands, not after a fixed sleep)."""
+        self.transfers.wait_any(timeout_s)
+
     def poll(self) -> None:
         """Advance transfers without blocking: run the next step of every finished job
         (reads -> host -> GPU chains, stores landing, write-backs committing), start

@@ -285,6 +285,15 @@ class TransferEngine:
                 # was handed out by another thread that has not registered its events yet.
                 self._changed.wait(timeout=0.05)
 
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until a job finished that `get_finished` has not reported yet, or for
+        `timeout_s` seconds. I/O jobs wake it as they finish; CUDA jobs are seen only when
+        the wait begins (their events are polled), so with those the timeout bounds it."""
+        self._reap_cuda(block=())
+        with self._changed:
+            if not self._finished:
+                self._changed.wait(timeout=timeout_s)
+
     def wait_all(self) -> None:
         """Block until nothing is in flight."""
         with self._lock:

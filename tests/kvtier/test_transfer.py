@@ -252,3 +252,17 @@ def test_a_read_runs_while_writes_hold_every_thread_they_may():
         release.set()
     engine.close()
     assert engine.stats()[Direction.HOST_TO_DISK].num_jobs == 4
+
+
+@pytest.mark.timeout(30)
+def test_wait_any_returns_as_an_io_job_finishes():
+    engine = TransferEngine("cpu", io_threads=1, max_pending_io=4)
+    landed = threading.Event()
+    try:
+        job = engine.submit(IOJob(Direction.DISK_TO_HOST, lambda: landed.wait() and 0))
+        threading.Timer(0.05, landed.set).start()
+        engine.wait_any(timeout_s=600)  # woken by the read, long before its timeout
+        assert engine.get_finished() == [(job, True)]
+    finally:
+        landed.set()
+        engine.close()
