@@ -187,9 +187,11 @@ def test_a_request_preempted_while_both_fronts_move_comes_back(disk_dir: Path) -
                 seen = fronts
                 break
             time.sleep(0.001)
-        # Preempted with its head partly computed, block 7 landed and loads in flight.
+        # Preempted with its head partly computed, block 7 landed and loads in flight. How
+        # far the compute front got follows the prefill rate it measured (wall clock), so
+        # on a loaded machine it may just have reached the load front; never past it.
         assert seen is not None, "the restoring request was never preempted"
-        assert 0 < seen.compute_block < seen.load_block < seen.num_blocks
+        assert 0 < seen.compute_block <= seen.load_block < seen.num_blocks
         assert seen.num_restored == 1
         assert request.status is RequestStatus.PREEMPTED and request.block_table == []
         hook.release()
