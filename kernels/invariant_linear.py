@@ -62,9 +62,9 @@ class LinearConfig:
 
 
 #: Tilings by the most rows they serve (bf16 / fp16), the fastest for the Llama-3-8B
-#: projections in a sweep of 54 decode and 36 mid-sized tilings on an H200
-#: (`docs/DETERMINISM.md` has the timings): decode-sized steps read the weights with many
-#: narrow programs and deep loads, prefill-sized ones reuse each weight tile across 128 rows.
+#: projections in a sweep on the GPU (`docs/DETERMINISM.md` has the sweep and the timings):
+#: decode-sized steps read the weights with many narrow programs and deep loads,
+#: prefill-sized ones reuse each weight tile across 128 rows.
 _TILINGS_16BIT = (
     (16, LinearConfig(block_m=16, block_n=32, block_k=256, num_warps=2, num_stages=4)),
     (128, LinearConfig(block_m=64, block_n=32, block_k=128, num_warps=4, num_stages=4)),
@@ -189,14 +189,15 @@ def _device_facts(device: torch.device) -> tuple[bool, int, int]:
     return props.major >= 9, props.multi_processor_count, shared
 
 
-def _fit_stages(config: LinearConfig, x: torch.Tensor) -> LinearConfig:
-    """`config` with as many load stages as the GPU's shared memory holds (at least 2).
-    The stages only pipeline the loads, so they never change a row's bits."""
-    if x.device.type != "cuda":
-        return config
-    per_stage = (config.block_m + config.block_n) * config.block_k * x.element_size()
+@functools.lru_cache(maxsize=None)
+def _fit_stages(config: LinearConfig, device: torch.device, element_size: int) -> LinearConfig:
+    """`config` with as many load stages as the shared memory of the GPU `device` holds
+    (at least 2) for operands of `element_size` bytes; worked out once per tiling (every
+    projection of every step asks). The stages only pipeline the loads, so they never
+    change a row's bits."""
+    per_stage = (config.block_m + config.block_n) * config.block_k * element_size
     stages = config.num_stages
-    while stages > 2 and stages * per_stage > _device_facts(x.device)[2]:
+    while stages > 2 and stages * per_stage > _device_facts(device)[2]:
         stages -= 1
     return config if stages == config.num_stages else replace(config, num_stages=stages)
 
@@ -282,7 +283,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             and _tma_describable(x, weight, out):
         _launch_tma(x, weight, bias, out, config)
         return out
-    config = _fit_stages(config, x)
+    if x.device.type == "cuda":
+        config = _fit_stages(config, x.device, x.element_size())
     # Triton's interpreter computes bfloat16 dots wrongly; it gets float32 operands instead.
     dot_fp32 = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpreting)
     grid = (triton.cdiv(num_tokens, config.block_m), triton.cdiv(n, config.block_n))

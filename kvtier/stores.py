@@ -65,6 +65,7 @@ STORE_MAX_OFFERS = 16
 #: otherwise: LMDB runs one write transaction at a time, so two keep the next batch queued
 #: while one commits.
 DEFAULT_WRITE_DEPTH = 2
+
 #: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
 #: is expected to load it (written first).
 _Store = tuple[KVCacheBlock, BlockMeta, bool]
