@@ -18,6 +18,7 @@ from kvtier.kernels.paged_attention import paged_attention
 from kvtier.kernels.paged_decode import AttentionConfig
 from kvtier.kernels.store_kv import store_kv
 from kvtier.kernels.swap_blocks import SWAP_METHODS, swap_blocks
+from kvtier.kernels.word_checksum import word_checksum
 
 __all__ = [
     "SWAP_METHODS",
@@ -36,4 +37,5 @@ __all__ = [
     "store_kv",
     "store_to_host",
     "swap_blocks",
+    "word_checksum",
 ]

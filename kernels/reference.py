@@ -308,3 +308,11 @@ def invariant_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             0, 2, 1, 3, 4).reshape(num_chunks * rows, num_heads, head_dim)
         out[q_start:q_start + q_len] = result[:q_len].to(out.dtype)
     return out
+
+
+def word_checksum(rows: torch.Tensor) -> torch.Tensor:
+    """Reference for kernels.word_checksum: per row of uint8 `[n, nbytes]`, the sum of its
+    32-bit words (sign-extended), word i weighted 2i+1, modulo 2**64, as int64 `[n]`."""
+    words = rows.contiguous().view(torch.int32).to(torch.int64)  # [n, nbytes / 4]
+    weights = torch.arange(1, 2 * words.shape[1], 2, dtype=torch.int64, device=rows.device)
+    return (words * weights).sum(dim=1)  # wraps modulo 2**64

@@ -47,6 +47,7 @@ from kvtier.handoff.base import (
     TransportError,
     payload_rows,
 )
+from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import (
     BlockMeta,
@@ -182,10 +183,10 @@ class TorchDistTransport(HandoffTransport):
 def device_checksum(rows: torch.Tensor) -> list[int]:
     """Per row of `rows` (uint8 `[n, nbytes]`, nbytes a multiple of 4, any device), the
     weighted sum of its 32-bit words, word i weighted 2i+1, modulo 2**64 (as an unsigned
-    int). Integer arithmetic: the same on every device."""
-    words = rows.view(torch.int32).to(torch.int64)  # [n, nbytes / 4]
-    weights = torch.arange(1, 2 * words.shape[1], 2, dtype=torch.int64, device=rows.device)
-    sums = (words * weights).sum(dim=1)  # wraps modulo 2**64
+    int): `kernels.word_checksum` on a GPU, its torch reference elsewhere. Integer
+    arithmetic: the same on every device."""
+    sums = word_checksum(rows.contiguous()) if rows.device.type == "cuda" \
+        else reference.word_checksum(rows)  # [n] int64
     return [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in sums.cpu().tolist()]
 
 
