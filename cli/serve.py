@@ -111,6 +111,10 @@ def serve(
         256, "--handoff-nccl-group-mib", help="MiB of KV per send and commit over NCCL "
         "(more: fewer round trips and checksum passes, more GPU memory in flight on both "
         "instances)."),
+    handoff_nccl_in_flight: int = typer.Option(
+        2, "--handoff-nccl-in-flight", help="Sends over NCCL that may await their commits "
+        "(more than one: the next group moves while the last one's commit is answered; each "
+        "holds a group of GPU memory on both instances)."),
     **engine: Any,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API (completions, chat, metrics)."""
@@ -127,7 +131,8 @@ def serve(
     handoff_config = handoff_settings(
         role, handoff_mooncake, handoff_mooncake_protocol, handoff_mooncake_device,
         handoff_mooncake_slots, handoff_redis, handoff_nccl, handoff_nccl_backend,
-        handoff_timeout, handoff_hold, handoff_batch, handoff_nccl_group_mib)
+        handoff_timeout, handoff_hold, handoff_batch, handoff_nccl_group_mib,
+        handoff_nccl_in_flight)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                           max_messages=max_messages, max_stop=max_stop,
                           max_stop_chars=max_stop_chars, max_n=max_n,
@@ -177,7 +182,8 @@ def serve(
 def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_device: str,
                      mooncake_slots: int, redis_url: str | None, nccl: str | None,
                      nccl_backend: str | None, timeout_s: float, hold_s: float,
-                     batch: int = 32, nccl_group_mib: int = 256) -> HandoffConfig:
+                     batch: int = 32, nccl_group_mib: int = 256,
+                     nccl_in_flight: int = 2) -> HandoffConfig:
     """The `HandoffConfig` of serve's --role and --handoff-* options; ValueError saying
     which option is wrong."""
     from kvtier.handoff.mooncake import mooncake_available
@@ -200,7 +206,7 @@ def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_
                          mooncake_device=mooncake_device, mooncake_slots=mooncake_slots,
                          redis_url=redis_url, nccl_init=nccl, nccl_backend=nccl_backend,
                          timeout_s=timeout_s, hold_s=hold_s, batch=batch,
-                         nccl_group_mib=nccl_group_mib)
+                         nccl_group_mib=nccl_group_mib, nccl_in_flight=nccl_in_flight)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -330,9 +330,14 @@ class HandoffService:
                 or not isinstance(raw.get("last"), bool):
             raise APIError(400, "commit needs handoff_id, blocks (a list of objects) and last")
         transport = raw.get("transport") if isinstance(raw.get("transport"), str) else None
+        part = raw.get("part")
+        if part is not None and (not isinstance(part, int) or isinstance(part, bool)
+                                 or part < 0):
+            raise APIError(400, f"a commit's part must be an integer >= 0 or null, got "
+                                f"{part!r}")
         try:
             return await asyncio.to_thread(receiver.commit, raw["handoff_id"], raw["blocks"],
-                                           raw["last"], transport)
+                                           raw["last"], transport, part)
         except UnknownHandoff:
             raise APIError(404, f"no handoff {raw['handoff_id']} here (never reserved, "
                            "expired or ended)", type_="not_found_error") from None

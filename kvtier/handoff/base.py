@@ -76,6 +76,9 @@ class SendChannel(ABC):
 
     #: Most blocks one `send` may carry before their commit.
     capacity: int
+    #: Sends that may await their commits: the next `send` may come before the last one's
+    #: commit is answered while fewer are.
+    in_flight: int = 1
 
     @abstractmethod
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
@@ -85,7 +88,9 @@ class SendChannel(ABC):
         moved any more."""
 
     def committed(self) -> None:
-        """The commit announcing the last `send` was answered (its room may be reused)."""
+        """A commit announcing a `send` was answered, its room may be reused: called once
+        per send so answered, from the thread that took the answer (with sends under way
+        together, answers may come in any order)."""
         return None  # nothing by default
 
     def close(self) -> None:

@@ -32,7 +32,8 @@ class HandoffConfig:
     timeout_s: seconds a decode instance's reservation waits for its next commit before it
         expires. hold_s: seconds handed-over blocks are kept from eviction waiting for their
         request. batch: blocks per send and commit over Redis. nccl_group_mib: MiB of
-        payloads per send and commit over NCCL (at least one block).
+        payloads per send and commit over NCCL (at least one block). nccl_in_flight: sends
+        over NCCL that may await their commits.
     Raises ValueError for a bad value.
     """
 
@@ -49,6 +50,7 @@ class HandoffConfig:
     hold_s: float = 60.0
     batch: int = 32
     nccl_group_mib: int = 256
+    nccl_in_flight: int = 2
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -57,7 +59,8 @@ class HandoffConfig:
             raise ValueError(f"--handoff-timeout must be > 0 seconds, got {self.timeout_s}")
         if not self.hold_s >= 0:
             raise ValueError(f"--handoff-hold must be >= 0 seconds, got {self.hold_s}")
-        for name in ("mooncake_slots", "mooncake_ring", "batch", "nccl_group_mib"):
+        for name in ("mooncake_slots", "mooncake_ring", "batch", "nccl_group_mib",
+                     "nccl_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"handoff setting {name} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -109,7 +112,7 @@ def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, Handof
             transports["nccl"] = TorchDistTransport(
                 layout, config.nccl_init,
                 PREFILL_RANK if config.role == "prefill" else DECODE_RANK, backend,
-                group_bytes=config.nccl_group_mib << 20)
+                group_bytes=config.nccl_group_mib << 20, in_flight=config.nccl_in_flight)
     except BaseException:
         for transport in transports.values():
             transport.close()

@@ -8,8 +8,8 @@ Internal HTTP endpoints of a decode instance (JSON bodies and answers):
                                              "layout"}
     POST /internal/handoff/reserve       {"token_ids", "cache_salt", "transport"}
                                          -> {"handoff_id", "held", "offer", "timeout_s"}
-    POST /internal/handoff/commit        {"handoff_id", "transport", "blocks", "last"}
-                                         -> {"accepted", "rejected"}
+    POST /internal/handoff/commit        {"handoff_id", "transport", "blocks", "last",
+                                          "part"} -> {"accepted", "rejected", "timings"}
     POST /internal/handoff/abort         {"handoff_id"} -> {}
 
 An unknown or expired handoff answers 404, a bad body 400, a transport the instance cannot
@@ -55,8 +55,9 @@ class DecodeControl(ABC):
 
     @abstractmethod
     def commit(self, handoff_id: str, transport: str, blocks: Sequence[Json],
-               last: bool) -> Json:
-        """See `HandoffReceiver.commit`."""
+               last: bool, part: int | None = None) -> Json:
+        """See `HandoffReceiver.commit`. Thread-safe: a sender may have several commits
+        under way (`part` numbers them)."""
 
     @abstractmethod
     def abort(self, handoff_id: str) -> None:
@@ -86,9 +87,9 @@ class LocalControl(DecodeControl):
                 from exc
 
     def commit(self, handoff_id: str, transport: str, blocks: Sequence[Json],
-               last: bool) -> Json:
+               last: bool, part: int | None = None) -> Json:
         try:
-            return self.receiver.commit(handoff_id, blocks, last, transport)
+            return self.receiver.commit(handoff_id, blocks, last, transport, part)
         except KeyError as exc:
             raise ControlError(f"unknown handoff {handoff_id}", 404) from exc
         except (ValueError, TransportError) as exc:
@@ -151,10 +152,10 @@ class HttpControl(DecodeControl):
                            "transport": transport})
 
     def commit(self, handoff_id: str, transport: str, blocks: Sequence[Json],
-               last: bool) -> Json:
+               last: bool, part: int | None = None) -> Json:
         return self._call("POST", "/internal/handoff/commit",
                           {"handoff_id": handoff_id, "transport": transport,
-                           "blocks": list(blocks), "last": last})
+                           "blocks": list(blocks), "last": last, "part": part})
 
     def abort(self, handoff_id: str) -> None:
         try:

@@ -69,6 +69,8 @@ class _Reservation:
     done: bool = False
     claimed: bool = False  # its request took the awaited block (`taken`)
     busy: bool = False  # a commit is under way: it is not ended meanwhile
+    #: The `part` the next numbered commit must carry (commits are taken in their order).
+    next_part: int = 0
     #: An end asked for while a commit was under way (its outcome), done once it returns.
     end_after: str | None = None
 
@@ -107,6 +109,9 @@ class HandoffReceiver:
         #: Reservations by the hash of the last block their request can take.
         self._awaited: dict[BlockHash, set[str]] = {}
         self._lock = threading.Lock()
+        #: Notified when a commit ends or a reservation goes: a numbered commit that came
+        #: early waits on it for its turn.
+        self._changed = threading.Condition(self._lock)
         self._ids = itertools.count()
 
     # ---- control verbs (any thread) ------------------------------------------------------
@@ -146,16 +151,26 @@ class HandoffReceiver:
                 "timeout_s": self.timeout_s}
 
     def commit(self, handoff_id: str, entries: Sequence[Json], last: bool,
-               transport: str | None = None) -> Json:
+               transport: str | None = None, part: int | None = None) -> Json:
         """The records `entries` announce have landed: validate and place them. Answers
         {"accepted": [index...], "rejected": [index...]}. `last` ends the handoff (its
         blocks are then held until the request arrives). Raises UnknownHandoff (the
         transport's announced bytes are consumed first), ValueError for bad entries,
         TransportError when the transport failed. `transport`: the sender's, named so that
-        an unknown handoff's bytes can be consumed."""
-        with self._lock:
+        an unknown handoff's bytes can be consumed. `part`: the commit's number within the
+        handoff (0, 1, ...), given by a sender that does not wait for one commit's answer
+        before the next: a commit that comes early waits (at most `timeout_s`) for those
+        before it. None: the commit must come alone."""
+        with self._changed:
             reservation = self._reservations.get(handoff_id)
-            if reservation is not None and not reservation.done and not reservation.busy:
+            if reservation is not None and part is not None:
+                self._changed.wait_for(
+                    lambda: self._reservations.get(handoff_id) is not reservation
+                    or (reservation.next_part >= part and not reservation.busy),
+                    self.timeout_s)
+            if reservation is not None and self._reservations.get(handoff_id) is reservation \
+                    and not reservation.done and not reservation.busy \
+                    and part in (None, reservation.next_part):
                 reservation.busy = True
             else:
                 reservation = None
@@ -212,6 +227,8 @@ class HandoffReceiver:
             raise
         with self._lock:
             reservation.busy = False
+            reservation.next_part += 1
+            self._changed.notify_all()
             reservation.deadline = self.clock() + (self.hold_s if last else self.timeout_s)
             if last:
                 reservation.done = True
@@ -304,6 +321,7 @@ class HandoffReceiver:
                 return
             if self._reservations.pop(reservation.handoff_id, None) is None:
                 return
+            self._changed.notify_all()
             waiting = self._awaited.get(reservation.awaited) \
                 if reservation.awaited is not None else None
             if waiting is not None:

@@ -5,13 +5,17 @@ them full (on the engine thread, each block with a reference taken for the hando
 wait in a queue until the decode instance's reservation is known (`start`: it is made while
 the prefill computes), then a worker thread running `pump` sends them, at most a channel's
 `capacity` at a time, and commits each group to the decode instance while the engine
-computes the next chunk. Blocks the decode instance said it holds are not sent. The last
-group leaves as soon as every full block of the prompt has been tapped, without waiting for
-the engine to hand the request's end to its caller. While no block comes (the request waits
-its turn, a long chunk computes), an empty commit every third of the decode side's
-reservation timeout keeps the reservation alive. Every block's reference is given back
-(`release`, thread-safe) once its bytes are out, whatever happens; a failure ends the
-handoff with an abort sent to the decode instance and `HandoffFailed` raised.
+computes the next chunk. A channel that allows it (`SendChannel.in_flight`) has the next
+group read and sent while the last one's commit is still on its way: the commits then go
+out on threads of their own, numbered (`part`) so that the decode side takes them in order,
+and the worker settles their answers oldest first. Blocks the decode instance said it holds
+are not sent. The last group leaves as soon as every full block of the prompt has been
+tapped, without waiting for the engine to hand the request's end to its caller. While no
+block comes (the request waits its turn, a long chunk computes), an empty commit every
+third of the decode side's reservation timeout keeps the reservation alive. Every block's
+reference is given back (`release`, thread-safe) once its bytes are out, whatever happens;
+a failure ends the handoff with an abort sent to the decode instance and `HandoffFailed`
+raised.
 
 On a GPU the worker reads blocks on a CUDA stream of its own, once an event the tap
 recorded on the engine's stream, when the chunk that filled them was launched, has passed:
@@ -24,8 +28,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -60,8 +67,9 @@ class HandoffFailed(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class HandoffResult:
-    """What one handoff did; `transfer_s` is time spent reading, sending and committing
-    (not waiting for the prefill to fill the blocks), `wait_s` the time from the end of the
+    """What one handoff did; `transfer_s` is the time during which some group was being
+    read, sent or committed (not waiting for the prefill to fill the blocks; overlapping
+    groups counted once), `wait_s` the time from the end of the
     prefill to the last commit's answer, `phases` the seconds of each part
     (`PrefillHandoff.phases`), `num_groups` the sends it took."""
 
@@ -85,11 +93,11 @@ class PrefillHandoff:
     the blocks are read from. release: see `Release`. timeout_s: the whole handoff's budget,
     from now. The engine may tap blocks at once; they wait in a queue until `start` gives
     the decode's reservation (made while the prefill computes) and `pump` runs.
-    `phases` adds up where the worker's time went (seconds): `chunk` (waiting for the
-    prefill to fill a group's blocks), `read` (gathering, checking and moving them),
-    `commit` (the decode instance's answer),
-    and, within that, the decode side's own `receive` (bytes and validation) and `place`
-    as its answers report them.
+    `phases` adds up where the time went (seconds): `chunk` (waiting for the prefill to
+    fill a group's blocks), `read` (gathering, checking and moving them), `commit` (from a
+    commit's call to its answer; commits under way together each count), and, within that,
+    the decode side's own `receive` (bytes and validation) and `place` as its answers
+    report them.
     """
 
     channel: SendChannel  # opened by `start`
@@ -117,6 +125,11 @@ class PrefillHandoff:
         self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
         self.phases: dict[str, float] = {}
         self.num_groups = 0
+        self.num_sent = self.num_rejected = self.num_bytes = 0
+        self._commits: deque[Future] = deque()  # commits not yet settled, oldest first
+        self._next_part = 0
+        self._committer: ThreadPoolExecutor | None = None
+        self._spans: list[tuple[float, float]] = []  # (read began, answered) per commit
 
     def start(self, transport: HandoffTransport, reservation: Json) -> None:
         """Take the decode's answer to `reserve` over `transport`; call it once, before
@@ -126,6 +139,9 @@ class PrefillHandoff:
         held = [bool(h) for h in reservation["held"]]
         keepalive_s = float(reservation.get("timeout_s", 30.0)) / 3
         self.channel = transport.open_send(reservation["offer"])
+        if self.channel.in_flight > 1:
+            self._committer = ThreadPoolExecutor(self.channel.in_flight,
+                                                 thread_name_prefix="kvtier-handoff-commit")
         self.transport, self.handoff_id, self.held = transport, handoff_id, held
         self.keepalive_s = keepalive_s
         self._last_commit = time.monotonic()
@@ -177,7 +193,6 @@ class PrefillHandoff:
         bind_thread(self.kv_cache.device)
         name = self.transport.name
         pending: list[_Pending] = []
-        num_sent = num_rejected = num_bytes = 0
         failure: HandoffFailed | None = None
         done = committed_last = False
         try:
@@ -185,10 +200,8 @@ class PrefillHandoff:
                 collected = self._collect(pending)
                 done = bool(collected)
                 if collected is None and not pending and failure is None:
-                    try:  # nothing came for a while: keep the reservation alive
-                        self._send([], last=False)
-                    except HandoffFailed as exc:
-                        failure = exc
+                    # nothing came for a while: keep the reservation alive
+                    failure = self._attempt(lambda: self._send([], last=False))
                 if self._cancelled.is_set() and failure is None:
                     failure = HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
                 if failure is not None:
@@ -200,41 +213,51 @@ class PrefillHandoff:
                     group, pending = (pending[:self.channel.capacity],
                                       pending[self.channel.capacity:])
                     ended = done and not pending
-                    try:
-                        answer = self._send(group, last=ended)
-                    except HandoffFailed as exc:
-                        failure = exc
+                    failure = self._attempt(partial(self._send, group, ended))
+                    if failure is not None:
                         break
-                    finally:
-                        self.release([item.block for item in group])
                     committed_last = ended
-                    num_sent += len(answer["accepted"]) + len(answer["rejected"])
-                    num_rejected += len(answer["rejected"])
-                    num_bytes += len(answer["accepted"]) * self.transport.layout.bytes_per_block
                 if done and failure is None and not pending and not committed_last:
-                    try:
-                        self._send([], last=True)
-                    except HandoffFailed as exc:
-                        failure = exc
+                    failure = self._attempt(lambda: self._send([], last=True))
+            while self._commits and failure is None:
+                failure = self._attempt(self._settle)
             if failure is not None:
                 self.release([item.block for item in pending])
                 raise failure
         finally:
+            self._forget_commits()
             self.channel.close()
             self.discard()
             if failure is not None:
                 self.control.abort(self.handoff_id)
         num_skipped = sum(self.held)
-        self.counters.add_blocks("prefill", name, "sent", num_sent)
+        self.counters.add_blocks("prefill", name, "sent", self.num_sent)
         self.counters.add_blocks("prefill", name, "skipped", num_skipped)
-        self.counters.add_blocks("prefill", name, "rejected", num_rejected)
-        self.counters.add_bytes("prefill", name, num_bytes)
+        self.counters.add_blocks("prefill", name, "rejected", self.num_rejected)
+        self.counters.add_bytes("prefill", name, self.num_bytes)
         ended = time.monotonic()
-        transfer_s = self.phases.get("read", 0.0) + self.phases.get("commit", 0.0)
-        return HandoffResult(self.handoff_id, name, len(self.held), num_sent, num_skipped,
-                             num_rejected, num_bytes, transfer_s,
+        return HandoffResult(self.handoff_id, name, len(self.held), self.num_sent, num_skipped,
+                             self.num_rejected, self.num_bytes, _covered(self._spans),
                              ended - (self._prompt_done_at or ended), dict(self.phases),
                              self.num_groups)
+
+    @staticmethod
+    def _attempt(step: Callable[[], None]) -> HandoffFailed | None:
+        """Run `step`; the HandoffFailed it raised, if any."""
+        try:
+            step()
+        except HandoffFailed as exc:
+            return exc
+        return None
+
+    def _forget_commits(self) -> None:
+        """Wait for the commits still under way without taking their answers (after a
+        failure: the handoff is aborted next), and stop the committing threads."""
+        while self._commits:
+            self._commits.popleft().exception()
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
 
     def _collect(self, pending: list[_Pending]) -> bool | None:
         """Wait for tapped blocks (until the deadline, or `keepalive_s`), then take every
@@ -281,13 +304,14 @@ class PrefillHandoff:
         trickle in are committed before a group is full, so the reservation stays alive."""
         return time.monotonic() - self._last_commit >= self.keepalive_s
 
-    def _send(self, group: Sequence[_Pending], last: bool) -> Json:
-        """Move `group`'s records and commit them; the decode's answer."""
-        if time.monotonic() >= self.deadline:
-            raise HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
+    def _send(self, group: Sequence[_Pending], last: bool) -> None:
+        """Move `group`'s records (its blocks are released once read) and commit them. The
+        answer is settled here, or later while the channel lets commits be under way."""
+        entries: list[Json] = []
+        began = time.monotonic()
         try:
-            entries = []
-            began = time.monotonic()
+            if began >= self.deadline:
+                raise HandoffFailed(f"handoff {self.handoff_id} ran out of time", 504)
             if group:
                 # The chunks that fill the group compute first: waited for here, on the host,
                 # so that the transfer's own time is told apart from the prefill's.
@@ -303,28 +327,62 @@ class PrefillHandoff:
                     # The blocks go back to the engine next: their bytes must have been read.
                     self._stream.synchronize()
                 self.num_groups += 1
-            sent = time.monotonic()
-            answer = self.control.commit(self.handoff_id, self.transport.name, entries, last)
-            self._last_commit = time.monotonic()
+                self._add_phase("read", time.monotonic() - began)
+        except TransportError as exc:
+            raise HandoffFailed(f"the {self.transport.name} transport failed: {exc}") from exc
+        finally:
+            self.release([item.block for item in group])
+        part, self._next_part = self._next_part, self._next_part + 1
+        commit = partial(self._commit, entries, last, part, began, bool(group))
+        if self._committer is not None:
+            self._commits.append(self._committer.submit(commit))
+        else:
+            future: Future = Future()
+            try:
+                future.set_result(commit())
+            except BaseException as exc:  # noqa: BLE001 (settled below, as a thread's would be)
+                future.set_exception(exc)
+            self._commits.append(future)
+        while len(self._commits) >= self.channel.in_flight:
+            self._settle()
+
+    def _commit(self, entries: list[Json], last: bool, part: int, began: float,
+                sent: bool) -> tuple[Json, float, float]:
+        """Call the decode instance's commit (on a committing thread, or the worker's): its
+        answer, and when the call was made and answered. `sent`: it announces a send."""
+        called = time.monotonic()
+        answer = self.control.commit(self.handoff_id, self.transport.name, entries, last, part)
+        self._last_commit = answered = time.monotonic()
+        self._spans.append((began, answered))
+        if sent:
+            # Here, not when the answer is settled: the room it frees may be what another
+            # handoff's worker, or this one's, waits for.
             self.channel.committed()
-            self._add_phase("read", sent - began)
-            self._add_phase("commit", self._last_commit - sent)
-            timings = answer.get("timings")
-            if isinstance(timings, dict):
-                for phase, seconds in timings.items():
-                    if isinstance(seconds, (int, float)):
-                        self._add_phase(str(phase), float(seconds))
+        return answer, called, answered
+
+    def _settle(self) -> None:
+        """Take the oldest commit's answer: count its blocks, or raise HandoffFailed."""
+        future = self._commits.popleft()
+        try:
+            answer, called, answered = future.result()
         except ControlError as exc:
             raise HandoffFailed(f"the decode instance failed handoff {self.handoff_id}: "
                                 f"{exc}", 504 if exc.timed_out else 502) from exc
         except TransportError as exc:
             raise HandoffFailed(f"the {self.transport.name} transport failed: {exc}") from exc
+        self._add_phase("commit", answered - called)
+        timings = answer.get("timings")
+        if isinstance(timings, dict):
+            for phase, seconds in timings.items():
+                if isinstance(seconds, (int, float)):
+                    self._add_phase(str(phase), float(seconds))
         if not isinstance(answer.get("accepted"), list) \
                 or not isinstance(answer.get("rejected"), list):
             raise HandoffFailed(f"the decode instance's commit answer is malformed: "
                                 f"{str(answer)[:200]}")
-        return answer
-
+        self.num_sent += len(answer["accepted"]) + len(answer["rejected"])
+        self.num_rejected += len(answer["rejected"])
+        self.num_bytes += len(answer["accepted"]) * self.transport.layout.bytes_per_block
 
     def _add_phase(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -339,6 +397,16 @@ class _Pending:
     meta: BlockMeta
     block: KVCacheBlock
     filled: torch.cuda.Event | None
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the (start, end) intervals `spans`."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            total += end - max(start, reached)
+            reached = end
+    return total
 
 
 def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

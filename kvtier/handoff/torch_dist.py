@@ -21,19 +21,25 @@ carries at most `group_bytes` of payloads: each group costs a commit round trip 
 checksum pass on both sides, so fewer, larger groups lose less to that fixed cost, at the
 price of that much GPU memory on each side while a group is in flight.
 
-Sends are serialized per process (a group's send holds the transport until its commit is
-answered), so the bytes and the commits that announce them stay in one order; a commit the
-decode side cannot match (an expired handoff) still receives its bytes (`discard`). A failed
-send or receive leaves the pair out of step: the transport then says it is not ready, and
-handoffs use another transport or none.
+Every send takes the next number of the pair's sequence, and its commit entries carry it
+(`seq`); the decode side receives in that order whatever order the commits reach it in, so
+a prefill instance may post the next group's send while earlier commits are still on their
+way. At most `in_flight` sends, of all its handoffs together, await their commits: each
+holds a group of GPU memory on both sides, and a commit that comes early holds a thread of
+the decode instance while it waits for its turn. A commit
+the decode side cannot match (an expired handoff) still receives its bytes (`discard`). A
+failed send or receive, or a number that never comes, leaves the pair out of step: the
+transport then says it is not ready, and handoffs use another transport or none.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -62,18 +68,22 @@ log = logging.getLogger("kvtier.handoff")
 PREFILL_RANK, DECODE_RANK = 0, 1
 #: Payload bytes per send unless set (`--handoff-nccl-group-mib`).
 DEFAULT_GROUP_BYTES = 256 << 20
+#: Sends of one handoff that may await their commits unless set (`--handoff-nccl-in-flight`):
+#: two let the next group be read and sent while the last one's commit is answered.
+DEFAULT_IN_FLIGHT = 2
 
 
 class TorchDistTransport(HandoffTransport):
     """The pair's group. rank: PREFILL_RANK or DECODE_RANK. backend: "nccl" (CUDA tensors)
     or "gloo" (CPU tensors). timeout_s: how long forming the group and each operation may
-    take. group_bytes: most payload bytes per send (at least one block). Raises ValueError
-    for a bad setting."""
+    take. group_bytes: most payload bytes per send (at least one block). in_flight: sends
+    of one handoff that may await their commits. Raises ValueError for a bad setting."""
 
     name = "nccl"
 
     def __init__(self, layout: KVLayout, init_method: str, rank: int, backend: str = "nccl",
-                 timeout_s: float = 600.0, group_bytes: int = DEFAULT_GROUP_BYTES) -> None:
+                 timeout_s: float = 600.0, group_bytes: int = DEFAULT_GROUP_BYTES,
+                 in_flight: int = DEFAULT_IN_FLIGHT) -> None:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"the handoff's torch.distributed backend must be nccl or gloo, "
                              f"got {backend!r}")
@@ -87,16 +97,22 @@ class TorchDistTransport(HandoffTransport):
                              f"{init_method!r}")
         if group_bytes < 1:
             raise ValueError(f"group_bytes must be positive, got {group_bytes}")
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
         self.layout, self.rank, self.backend = layout, rank, backend
         self.batch = max(1, group_bytes // layout.bytes_per_block)  # blocks per send
+        self.in_flight, self.timeout_s = in_flight, timeout_s
         self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
         self._group_formed = threading.Event()
         self._broken: str | None = None
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # numbers and posts sends in one order
+        self._send_slots = threading.Semaphore(in_flight)  # one per send awaiting its commit
+        self._next_send = 0  # the sequence number of the next send
+        self._recv_turn = threading.Condition()
+        self._next_recv = 0  # the sequence number the next receive must carry
         self._closed = False
         self._joiner = threading.Thread(target=self._form_group,
                                         args=(init_method, timeout_s),
@@ -151,18 +167,60 @@ class TorchDistTransport(HandoffTransport):
                              f"peer is rank {self.peer}")
         return _Send(self)
 
-    def receive_into(self, rows: torch.Tensor) -> None:
-        """Receive one group's payloads into `rows` (uint8 `[n, bytes_per_block]` on the
-        device), as the peer's matching send posted them."""
+    def post_send(self, rows: torch.Tensor) -> tuple[int, Any]:
+        """Number the next send and post it: `rows` (uint8 `[n, bytes_per_block]` on the
+        device) go to the peer, once fewer than `in_flight` sends await their commits (each
+        one's `send_committed` says so). Returns (its sequence number, the send's work)."""
         import torch.distributed as dist
 
         self._check()
-        with self._recv_lock:
+        if not self._send_slots.acquire(timeout=self.timeout_s):
+            raise TransportError(f"no earlier send was committed within {self.timeout_s:.0f} s")
+        with self._send_lock:
             try:
-                dist.recv(rows, src=self.peer)
+                work = dist.isend(rows, dst=self.peer)
             except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
-                self._broken = f"a receive failed: {exc}"
+                self._send_slots.release()
+                self._break(f"a send failed: {exc}")
                 raise TransportError(self._broken) from exc
+            seq, self._next_send = self._next_send, self._next_send + 1
+        return seq, work
+
+    def send_committed(self) -> None:
+        """A send's commit was answered (or it never will be): its slot is free."""
+        self._send_slots.release()
+
+    def receive_into(self, rows: torch.Tensor, seq: int) -> None:
+        """Receive the send numbered `seq` into `rows` (uint8 `[n, bytes_per_block]` on the
+        device), once every earlier send has been received. Raises TransportError when the
+        pair is broken or the sends before it do not come within `timeout_s`, ValueError
+        for a number already received."""
+        import torch.distributed as dist
+
+        self._check()
+        with self._recv_turn:
+            if seq < self._next_recv:
+                raise ValueError(f"send {seq} was received already (next: {self._next_recv})")
+            if not self._recv_turn.wait_for(
+                    lambda: self._next_recv == seq or self._broken is not None, self.timeout_s):
+                self._break(f"send {self._next_recv} never came while send {seq} waited "
+                            f"{self.timeout_s:.0f} s for its turn")
+            self._check()
+        try:
+            dist.recv(rows, src=self.peer)
+        except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
+            self._break(f"a receive failed: {exc}")
+            raise TransportError(self._broken) from exc
+        with self._recv_turn:
+            self._next_recv += 1
+            self._recv_turn.notify_all()
+
+    def _break(self, reason: str) -> None:
+        """The pair is out of step: say so, and wake every receive waiting for its turn."""
+        with self._recv_turn:
+            self._broken = self._broken or reason
+            self._recv_turn.notify_all()
+        log.error("handoff over %s: %s", self.backend, self._broken)
 
     def receive_buffer(self, num_blocks: int) -> torch.Tensor:
         with on_stream(self.stream):
@@ -172,12 +230,23 @@ class TorchDistTransport(HandoffTransport):
         rows = self.receive_buffer(len(entries))
         try:
             with on_stream(self.stream):
-                self.receive_into(rows)
-        except TransportError:
+                self.receive_into(rows, sequence_number(entries))
+        except (TransportError, ValueError):
             pass
 
     def close(self) -> None:
         self._closed = True
+
+
+def sequence_number(entries: Sequence[Json]) -> int:
+    """The send a commit's entries announce (`seq`, the same in each). Raises ValueError."""
+    numbers = {entry.get("seq") for entry in entries}
+    if len(numbers) != 1:
+        raise ValueError(f"a commit's blocks must name one send, got {sorted(map(str, numbers))}")
+    seq = numbers.pop()
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ValueError(f"a send's number must be an integer >= 0, got {seq!r}")
+    return seq
 
 
 def device_checksum(rows: torch.Tensor) -> list[int]:
@@ -199,8 +268,9 @@ class _Receive(ReceiveChannel):
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
                      dests: torch.Tensor) -> list[bool]:
+        seq = sequence_number(entries)
         with on_stream(self.transport.stream):
-            self.transport.receive_into(dests)
+            self.transport.receive_into(dests, seq)
             sums = device_checksum(dests)
         fingerprint = self.transport.layout.fingerprint()
         results = []
@@ -220,54 +290,47 @@ class _Send(SendChannel):
     def __init__(self, transport: TorchDistTransport) -> None:
         self.transport = transport
         self.capacity = transport.batch
-        self._work = None
-        self._tensor: torch.Tensor | None = None
-        self._holding = False
+        self.in_flight = transport.in_flight
+        # The sends not yet committed, oldest first: their work and the rows it reads.
+        self._posted: deque[tuple[Any, torch.Tensor]] = deque()
+        self._lock = threading.Lock()
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
-        import torch.distributed as dist
-
         transport = self.transport
         transport._check()
         if not blocks:
             return []
         rows = payload_rows(blocks).to(transport.device)
         sums = device_checksum(rows)
-        entries = [{"index": block.index,
-                    "header": encode_header(block.meta, transport.layout, rows.shape[1],
-                                            checksum).hex()}
-                   for block, checksum in zip(blocks, sums)]
-        transport._send_lock.acquire()  # until `committed`: bytes and commits in one order
-        self._holding = True
-        try:
-            self._tensor = rows
-            self._work = dist.isend(rows, dst=transport.peer)
-        except Exception as exc:  # noqa: BLE001
-            transport._broken = f"a send failed: {exc}"
-            self._unhold()
-            raise TransportError(transport._broken) from exc
-        return entries
+        seq, work = transport.post_send(rows)  # may wait for a commit's answer: no lock held
+        with self._lock:
+            self._posted.append((work, rows))
+        return [{"index": block.index, "seq": seq,
+                 "header": encode_header(block.meta, transport.layout, rows.shape[1],
+                                         checksum).hex()}
+                for block, checksum in zip(blocks, sums)]
 
     def committed(self) -> None:
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except Exception as exc:  # noqa: BLE001
-                self.transport._broken = f"a send failed: {exc}"
-                raise TransportError(self.transport._broken) from exc
-            finally:
-                self._work, self._tensor = None, None
-                self._unhold()
-
-    def _unhold(self) -> None:
-        if self._holding:
-            self._holding = False
-            self.transport._send_lock.release()
+        # An answered commit means the decode side received its send, and every send
+        # before it (it receives in order): the oldest one is done, whichever was answered.
+        with self._lock:
+            if not self._posted:
+                return
+            work, _ = self._posted.popleft()
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001
+            self.transport._break(f"a send failed: {exc}")
+            raise TransportError(self.transport._broken) from exc
+        finally:
+            self.transport.send_committed()
 
     def close(self) -> None:
-        if self._work is not None:
+        with self._lock:
+            unanswered, self._posted = len(self._posted), deque()
+        if unanswered:
             # A send whose commit failed: its bytes may never be received; the pair can no
             # longer be trusted to line up.
-            self.transport._broken = "a send was never committed"
-            self._work, self._tensor = None, None
-        self._unhold()
+            self.transport._break("a send was never committed")
+        for _ in range(unanswered):
+            self.transport.send_committed()

@@ -5,6 +5,8 @@ prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on
   path on CPU tensors), the decode instance then answers with the greedy tokens of one
   engine that computed everything, its prompt found in its GPU pool.
 - A later turn sends only its new blocks.
+- Over torch.distributed every block is a group of its own and three sends may await their
+  commits: concurrent handoffs' groups interleave, and each lands where it belongs.
 - A prefill instance killed mid-handoff leaves the decode instance answering correctly:
   its reservation expires, what landed is used and the rest computed.
 - A decode instance that cannot be reached gives the prefill endpoint a 502.
@@ -80,8 +82,11 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     decode = _serve(cache_dir, tmp / "decode.log", *decode_args)
     prefill = None
     try:
+        # One block (720 KiB) per group, three awaiting their commits: a prompt is many
+        # sends, and their commits are under way together.
         prefill = _serve(cache_dir, tmp / "prefill.log", "--role", "prefill",
-                         "--handoff-nccl", nccl, "--handoff-nccl-backend", "gloo")
+                         "--handoff-nccl", nccl, "--handoff-nccl-backend", "gloo",
+                         "--handoff-nccl-group-mib", "1", "--handoff-nccl-in-flight", "3")
         deadline = time.monotonic() + 60  # the gloo pair forms in the background
         while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
             assert time.monotonic() < deadline, "the gloo pair did not form"
@@ -152,6 +157,31 @@ def test_each_transport_hands_the_prompt_over(pair: Pair, colocated: LLM,
     assert cached == 7 * 16  # the handed-over blocks, none computed again
     sample = f'kvtier_handoffs_total{{outcome="ok",role="decode",transport="{transport}"}}'
     assert _metrics(pair.decode)[sample] >= 1
+
+
+def test_concurrent_handoffs_over_nccl_each_land_where_they_belong(
+        pair: Pair, colocated: LLM) -> None:
+    _check_available(pair, "nccl")
+    prompts = [_prompt(20 + k, 150 + 17 * k) for k in range(3)]  # 9, 10 and 11 full blocks
+    responses: dict[int, httpx.Response] = {}
+
+    def hand_over(k: int) -> None:
+        responses[k] = _hand_over(pair, prompts[k], "nccl")
+
+    threads = [threading.Thread(target=hand_over, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    for k, prompt in enumerate(prompts):
+        assert responses[k].status_code == 200, responses[k].text
+        result = responses[k].json()
+        assert (result["blocks_sent"], result["groups"]) == (9 + k, 9 + k)
+        tokens, cached = _decode(pair, prompt)
+        assert tokens == _reference(colocated, prompt)
+        assert cached == (9 + k) * 16
+    rejected = 'kvtier_handoff_blocks_total{kind="rejected",role="decode",transport="nccl"}'
+    assert _metrics(pair.decode).get(rejected, 0) == 0
 
 
 def test_a_handoffs_holds_go_back_once_its_short_request_took_the_blocks(

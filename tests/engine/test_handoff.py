@@ -8,6 +8,7 @@ over the Mooncake engine (TCP loopback), SmolLM2 in float32 on the CPU.
   the greedy tokens are those of an engine that computed everything.
 - A reservation whose commits stop expires: its holds are given back, what landed stays
   cached.
+- Numbered commits that reach the decode side out of order are taken in their order.
 
 The two-process tests (every transport, a later turn, a killed prefill instance) are in
 tests/cli/test_handoff.py.
@@ -15,13 +16,16 @@ tests/cli/test_handoff.py.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
 from kvtier.handoff.base import OutgoingBlock
-from kvtier.handoff.control import LocalControl
+from kvtier.handoff.control import ControlError, LocalControl
 from kvtier.handoff.mooncake import MooncakeTransport, mooncake_available
 from kvtier.handoff.placement import PoolPlacement
 from kvtier.handoff.receiver import HandoffReceiver
@@ -210,3 +214,61 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
 def _outcome(answer: dict) -> dict:
     """A commit's answer without its timings."""
     return {key: answer[key] for key in ("accepted", "rejected")}
+
+
+@pytest.mark.skipif(mooncake_available() is not None, reason=str(mooncake_available()))
+def test_numbered_commits_that_come_out_of_order_are_taken_in_order(
+        smollm2: LoadedModel) -> None:
+    reference = _engine(smollm2).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    with _engine(smollm2) as prefill, _engine(smollm2) as decode:
+        hashes, payloads = _computed_blocks(prefill, PROMPT)
+        metas = metas_for(_namespace(prefill), hashes, PROMPT, 16)
+        receiving = MooncakeTransport(decode.layout, ring=4)
+        sending = MooncakeTransport(prefill.layout, ring=4)
+        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
+                                   lambda salt: _namespace(decode, salt), 16,
+                                   decode.config.hash_algorithm, {"mooncake": receiving},
+                                   timeout_s=30.0, hold_s=30.0)
+        control = LocalControl(receiver, {})
+        reservation = control.reserve(PROMPT, None, "mooncake")
+        handoff_id = reservation["handoff_id"]
+        channel = sending.open_send(reservation["offer"])
+        # One write of blocks 0-3 (Mooncake reuses its slots after each commit), announced
+        # by two commits.
+        entries = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in range(4)])
+        first, second = entries[:2], entries[2:]
+
+        # Part 1 reaches the decode side first: it waits for part 0.
+        answered: dict[int, tuple[dict, float]] = {}
+
+        def commit_second() -> None:
+            answer = control.commit(handoff_id, "mooncake", second, last=False, part=1)
+            answered[1] = (answer, time.monotonic())
+
+        late = threading.Thread(target=commit_second)
+        late.start()
+        late.join(0.3)
+        assert late.is_alive() and not answered, "part 1 was taken before part 0"
+        answer = control.commit(handoff_id, "mooncake", first, last=False, part=0)
+        answered[0] = (answer, time.monotonic())
+        late.join(30)
+        assert _outcome(answered[0][0]) == {"accepted": [0, 1], "rejected": []}
+        assert _outcome(answered[1][0]) == {"accepted": [2, 3], "rejected": []}
+        assert answered[0][1] <= answered[1][1]
+        channel.committed()
+
+        # A part taken already is not taken again; the handoff goes on with the next one.
+        with pytest.raises(ControlError) as repeated:
+            control.commit(handoff_id, "mooncake", [], last=False, part=1)
+        assert repeated.value.status == 404
+        assert receiver.num_reservations == 1
+        last = channel.send([OutgoingBlock(i, metas[i], payloads[i]) for i in (4, 5)])
+        answer = control.commit(handoff_id, "mooncake", last, last=True, part=2)
+        assert _outcome(answer) == {"accepted": [4, 5], "rejected": []}
+        channel.close()
+
+        out = decode.generate([PROMPT], GREEDY)[0]
+        assert out.outputs[0].token_ids == reference
+        assert out.metrics.cached_tokens_gpu == 6 * 16
+        sending.close()
+        receiving.close()
