@@ -390,3 +390,16 @@ def test_checks_on_several_threads_while_the_file_grows_see_no_cut(tmp_path):
         thread.join()
     watch.close()
     assert found == []
+
+
+def test_the_lookup_thread_runs_before_the_first_lookup(tmp_path):
+    # Started at the first call, it put its own start (milliseconds on a loaded machine)
+    # on a fresh engine's first prefix lookup.
+    with DiskTier(tmp_path, SMALL, BIG_BUDGET) as tier:
+        deadline = time.monotonic() + 10
+        while not any(t.name.startswith("kvtier-disk-lookup") for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "no lookup thread after the tier opened"
+            time.sleep(0.01)
+        metas, payloads = make_blocks(SMALL, seed=4, num_blocks=2)
+        tier.put(metas[:1], payloads[:1])
+        assert tier.contains([m.block_hash for m in metas]) == [True, False]
