@@ -47,6 +47,7 @@ from kvtier.handoff.base import (
 )
 from kvtier.handoff.control import ControlError, DecodeControl
 from kvtier.handoff.stats import HandoffCounters
+from kvtier.stats import busy_seconds
 from kvtier.tiers.record import BlockMeta
 
 #: release(blocks): give back the handoff's reference on each block (thread-safe).
@@ -237,7 +238,7 @@ class PrefillHandoff:
         self.counters.add_bytes("prefill", name, self.num_bytes)
         ended = time.monotonic()
         return HandoffResult(self.handoff_id, name, len(self.held), self.num_sent, num_skipped,
-                             self.num_rejected, self.num_bytes, _covered(self._spans),
+                             self.num_rejected, self.num_bytes, busy_seconds(self._spans),
                              ended - (self._prompt_done_at or ended), dict(self.phases),
                              self.num_groups)
 
@@ -397,16 +398,6 @@ class _Pending:
     meta: BlockMeta
     block: KVCacheBlock
     filled: torch.cuda.Event | None
-
-
-def _covered(spans: list[tuple[float, float]]) -> float:
-    """Seconds covered by the union of the (start, end) intervals `spans`."""
-    total, reached = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reached:
-            total += end - max(start, reached)
-            reached = end
-    return total
 
 
 def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:

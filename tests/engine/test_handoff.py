@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,19 @@ def _engine(model: LoadedModel) -> LLM:
 
 def _namespace(llm: LLM, salt: str | None = None) -> bytes:
     return namespace_hash(llm.model_fingerprint, llm.layout, llm.config.hash_algorithm, salt)
+
+
+def _mooncake_pair(prefill: LLM, decode: LLM, ring: int, **receiver_options: Any
+                   ) -> tuple[MooncakeTransport, MooncakeTransport, HandoffReceiver]:
+    """A Mooncake engine for each side (TCP loopback, `ring` slots lent per handoff) and
+    the decode engine's receiver over it, run inline (as if on its engine thread)."""
+    receiving = MooncakeTransport(decode.layout, ring=ring)
+    sending = MooncakeTransport(prefill.layout, ring=ring)
+    receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
+                               lambda salt: _namespace(decode, salt), 16,
+                               decode.config.hash_algorithm, {"mooncake": receiving},
+                               **receiver_options)
+    return receiving, sending, receiver
 
 
 def _computed_blocks(prefill: LLM, prompt: list[int], salt: str | None = None
@@ -94,14 +108,10 @@ def test_damaged_and_foreign_records_are_rejected_and_computed(smollm2: LoadedMo
         other = _namespace(prefill, "another tenant")
         theirs = metas_for(other, hash_blocks(other, PROMPT, 16), PROMPT, 16)
 
-        receiving = MooncakeTransport(decode.layout, ring=4)
-        sending = MooncakeTransport(prefill.layout, ring=4)
         counters = HandoffCounters()
-        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
-                                   lambda salt: _namespace(decode, salt), 16,
-                                   decode.config.hash_algorithm, {"mooncake": receiving},
-                                   timeout_s=5.0, hold_s=5.0, counters=counters,
-                                   clock=lambda: now[0])
+        receiving, sending, receiver = _mooncake_pair(prefill, decode, ring=4, timeout_s=5.0,
+                                                      hold_s=5.0, counters=counters,
+                                                      clock=lambda: now[0])
         control = LocalControl(receiver, {})
         reservation = control.reserve(PROMPT, None, "mooncake")
         assert reservation["held"] == [False] * 6
@@ -152,12 +162,8 @@ def test_a_prompt_of_whole_blocks_gives_its_holds_back_once_its_request_came(
     with _engine(smollm2) as prefill, _engine(smollm2) as decode:
         hashes, payloads = _computed_blocks(prefill, prompt)
         metas = metas_for(_namespace(prefill), hashes, prompt, 16)
-        receiving = MooncakeTransport(decode.layout, ring=8)
-        sending = MooncakeTransport(prefill.layout, ring=8)
-        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
-                                   lambda salt: _namespace(decode, salt), 16,
-                                   decode.config.hash_algorithm, {"mooncake": receiving},
-                                   timeout_s=5.0, hold_s=60.0, clock=lambda: now[0])
+        receiving, sending, receiver = _mooncake_pair(prefill, decode, ring=8, timeout_s=5.0,
+                                                      hold_s=60.0, clock=lambda: now[0])
         control = LocalControl(receiver, {})
         reservation = control.reserve(prompt, None, "mooncake")
         channel = sending.open_send(reservation["offer"])
@@ -223,12 +229,8 @@ def test_numbered_commits_that_come_out_of_order_are_taken_in_order(
     with _engine(smollm2) as prefill, _engine(smollm2) as decode:
         hashes, payloads = _computed_blocks(prefill, PROMPT)
         metas = metas_for(_namespace(prefill), hashes, PROMPT, 16)
-        receiving = MooncakeTransport(decode.layout, ring=4)
-        sending = MooncakeTransport(prefill.layout, ring=4)
-        receiver = HandoffReceiver(PoolPlacement(decode.manager), lambda fn: fn(),
-                                   lambda salt: _namespace(decode, salt), 16,
-                                   decode.config.hash_algorithm, {"mooncake": receiving},
-                                   timeout_s=30.0, hold_s=30.0)
+        receiving, sending, receiver = _mooncake_pair(prefill, decode, ring=4, timeout_s=30.0,
+                                                      hold_s=30.0)
         control = LocalControl(receiver, {})
         reservation = control.reserve(PROMPT, None, "mooncake")
         handoff_id = reservation["handoff_id"]
