@@ -152,3 +152,17 @@ def restored_blocks_now(driver: Driver, request: Request) -> int:
     driver.scheduler._finish_loads()  # noqa: SLF001
     fronts = driver.scheduler.restore_fronts()[request.request_id]
     return fronts.num_restored
+
+
+def wait_for_landed(driver: Driver, request: Request, num_blocks: int) -> None:
+    """Take in the transfers, without stepping, until `num_blocks` blocks of `request`'s
+    restore have landed. A test waits here where the engine lets the compute front claim
+    after a wall-clock bound: how soon the I/O thread runs is up to the machine, and a
+    front that claims first cancels the reads not started yet."""
+    assert request.request_id in driver.scheduler.restore_fronts(), \
+        f"{request.request_id} restores nothing: the tiers below were not asked"
+    deadline = time.monotonic() + 60
+    while restored_blocks_now(driver, request) < num_blocks:
+        assert time.monotonic() < deadline, \
+            f"{num_blocks} blocks of {request.request_id} never landed"
+        driver.manager.wait_for_transfers(0.05)
