@@ -36,6 +36,7 @@ class ReadHook:
                  fail: frozenset[BlockHash] = frozenset()) -> None:
         self.delay_s, self.gate_at, self.fail = delay_s, gate_at, fail
         self.read: list[BlockHash] = []
+        self.started = threading.Event()  # a read has begun (clear it to wait for the next)
         self.gated = threading.Event()  # a read is held at the gate
         self._open = threading.Event()
         self._lock = threading.Lock()
@@ -44,6 +45,7 @@ class ReadHook:
         with self._lock:
             self.read.append(meta.block_hash)
             held = self.gate_at is not None and len(self.read) >= self.gate_at
+        self.started.set()
         if held:
             self.gated.set()
             assert self._open.wait(timeout=120), "the test never released the gate"

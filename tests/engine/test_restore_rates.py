@@ -80,15 +80,22 @@ def test_a_disk_too_slow_to_save_time_on_a_prefix_is_asked_only_to_probe(
         driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
         # The first prefix turned away is read anyway, to measure the disk again...
         probed = driver.add(PROMPT)
+        assert driver.step().scheduled == []  # a probe waits for a first landing
+        # A read not started when the compute front claims is cancelled and measures
+        # nothing: the test waits for the I/O thread, which a loaded machine may run late.
+        assert hook.started.wait(timeout=60)
         finish_idle(driver)
         assert hook.read and set(hook.read) <= set(probed.block_hashes)
         # ...which is still too slow: the next ones are not asked (the next probe comes
         # after two more are turned away).
         hook.read.clear()
+        hook.started.clear()
         requests = [driver.add(SECOND)]
         finish_idle(driver)
         assert hook.read == []
         requests.append(driver.add(THIRD))
+        assert driver.step().scheduled == []
+        assert hook.started.wait(timeout=60)
         finish_idle(driver)
         assert hook.read and set(hook.read) <= set(requests[1].block_hashes)
         # The scheduler's own account of it: two probes, one prefix sent to compute.
@@ -288,15 +295,25 @@ def test_reads_the_compute_front_overtook_still_teach_the_disks_rate(disk_dir: P
     """A disk too slow to land anything before the compute front reaches it must still
     be measured, or the scheduler keeps asking it (its rate unknown) and every restore
     pays the wait and the lookups for nothing."""
-    warm(disk_dir, [PROMPT])
-    hook = ReadHook(delay_s=0.05)  # 50 ms a block
+    hashes = warm(disk_dir, [PROMPT])
+    # 50 ms a block, the first read held until the front is past it: overtaken whatever
+    # the machine's timing (a read not started by then would be cancelled, unmeasured).
+    hook = ReadHook(delay_s=0.05, gate_at=1)
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
         driver.scheduler.prefill_rate.observe(8, 1e-6)  # the model: fast, 8 tokens a step
         driver.scheduler.min_restore_saving_s = 0.0  # ask the disk all the same
         request = driver.add(PROMPT)
+        assert driver.step().scheduled == []  # the admitting step waits
+        assert hook.gated.wait(timeout=60)  # block 7's read has started
+        for _ in range(20):  # the front computes every block, 8 tokens a step
+            if request.is_finished:
+                break
+            driver.step()
+        assert request.is_finished, "the compute front waited for the read"
+        hook.release()
         finish_idle(driver)
-    assert restored_blocks(request) == 0 and hook.read  # read, but overtaken
+    assert restored_blocks(request) == 0 and hook.read == [hashes[7]]  # read, but overtaken
     rates = driver.scheduler.tier_rates
     assert 0 < rates.expected([Tier.DISK]) < 4 / 0.05 * 4  # ~80 tokens/s a thread, slow
     assert rates.expected_latency([Tier.DISK]) >= 0.05
