@@ -36,6 +36,7 @@ class ReadHook:
                  fail: frozenset[BlockHash] = frozenset()) -> None:
         self.delay_s, self.gate_at, self.fail = delay_s, gate_at, fail
         self.read: list[BlockHash] = []
+        self.started = threading.Event()  # a read has begun (clear it to wait for the next)
         self.gated = threading.Event()  # a read is held at the gate
         self._open = threading.Event()
         self._lock = threading.Lock()
@@ -44,6 +45,7 @@ class ReadHook:
         with self._lock:
             self.read.append(meta.block_hash)
             held = self.gate_at is not None and len(self.read) >= self.gate_at
+        self.started.set()
         if held:
             self.gated.set()
             assert self._open.wait(timeout=120), "the test never released the gate"
@@ -152,3 +154,17 @@ def restored_blocks_now(driver: Driver, request: Request) -> int:
     driver.scheduler._finish_loads()  # noqa: SLF001
     fronts = driver.scheduler.restore_fronts()[request.request_id]
     return fronts.num_restored
+
+
+def wait_for_landed(driver: Driver, request: Request, num_blocks: int) -> None:
+    """Take in the transfers, without stepping, until `num_blocks` blocks of `request`'s
+    restore have landed. A test waits here where the engine lets the compute front claim
+    after a wall-clock bound: how soon the I/O thread runs is up to the machine, and a
+    front that claims first cancels the reads not started yet."""
+    assert request.request_id in driver.scheduler.restore_fronts(), \
+        f"{request.request_id} restores nothing: the tiers below were not asked"
+    deadline = time.monotonic() + 60
+    while restored_blocks_now(driver, request) < num_blocks:
+        assert time.monotonic() < deadline, \
+            f"{num_blocks} blocks of {request.request_id} never landed"
+        driver.manager.wait_for_transfers(0.05)

@@ -23,7 +23,7 @@ from restore_cases import (
     finish_idle,
     prompt_of,
     restored_blocks,
-    restored_blocks_now,
+    wait_for_landed,
     warm,
 )
 
@@ -44,10 +44,7 @@ def test_a_slow_model_waits_for_a_tier_that_delivers_sooner(disk_dir: Path) -> N
         request = driver.add(PROMPT)
         assert driver.step().scheduled == []  # the admitting step waits
         assert hook.gated.wait(timeout=60)
-        deadline = time.monotonic() + 60
-        while restored_blocks_now(driver, request) < 2:
-            assert time.monotonic() < deadline, "blocks 7 and 6 never landed"
-            time.sleep(0.001)
+        wait_for_landed(driver, request, 2)  # blocks 7 and 6
         # The model would compute a block long after the tier delivers the rest at the rate
         # it landed blocks 7 and 6: the front waits for the loads instead of claiming.
         assert [p for _ in range(3) for p in driver.step().scheduled] == []
@@ -83,15 +80,22 @@ def test_a_disk_too_slow_to_save_time_on_a_prefix_is_asked_only_to_probe(
         driver.scheduler.tier_rates.observe(Tier.DISK, 1, 1.0)
         # The first prefix turned away is read anyway, to measure the disk again...
         probed = driver.add(PROMPT)
+        assert driver.step().scheduled == []  # a probe waits for a first landing
+        # A read not started when the compute front claims is cancelled and measures
+        # nothing: the test waits for the I/O thread, which a loaded machine may run late.
+        assert hook.started.wait(timeout=60)
         finish_idle(driver)
         assert hook.read and set(hook.read) <= set(probed.block_hashes)
         # ...which is still too slow: the next ones are not asked (the next probe comes
         # after two more are turned away).
         hook.read.clear()
+        hook.started.clear()
         requests = [driver.add(SECOND)]
         finish_idle(driver)
         assert hook.read == []
         requests.append(driver.add(THIRD))
+        assert driver.step().scheduled == []
+        assert hook.started.wait(timeout=60)
         finish_idle(driver)
         assert hook.read and set(hook.read) <= set(requests[1].block_hashes)
         # The scheduler's own account of it: two probes, one prefix sent to compute.
@@ -106,26 +110,42 @@ def test_a_slow_first_read_does_not_shut_the_disk_out_for_later_prefixes(
     """A cold first read (after start, the page cache dropped) took long: on its rates
     the disk would save nothing on the prefixes after it, and were they never read, the
     rates would never change. The next prefix probes the disk, which has become fast; its
-    rates replace the cold ones, and the prefix after it is read on them."""
+    rates replace the cold ones, and the prefix after it is read on them.
+
+    The compute front claims after a wall-clock bound (`FIRST_LANDING_WAIT_SHARE` of the
+    compute time) and cancels the reads not started by then: a read that never ran
+    measures nothing. So the test waits for the I/O thread (the first read at the gate,
+    the probe's first landing) rather than trusting it to run within the bound, which on
+    a loaded machine it need not."""
     warm(disk_dir, [PROMPT, SECOND, THIRD])
     hook = ReadHook(gate_at=1)  # the first read is held for 0.4 s, none after it
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
         rates = driver.scheduler.tier_rates
         driver.scheduler.prefill_rate.observe(100, 1.0)  # 0.32 s for 32 tokens
-        threading.Timer(0.4, hook.release).start()
         driver.add(PROMPT)
+        assert driver.step().scheduled == []  # the admitting step waits
+        assert hook.gated.wait(timeout=60)  # block 7's read has started: it is measured
+        # Held at least 0.4 s: whether it lands before the front reaches block 7 or after
+        # (overtaken, counted all the same), its latency exceeds the compute time alone.
+        threading.Timer(0.4, hook.release).start()
         finish_idle(driver)
         assert rates.expected([Tier.DISK]) is not None
         assert not worth_reading(32, 100.0, rates.expected([Tier.DISK]), MIN_SAVING_S,
                                  rates.expected_latency([Tier.DISK]))
         probe = driver.add(SECOND)
+        assert driver.step().scheduled == []  # a probe waits for a first landing
+        wait_for_landed(driver, probe, 1)  # the disk, fast now, lands within that wait
         finish_idle(driver)
         assert restored_blocks(probe) > 0
         assert worth_reading(32, 100.0, rates.expected([Tier.DISK]), MIN_SAVING_S,
                              rates.expected_latency([Tier.DISK]))
         warm_read = driver.add(THIRD)
+        driver.step()
+        wait_for_landed(driver, warm_read, 1)
         finish_idle(driver)
+        counts = driver.scheduler.restore_counts
+        assert (counts.probes, counts.turned_away) == (1, 0)  # the third read on the rates
     assert restored_blocks(warm_read) > 0
 
 
@@ -275,15 +295,25 @@ def test_reads_the_compute_front_overtook_still_teach_the_disks_rate(disk_dir: P
     """A disk too slow to land anything before the compute front reaches it must still
     be measured, or the scheduler keeps asking it (its rate unknown) and every restore
     pays the wait and the lookups for nothing."""
-    warm(disk_dir, [PROMPT])
-    hook = ReadHook(delay_s=0.05)  # 50 ms a block
+    hashes = warm(disk_dir, [PROMPT])
+    # 50 ms a block, the first read held until the front is past it: overtaken whatever
+    # the machine's timing (a read not started by then would be cancelled, unmeasured).
+    hook = ReadHook(delay_s=0.05, gate_at=1)
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)
         driver.scheduler.prefill_rate.observe(8, 1e-6)  # the model: fast, 8 tokens a step
         driver.scheduler.min_restore_saving_s = 0.0  # ask the disk all the same
         request = driver.add(PROMPT)
+        assert driver.step().scheduled == []  # the admitting step waits
+        assert hook.gated.wait(timeout=60)  # block 7's read has started
+        for _ in range(20):  # the front computes every block, 8 tokens a step
+            if request.is_finished:
+                break
+            driver.step()
+        assert request.is_finished, "the compute front waited for the read"
+        hook.release()
         finish_idle(driver)
-    assert restored_blocks(request) == 0 and hook.read  # read, but overtaken
+    assert restored_blocks(request) == 0 and hook.read == [hashes[7]]  # read, but overtaken
     rates = driver.scheduler.tier_rates
     assert 0 < rates.expected([Tier.DISK]) < 4 / 0.05 * 4  # ~80 tokens/s a thread, slow
     assert rates.expected_latency([Tier.DISK]) >= 0.05
