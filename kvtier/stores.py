@@ -180,12 +180,28 @@ class StorePath:
             self._num_offers += 1
             return
         pending, self._pending, self._num_offers = self._pending, [], 0
-        stores = [store for entry, _ in pending for store in entry]
+        stores = self._not_stored_below([store for entry, _ in pending for store in entry])
         self.schedule_writebacks(len(stores) + self.num_deferred)
         # The copy follows every step that computed its blocks.
         after = tuple(dict.fromkeys(event for _, event in pending if event is not None))
         for store in self._copy_to_host(stores, held=True, after=after or None):
             self._defer(store)  # keeping its reference
+
+    def _not_stored_below(self, stores: list[_Store]) -> list[_Store]:
+        """`stores` less the blocks the write-back tier holds already (a prompt computed
+        though its blocks were stored, because reading them would not have been faster):
+        copying those to the host would only make them dirty there, to be written back as
+        duplicates, with a copy of their bytes and host slots spent on the way. Their pool
+        references are dropped; the ledger counts them written. Kept when a tier takes
+        every block (the remote store may not hold them) or the tier cannot answer now."""
+        if self.write_back is None or self.tiers.offers or not self.host.caches or not stores:
+            return stores
+        held = self.write_back.contains([meta.block_hash for _, meta, _ in stores])
+        if not any(held):
+            return stores
+        self.ledger.written += sum(held)
+        self.pool.free([store[0] for store, stored in zip(stores, held) if stored])
+        return [store for store, stored in zip(stores, held) if not stored]
 
     def _batch_due(self) -> bool:
         low = max(STORE_BATCH_BLOCKS, self.pool.num_blocks // 16)

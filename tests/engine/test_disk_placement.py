@@ -1,7 +1,8 @@
 """The disk tier behind a host tier smaller than the work: what the GPU computed reaches the
 disk or is counted skipped with its reason, closing writes what is pending so that a fresh
 engine finds every finished request's blocks, and a stored tail is used behind a head that
-was never written (gaps computed), with float32 tokens equal to tiers off.
+was never written (gaps computed), with float32 tokens equal to tiers off; a prompt
+computed though the disk holds its blocks is not copied down again.
 
 A random tiny Llama in float32 on the CPU, real LMDB files in tmp dirs.
 """
@@ -17,7 +18,7 @@ from kvtier.engine.flush_progress import FlushProgressLine
 
 from kvtier.hashing import BlockHash, hash_blocks, namespace_hash
 from kvtier.manager import FlushReport
-from kvtier.stats import Tier
+from kvtier.stats import Direction, Tier
 
 MODEL = "random:tiny-llama"
 BS = 16
@@ -109,6 +110,33 @@ def test_no_block_is_skipped_when_the_gpu_waits_for_the_disk(tmp_path: Path) -> 
             num_full = (len(tokens) - 1) // BS
             hit = fresh.manager.lookup(block_hashes(fresh, tokens[:num_full * BS]))
             assert hit.locations == [Tier.DISK] * num_full
+
+
+def test_a_prompt_computed_over_stored_blocks_is_not_copied_down_again(
+        tmp_path: Path, references: dict[int, list[int]]) -> None:
+    """A fresh engine computes a prompt the disk holds (reading it would not be faster):
+    its blocks are not copied to the host, made dirty and written back as duplicates; the
+    ledger counts them written, and new blocks after them are stored as before."""
+    disk_dir = tmp_path / "kv"
+    with engine(disk_dir) as llm:
+        llm.generate([prompt(0, 320)], greedy())
+    # The model is fast beyond any disk: every prefix is computed, none read.
+    with engine(disk_dir, restore_min_saving_s=1e3) as fresh:
+        fresh.scheduler.prefill_rate.observe(10_000, 1e-3)
+        longer = prompt(0, 320) + prompt(9, 48)  # 3 full blocks past the stored ones
+        outputs = fresh.generate([prompt(0, 320), longer], greedy())
+        fresh.manager.drain()
+        assert list(outputs[0].outputs[0].token_ids) == references[0]
+        assert outputs[0].metrics.cached_tokens_disk == 0  # computed, not read
+        stores = fresh.manager.stats(lower_tiers=False).stores
+        copied = fresh.manager.stats(lower_tiers=False).transfers[Direction.GPU_TO_HOST]
+    # The first engine wrote every full block of its request (its answer's last token has
+    # no KV); the longer prompt shares them and fills 3 more, with its answer.
+    stored = (320 + MAX_TOKENS - 1) // BS
+    new = (len(longer) + MAX_TOKENS - 1) // BS - stored
+    assert stores.lost == 0 and stores.num_skipped == 0
+    assert stores.offered == stored + new and stores.written == stores.offered
+    assert copied.num_bytes == new * 8192  # only the blocks the disk lacked went down
 
 
 # Which of a 320-token prompt's 19 lookup blocks (the last token is always computed) the
