@@ -7,9 +7,10 @@
     submits while the GPU runs its next step, so that the host work of the stores (slots,
     evictions, the copy plan) is not spent between steps, when the GPU waits; under memory
     pressure the scheduler starts them sooner, when an allocation fails, before it preempts
-    anyone. The slot is pinned during the copy and indexed once the bytes landed. With the
-    host tier off, a small staging slab carries the bytes on to every tier below, then
-    forgets them.
+    anyone. A block the write-back tier already holds is not copied (it would only be
+    written back again). The slot is pinned during the copy and indexed once the bytes
+    landed. With the host tier off, a small staging slab carries the bytes on to every
+    tier below, then forgets them.
   * Deferred write-through: when no slot can be had now (every slot dirty, pinned or
     reserved), the block is not waited for. It keeps its pool reference while the GPU pool
     has room, and is copied once write-backs free a slot; when an allocation finds the pool
