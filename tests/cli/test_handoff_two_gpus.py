@@ -1,0 +1,98 @@
+"""The NCCL handoff between two GPUs: `kvtier serve --role prefill` on cuda:0 hands prompts
+to `kvtier serve --role decode` on cuda:1 over NCCL, every block a group of its own and
+three sends awaiting their commits, several handoffs at once. The decode instance answers
+with the tokens of one engine that computed everything, bit for bit: both run the
+deterministic mode, in float32, on a random model of Llama 3.2 1B's shape (1 MiB blocks).
+
+Needs two CUDA devices (the device tool's multi-GPU machines); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
+from kvtier.engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs two CUDA devices")]
+
+MODEL = "random:llama3-1b"
+ENGINE = ["--dtype", "float32", "--deterministic", "--max-model-len", "2048",
+          "--no-host-cache", "--no-disk-cache", "--handoff-mooncake", "off"]
+MAX_TOKENS = 8
+BS = 16
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(1000, 30000, (n,), generator=generator).tolist()
+            for n in (300, 517, 130)]
+
+
+def _hand_over(prefill: Process, decode: Process, model: str, prompt: list[int]
+               ) -> httpx.Response:
+    return httpx.post(f"{prefill.url}/v1/handoff/prefill", json={
+        "endpoint": "/v1/completions",
+        "request": {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0},
+        "decode": decode.url, "transport": "nccl", "timeout_s": 120}, timeout=300)
+
+
+def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Kernels compile at their first launch rather than in a warm-up of every shape: the
+    # test then starts in seconds (the handoffs' timeout covers the compiles).
+    monkeypatch.setenv("KVTIER_WARMUP", "0")
+    nccl = ["--handoff-nccl", f"tcp://127.0.0.1:{free_port()}"]
+    decode = launch("decode", ["serve", MODEL, "--device", "cuda:1", "--role", "decode",
+                               *ENGINE, *nccl], tmp_path, num_threads=None)
+    prefill = launch("prefill", ["serve", MODEL, "--device", "cuda:0", "--role", "prefill",
+                                 *ENGINE, *nccl, "--handoff-nccl-group-mib", "1",
+                                 "--handoff-nccl-in-flight", "3"], tmp_path, num_threads=None)
+    prompts = _prompts()
+    handed: dict[int, httpx.Response] = {}
+    answers: list[tuple[list[int], int]] = []
+    try:
+        wait_healthy([decode, prefill], 600)
+        deadline = time.monotonic() + 120  # the NCCL pair forms in the background
+        while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
+            assert time.monotonic() < deadline, "the NCCL pair did not form"
+            time.sleep(0.2)
+        model = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
+
+        def hand_over(k: int) -> None:
+            handed[k] = _hand_over(prefill, decode, model, prompts[k])
+
+        threads = [threading.Thread(target=hand_over, args=(k,)) for k in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        for k, prompt in enumerate(prompts):
+            assert handed[k].status_code == 200, handed[k].text
+            result = handed[k].json()
+            num_full = len(prompt) // BS
+            assert (result["blocks_sent"], result["groups"]) == (num_full, num_full)
+            answer = httpx.post(f"{decode.url}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "return_token_ids": True}, timeout=300).json()
+            answers.append((answer["choices"][0]["token_ids"],
+                            answer["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    finally:
+        for process in (prefill, decode):
+            process.stop()
+    # The servers are gone: cuda:0 has room for the engine that computes everything.
+    with LLM(MODEL, device="cuda:0", dtype="float32", deterministic=True, max_model_len=2048,
+             host_cache=False, disk_cache=False) as colocated:
+        outputs = colocated.generate([{"prompt_token_ids": p} for p in prompts],
+                                     SamplingParams(max_tokens=MAX_TOKENS))
+    for prompt, (tokens, cached), output in zip(prompts, answers, outputs):
+        assert tokens == list(output.outputs[0].token_ids)
+        assert cached == (len(prompt) - 1) // BS * BS  # handed over, none computed again
