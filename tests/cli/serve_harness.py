@@ -97,3 +97,26 @@ def parse_metrics(text: str) -> dict[str, float]:
 def sse_events(lines: list[str]) -> list[str]:
     """The `data:` payloads of a server-sent event stream, in order."""
     return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+
+
+def at_once(calls: list[Callable[[], T]], timeout_s: float) -> list[T]:
+    """Run each of `calls` on a thread of its own, all at once; their results in order
+    (AssertionError naming a call that raised or did not return within `timeout_s`)."""
+    results: dict[int, T] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(k: int) -> None:
+        try:
+            results[k] = calls[k]()
+        except BaseException as exc:  # noqa: BLE001 (reported below, on the test's thread)
+            errors[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    for k in range(len(calls)):
+        assert k not in errors, f"call {k} raised {errors[k]!r}"
+        assert k in results, f"call {k} did not return within {timeout_s} s"
+    return [results[k] for k in range(len(calls))]

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -30,7 +31,7 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
 from kvtier.handoff.mooncake import mooncake_available
-from tests.cli.serve_harness import MODEL_NAME, parse_metrics
+from tests.cli.serve_harness import MODEL_NAME, at_once, parse_metrics
 from tests.model_cache import seed_model_cache
 
 pytestmark = pytest.mark.slow
@@ -163,16 +164,7 @@ def test_concurrent_handoffs_over_nccl_each_land_where_they_belong(
         pair: Pair, colocated: LLM) -> None:
     _check_available(pair, "nccl")
     prompts = [_prompt(20 + k, 150 + 17 * k) for k in range(3)]  # 9, 10 and 11 full blocks
-    responses: dict[int, httpx.Response] = {}
-
-    def hand_over(k: int) -> None:
-        responses[k] = _hand_over(pair, prompts[k], "nccl")
-
-    threads = [threading.Thread(target=hand_over, args=(k,)) for k in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(180)
+    responses = at_once([partial(_hand_over, pair, prompt, "nccl") for prompt in prompts], 180)
     for k, prompt in enumerate(prompts):
         assert responses[k].status_code == 200, responses[k].text
         result = responses[k].json()

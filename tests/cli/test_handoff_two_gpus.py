@@ -9,8 +9,8 @@ Needs two CUDA devices (the device tool's multi-GPU machines); skipped elsewhere
 
 from __future__ import annotations
 
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -18,6 +18,8 @@ import pytest
 import torch
 from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.engine import LLM, SamplingParams
+
+from tests.cli.serve_harness import at_once
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -57,7 +59,6 @@ def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
                                  *ENGINE, *nccl, "--handoff-nccl-group-mib", "1",
                                  "--handoff-nccl-in-flight", "3"], tmp_path, num_threads=None)
     prompts = _prompts()
-    handed: dict[int, httpx.Response] = {}
     answers: list[tuple[list[int], int]] = []
     try:
         wait_healthy([decode, prefill], 600)
@@ -66,15 +67,8 @@ def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
             assert time.monotonic() < deadline, "the NCCL pair did not form"
             time.sleep(0.2)
         model = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
-
-        def hand_over(k: int) -> None:
-            handed[k] = _hand_over(prefill, decode, model, prompts[k])
-
-        threads = [threading.Thread(target=hand_over, args=(k,)) for k in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
+        handed = at_once([partial(_hand_over, prefill, decode, model, prompt)
+                          for prompt in prompts], 300)
         for k, prompt in enumerate(prompts):
             assert handed[k].status_code == 200, handed[k].text
             result = handed[k].json()
