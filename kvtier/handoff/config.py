@@ -112,7 +112,8 @@ def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, Handof
             transports["nccl"] = TorchDistTransport(
                 layout, config.nccl_init,
                 PREFILL_RANK if config.role == "prefill" else DECODE_RANK, backend,
-                group_bytes=config.nccl_group_mib << 20, in_flight=config.nccl_in_flight)
+                group_bytes=config.nccl_group_mib << 20, in_flight=config.nccl_in_flight,
+                turn_timeout_s=config.timeout_s)
     except BaseException:
         for transport in transports.values():
             transport.close()

@@ -77,13 +77,17 @@ class TorchDistTransport(HandoffTransport):
     """The pair's group. rank: PREFILL_RANK or DECODE_RANK. backend: "nccl" (CUDA tensors)
     or "gloo" (CPU tensors). timeout_s: how long forming the group and each operation may
     take. group_bytes: most payload bytes per send (at least one block). in_flight: sends
-    of one handoff that may await their commits. Raises ValueError for a bad setting."""
+    that may await their commits. turn_timeout_s: how long a receive waits for the sends
+    numbered before it, and a send for a free slot (None: `timeout_s`); a send whose commit
+    never comes (lost with its connection) then breaks the pair after that long instead of
+    holding the threads waiting behind it. Raises ValueError for a bad setting."""
 
     name = "nccl"
 
     def __init__(self, layout: KVLayout, init_method: str, rank: int, backend: str = "nccl",
                  timeout_s: float = 600.0, group_bytes: int = DEFAULT_GROUP_BYTES,
-                 in_flight: int = DEFAULT_IN_FLIGHT) -> None:
+                 in_flight: int = DEFAULT_IN_FLIGHT,
+                 turn_timeout_s: float | None = None) -> None:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"the handoff's torch.distributed backend must be nccl or gloo, "
                              f"got {backend!r}")
@@ -99,9 +103,12 @@ class TorchDistTransport(HandoffTransport):
             raise ValueError(f"group_bytes must be positive, got {group_bytes}")
         if in_flight < 1:
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        if turn_timeout_s is not None and not turn_timeout_s > 0:
+            raise ValueError(f"turn_timeout_s must be > 0, got {turn_timeout_s}")
         self.layout, self.rank, self.backend = layout, rank, backend
         self.batch = max(1, group_bytes // layout.bytes_per_block)  # blocks per send
         self.in_flight, self.timeout_s = in_flight, timeout_s
+        self.turn_timeout_s = timeout_s if turn_timeout_s is None else turn_timeout_s
         self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
@@ -174,8 +181,9 @@ class TorchDistTransport(HandoffTransport):
         import torch.distributed as dist
 
         self._check()
-        if not self._send_slots.acquire(timeout=self.timeout_s):
-            raise TransportError(f"no earlier send was committed within {self.timeout_s:.0f} s")
+        if not self._send_slots.acquire(timeout=self.turn_timeout_s):
+            raise TransportError(f"no earlier send was committed within "
+                                 f"{self.turn_timeout_s:g} s")
         with self._send_lock:
             try:
                 work = dist.isend(rows, dst=self.peer)
@@ -193,7 +201,7 @@ class TorchDistTransport(HandoffTransport):
     def receive_into(self, rows: torch.Tensor, seq: int) -> None:
         """Receive the send numbered `seq` into `rows` (uint8 `[n, bytes_per_block]` on the
         device), once every earlier send has been received. Raises TransportError when the
-        pair is broken or the sends before it do not come within `timeout_s`, ValueError
+        pair is broken or the sends before it do not come within `turn_timeout_s`, ValueError
         for a number already received."""
         import torch.distributed as dist
 
@@ -202,9 +210,10 @@ class TorchDistTransport(HandoffTransport):
             if seq < self._next_recv:
                 raise ValueError(f"send {seq} was received already (next: {self._next_recv})")
             if not self._recv_turn.wait_for(
-                    lambda: self._next_recv == seq or self._broken is not None, self.timeout_s):
+                    lambda: self._next_recv == seq or self._broken is not None,
+                    self.turn_timeout_s):
                 self._break(f"send {self._next_recv} never came while send {seq} waited "
-                            f"{self.timeout_s:.0f} s for its turn")
+                            f"{self.turn_timeout_s:g} s for its turn")
             self._check()
         try:
             dist.recv(rows, src=self.peer)

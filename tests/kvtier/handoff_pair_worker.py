@@ -1,0 +1,70 @@
+"""One rank of a torch.distributed handoff pair on gloo, for tests/kvtier/test_handoff_order.py;
+prints what it saw as one JSON object.
+
+    python -m tests.kvtier.handoff_pair_worker ROLE INIT_METHOD
+
+ROLE sender: posts send 0 (rows of 0s) and send 1 (rows of 1s), no commit for either, then
+waits to be stopped. ROLE reversed: receives send 1 first (on a thread, which must wait for
+send 0), then send 0; prints each one's bytes. ROLE lost: receives send 1 only, as if send
+0's commit had been lost with its connection; prints the error and whether the transport
+still says it is ready.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import torch
+
+from kvtier.handoff.base import TransportError
+from kvtier.handoff.torch_dist import DECODE_RANK, PREFILL_RANK, TorchDistTransport
+from kvtier.layout import KVLayout
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+#: The turn timeout of the lost role (the others wait as long as a loaded machine may need).
+LOST_TURN_TIMEOUT_S = 1.0
+
+
+def main(role: str, init_method: str) -> dict:
+    rank = PREFILL_RANK if role == "sender" else DECODE_RANK
+    transport = TorchDistTransport(
+        LAYOUT, init_method, rank, "gloo", timeout_s=60.0,
+        turn_timeout_s=LOST_TURN_TIMEOUT_S if role == "lost" else 60.0)
+    if not transport.wait_ready(60.0):
+        return {"error": "the pair did not form"}
+    rows = [torch.full((2, LAYOUT.bytes_per_block), k, dtype=torch.uint8) for k in (0, 1)]
+    if role == "sender":
+        posted = [transport.post_send(r) for r in rows]  # (seq, work): the work kept alive
+        print(json.dumps({"posted": [seq for seq, _ in posted]}), flush=True)
+        time.sleep(600)  # until the test stops this process
+    received = [torch.full((2, LAYOUT.bytes_per_block), 9, dtype=torch.uint8) for _ in rows]
+    if role == "lost":
+        began = time.monotonic()
+        try:
+            transport.receive_into(received[1], 1)
+        except TransportError as exc:
+            return {"error": str(exc), "seconds": time.monotonic() - began,
+                    "ready": transport.ready}
+        return {"error": None}
+    later: dict = {}
+
+    def receive_second() -> None:
+        transport.receive_into(received[1], 1)
+        later["at"] = time.monotonic()
+
+    thread = threading.Thread(target=receive_second)
+    thread.start()
+    thread.join(0.5)
+    waited = thread.is_alive()
+    transport.receive_into(received[0], 0)
+    first_at = time.monotonic()
+    thread.join(60)
+    return {"waited": waited, "in_order": first_at <= later.get("at", 0.0),
+            "values": [sorted(set(r.flatten().tolist())) for r in received]}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], sys.argv[2])), flush=True)

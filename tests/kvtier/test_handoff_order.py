@@ -1,0 +1,55 @@
+"""The torch.distributed handoff transport keeps its pair in step: a receive waits for the
+sends numbered before it, whatever order the commits come in, and a send whose commit never
+comes breaks the pair after the turn timeout instead of holding the receives behind it.
+Two real processes on gloo over loopback (`handoff_pair_worker.py`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvtier.cli.bench.cluster import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pair(receiver_role: str) -> dict:
+    """Run a sender and a receiver of `receiver_role`; the receiver's JSON answer."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "tests.kvtier.handoff_pair_worker"]
+    sender = subprocess.Popen([*command, "sender", init], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        receiver = subprocess.run([*command, receiver_role, init], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=180)
+    finally:
+        sender.kill()
+        sender.communicate()
+    assert receiver.returncode == 0, receiver.stderr[-2000:]
+    return json.loads(receiver.stdout.strip().splitlines()[-1])
+
+
+def test_a_receive_waits_for_the_sends_before_it() -> None:
+    seen = _pair("reversed")
+    assert seen["waited"] and seen["in_order"]
+    assert seen["values"] == [[0], [1]]  # each send's bytes where its number says
+
+
+def test_a_send_whose_commit_never_came_breaks_the_pair_after_the_turn_timeout() -> None:
+    seen = _pair("lost")
+    assert seen["error"] is not None and "send 0 never came" in seen["error"]
+    assert 0.9 <= seen["seconds"] < 30  # the turn timeout (1 s), not the op timeout (60 s)
+    assert seen["ready"] is False  # handoffs use another transport from now on
+
+
+@pytest.mark.parametrize("turn_timeout_s", [0.0, -1.0])
+def test_a_turn_timeout_must_be_positive(turn_timeout_s: float) -> None:
+    from kvtier.handoff.torch_dist import TorchDistTransport
+    from tests.kvtier.handoff_pair_worker import LAYOUT
+
+    with pytest.raises(ValueError, match="turn_timeout_s must be > 0"):
+        TorchDistTransport(LAYOUT, "tcp://127.0.0.1:1", 0, "gloo",
+                           turn_timeout_s=turn_timeout_s)
