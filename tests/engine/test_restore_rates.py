@@ -296,8 +296,8 @@ def test_reads_the_compute_front_overtook_still_teach_the_disks_rate(disk_dir: P
     be measured, or the scheduler keeps asking it (its rate unknown) and every restore
     pays the wait and the lookups for nothing."""
     hashes = warm(disk_dir, [PROMPT])
-    # 50 ms a block, the first read held until the front is past it: overtaken whatever
-    # the machine's timing (a read not started by then would be cancelled, unmeasured).
+    # Every read slowed (`delay_s`), the first held until the front is past it: overtaken
+    # whatever the machine's timing (a read not started by then would be cancelled, unmeasured).
     hook = ReadHook(delay_s=0.05, gate_at=1)
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
         driver = Driver(manager)

@@ -23,8 +23,8 @@ class BoundedCalls:
         self._lock = threading.Lock()
         self._stalled: Future | None = None  # a call past its deadline, until it returns
         # The executor starts its thread at the first call: started now, so that a fresh
-        # engine's first prefix lookup does not wait for a thread to be scheduled (3-5 ms
-        # on a loaded 2-core machine, more than its whole restore of a short prompt).
+        # engine's first prefix lookup does not wait for a thread to be scheduled, which on
+        # a loaded machine can take longer than restoring a short prompt.
         self._executor.submit(int)
 
     @property
