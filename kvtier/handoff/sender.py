@@ -352,7 +352,16 @@ class PrefillHandoff:
         """Call the decode instance's commit (on a committing thread, or the worker's): its
         answer, and when the call was made and answered. `sent`: it announces a send."""
         called = time.monotonic()
-        answer = self.control.commit(self.handoff_id, self.transport.name, entries, last, part)
+        try:
+            answer = self.control.commit(self.handoff_id, self.transport.name, entries, last,
+                                         part)
+        except ControlError as exc:
+            if sent and exc.status == 404:
+                # The decode side consumes the bytes a commit announces before it answers
+                # that its handoff is unknown (expired or ended): the send is done, and a
+                # pair that sends in step (NCCL) stays in step.
+                self.channel.committed()
+            raise
         self._last_commit = answered = time.monotonic()
         self._spans.append((began, answered))
         if sent:

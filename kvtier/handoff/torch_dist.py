@@ -27,9 +27,10 @@ a prefill instance may post the next group's send while earlier commits are stil
 way. At most `in_flight` sends, of all its handoffs together, await their commits: each
 holds a group of GPU memory on both sides, and a commit that comes early holds a thread of
 the decode instance while it waits for its turn. A commit
-the decode side cannot match (an expired handoff) still receives its bytes (`discard`). A
-failed send or receive, or a number that never comes, leaves the pair out of step: the
-transport then says it is not ready, and handoffs use another transport or none.
+the decode side cannot match (an expired handoff) still receives its bytes (`discard`)
+before it answers 404, so the prefill side counts that send as done too. A failed send or
+receive, or a number that never comes, leaves the pair out of step: the transport then says
+it is not ready, and handoffs use another transport or none.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on
 - A prefill instance killed mid-handoff leaves the decode instance answering correctly:
   its reservation expires, what landed is used and the rest computed.
 - A decode instance that cannot be reached gives the prefill endpoint a 502.
+- A handoff the decode instance ends mid-way (its commits answered 404) leaves the NCCL
+  pair in step: the next handoff over it lands.
 
 One decode and one prefill process serve every transport (starting a process costs
 seconds); the kill test starts a prefill process of its own.
@@ -17,11 +19,13 @@ seconds); the kill test starts a prefill process of its own.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -113,13 +117,14 @@ def _prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 def _hand_over(pair: Pair, prompt: list[int], transport: str | None,
-               prefill: Process | None = None, timeout_s: float = 60.0) -> httpx.Response:
+               prefill: Process | None = None, timeout_s: float = 60.0,
+               decode_url: str | None = None) -> httpx.Response:
     return httpx.post(f"{(prefill or pair.prefill).url}/v1/handoff/prefill", json={
         "endpoint": "/v1/completions",
         "request": {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
                     "temperature": 0},
-        "decode": pair.decode.url, "transport": transport, "timeout_s": timeout_s},
-        timeout=120)
+        "decode": decode_url or pair.decode.url, "transport": transport,
+        "timeout_s": timeout_s}, timeout=120)
 
 
 def _decode(pair: Pair, prompt: list[int]) -> tuple[list[int], int]:
@@ -273,3 +278,74 @@ def _gpu_blocks_used(instance: Process) -> float:
         if line.startswith('kvtier_gpu_blocks{state="used"}'):
             return float(line.split()[-1])
     raise AssertionError("no kvtier_gpu_blocks in /metrics")
+
+
+class _EndingProxy:
+    """The decode instance behind a proxy on loopback that, before forwarding the commit
+    numbered `end_at` of a handoff, asks the decode instance to abort that handoff: the
+    commit, and those after it, are answered 404 as for a reservation that expired
+    mid-handoff (the decode side consumes their bytes first)."""
+
+    def __init__(self, decode_url: str, end_at: int) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path == "/internal/handoff/commit":
+                    commit = json.loads(body)
+                    if commit.get("part") == end_at:
+                        proxy.ended.append(commit["handoff_id"])
+                        httpx.post(f"{decode_url}/internal/handoff/abort",
+                                   json={"handoff_id": commit["handoff_id"]}, timeout=30)
+                answer = httpx.request(method, f"{decode_url}{self.path}", content=body,
+                                       headers={"Content-Type": "application/json"},
+                                       timeout=60)
+                self.send_response(answer.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                self.wfile.write(answer.content)
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                self._forward("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._forward("POST")
+
+        self.ended: list[str] = []
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _EndingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
+                                                              colocated: LLM) -> None:
+    _check_available(pair, "nccl")
+    with _EndingProxy(pair.decode.url, end_at=1) as proxy:
+        # 8 full blocks, one per send, three sends awaiting their commits: the handoff is
+        # ended while sends of it are in flight.
+        response = _hand_over(pair, _prompt(40, 130), "nccl", decode_url=proxy.url)
+    assert len(proxy.ended) == 1
+    assert response.status_code == 502, response.text
+    assert "404" in response.json()["error"]["message"]
+    # Every send of the ended handoff was received and counted done on both sides: the
+    # pair is still ready, and the next handoff's bytes land where they belong.
+    assert "nccl" in httpx.get(f"{pair.prefill.url}/v1/handoff/info").json()["transports"]
+    prompt = _prompt(41, 117)
+    response = _hand_over(pair, prompt, "nccl")
+    assert response.status_code == 200, response.text
+    tokens, cached = _decode(pair, prompt)
+    assert tokens == _reference(colocated, prompt)
+    assert cached == 7 * 16
