@@ -107,6 +107,10 @@ def longctx(
                                          "directory); it is removed afterwards."),
     disk_durable: bool = typer.Option(False, "--disk-durable/--no-disk-durable",
                                       help=_DISK_DURABLE_HELP),
+    restore_min_saving: float | None = typer.Option(
+        None, "--restore-min-saving", help="Seconds a read from the disk or remote tier must "
+        "be expected to save before the engines do it (default: the engine's); 0 reads "
+        "every prefix the tiers hold, to measure the tiers rather than the engine's choice."),
     seed: int = typer.Option(0, help="Seed of the documents' token ids."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also time transformers' "
                                     "own forward pass over the round-two prompts (same "
@@ -134,7 +138,7 @@ def longctx(
                                                    "--strategies"),
                            disk_dir=str(disk_dir) if disk_dir else None, seed=seed,
                            compare_hf=compare_hf, host_cache_gb=host_cache_gb,
-                           disk_durable=disk_durable,
+                           disk_durable=disk_durable, restore_min_saving_s=restore_min_saving,
                            cold=cold, attn_backend=attn_backend, deterministic=deterministic)
     if len(lengths) > 1:
         sweep = _with_status("bench longctx", lambda update: run_longctx_sweep(

@@ -111,6 +111,9 @@ class LongctxConfig:
     deterministic: bool = False  # also run every strategy in the deterministic mode
     host_cache_gb: float | None = None  # host_small_disk's host tier; None: 1/8 of the docs
     disk_durable: bool = False  # the disk tier fsyncs every commit (the engine's default: off)
+    #: The engines' `restore_min_saving_s` (None: the engine's default). 0 reads every prefix
+    #: the tiers hold, however short: the tiers' own speed, not the engine's choice.
+    restore_min_saving_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_docs", "doc_tokens", "question_tokens", "max_tokens", "block_size",
@@ -124,6 +127,9 @@ class LongctxConfig:
             raise ValueError(f"--strategies must name some of {STRATEGIES + EXTRA_STRATEGIES} "
                              f"including 'recompute' (the baseline of every ratio); got "
                              f"{self.strategies}")
+        if self.restore_min_saving_s is not None and self.restore_min_saving_s < 0:
+            raise ValueError(f"--restore-min-saving must be >= 0, got "
+                             f"{self.restore_min_saving_s}")
         if self.host_cache_gb is not None and self.host_cache_gb <= 0:
             raise ValueError(f"--host-cache-gb must be positive, got {self.host_cache_gb}")
         if self.gpu_blocks is not None and self.gpu_blocks < self.request_blocks:
@@ -197,6 +203,8 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
                                "disk_cache": strategy in DISK_STRATEGIES,
                                "disk_cache_gb": tier_bytes / GIB,
                                "deterministic": deterministic}
+    if config.restore_min_saving_s is not None:
+        options["restore_min_saving_s"] = config.restore_min_saving_s
     if strategy == "host_small_disk":
         small = config.host_cache_gb
         options["host_cache_gb"] = small if small is not None else max(

@@ -86,7 +86,8 @@ def test_config_file_environment_and_options_reach_the_engine(model_dir, tmp_pat
     config_file = tmp_path / "kvtier.yaml"
     config_file.write_text(f"model: {model_dir}\ndevice: cpu\ngpu_blocks: 64\n"
                            f"host_cache: false\ndisk_cache_dir: {tmp_path / 'kv'}\n"
-                           "hash_algorithm: sha256\ncache_salt: tenant-a\n")
+                           "hash_algorithm: sha256\ncache_salt: tenant-a\n"
+                           "restore_min_saving_s: 0\n")  # a short prompt: read it anyway
     prompt = "A question long enough to fill a few blocks of sixteen tokens each, twice over."
     runner = CliRunner()
 

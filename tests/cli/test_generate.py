@@ -99,7 +99,10 @@ def test_prompt_files_raw_prompts_and_the_table(runner, model_dir, tmp_path) -> 
     assert "computed" in result.stderr
 
 
-def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path) -> None:
+def test_a_later_run_restores_from_the_disk_tier(runner, model_dir, tmp_path,
+                                                 monkeypatch) -> None:
+    # A short prompt computes sooner than a read must save by default: read it anyway.
+    monkeypatch.setenv("KVTIER_RESTORE_MIN_SAVING_S", "0")
     prompt = "A long enough question that spans a few blocks of sixteen bytes each?"
     args = generate_args(model_dir, prompt, "--disk-cache", str(tmp_path / "kv"), "--json")
     first_run = json.loads(runner.invoke(app, args).stdout)

@@ -65,8 +65,11 @@ def slots_gb(model: LoadedModel, num_slots: int) -> float:
 
 def tiny_llm(model: LoadedModel, disk_dir: Path, **kwargs) -> LLM:
     """Tiny GPU and host budgets: blocks leave the GPU and the host at once."""
+    # restore_min_saving_s 0: these short prompts compute sooner than a read must save by
+    # default, and what is tested is what the reads find.
     options = dict(gpu_blocks=NUM_GPU_BLOCKS, host_cache_gb=slots_gb(model, NUM_HOST_SLOTS),
-                   disk_cache_dir=disk_dir, disk_cache_gb=0.01, max_num_batched_tokens=64)
+                   disk_cache_dir=disk_dir, disk_cache_gb=0.01, max_num_batched_tokens=64,
+                   restore_min_saving_s=0.0)
     options.update(kwargs)
     return LLM(model, **options)
 

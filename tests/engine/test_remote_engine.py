@@ -61,8 +61,11 @@ def remote(url: str, **kwargs) -> RemoteConfig:
 
 
 def engine(model: LoadedModel, tmp_path: Path, config: RemoteConfig, **kwargs) -> LLM:
+    # restore_min_saving_s 0: these short prompts compute sooner than a read must save by
+    # default, and what is tested is what the reads find.
     options = dict(gpu_blocks=64, host_cache_gb=0.01, disk_cache_dir=tmp_path / "disk",
-                   disk_cache_gb=0.01, max_num_batched_tokens=128, remote_cache=config)
+                   disk_cache_gb=0.01, max_num_batched_tokens=128, remote_cache=config,
+                   restore_min_saving_s=0.0)
     options.update(kwargs)
     return LLM(model, **options)
 
@@ -248,9 +251,8 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
     print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
     assert b["output_token_ids"] == list(reference.outputs[0].token_ids)
     assert b["cached_gpu_host_disk"] == 0
-    # The restore computes the head while the tail loads. In a fresh process the compute
-    # front first claims a 64-token probe to measure the prefill rate, then as much of the
-    # head as the remote tier would not deliver sooner; how much that is depends on the two
-    # rates (98% restored on the 2-core CI machine), so only the first step's budget is
-    # bounded here.
-    assert b["cached_remote"] >= b["doc_tokens"] - 1024 - 16, b
+    # The restore computes the head while the tail loads: the compute front takes as much
+    # of the head as the remote tier would not deliver sooner, by the prefill rate the
+    # engine timed at start and the tier's. How much that is depends on the two rates
+    # (74-98% restored on the 2-core CI machine), so only most of the document is asked for.
+    assert b["cached_remote"] >= b["doc_tokens"] // 2, b
