@@ -119,11 +119,11 @@ def pick_config(device: torch.device, dtype: torch.dtype, num_tokens: int, num_r
         num_splits = max(1, min(wanted, max_seq_len // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
     if decode_shaped and num_splits == 1 and device.type == "cuda":
         # Many requests, one pass each (batch 64 x 2K): 32-key tiles with 3 stages beat
-        # 64 x 2 in the tiling sweep (docs/history/kernels-rounds.md).
+        # 64 x 2 in the tiling sweep (docs/KERNELS.md, "How the kernel works").
         tile_n, num_stages = 32, 3
     if wide_prefill and num_splits == 1:
         # 256 rows, 128 keys, 8 warps, 2 stages: the fastest one-pass tiling of the sweep
-        # (docs/history/kernels-rounds.md); it needs Hopper-sized shared memory.
+        # (docs/KERNELS.md, "How the kernel works"); it needs Hopper-sized shared memory.
         block_q, tile_n = max(1, max(256, group_pad) // group_pad), 128
         num_warps, num_stages = 8, 2
     return AttentionConfig(block_q=block_q, tile_n=tile_n, num_splits=num_splits,

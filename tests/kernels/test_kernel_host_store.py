@@ -99,7 +99,7 @@ def test_gpu_load_from_host_reads_pinned_memory() -> None:
 def test_gpu_load_from_host_does_not_wait_for_a_bulk_host_to_device_copy() -> None:
     """The values land, and a kernel queued after them runs, while a long copy-engine
     transfer to the GPU on another stream still runs (GPU time, from CUDA events): a tiny
-    `.to(device)` would queue behind it (scripts/upload_probe.py)."""
+    `.to(device)` would queue behind it (docs/KERNELS.md, "store_to_host and load_from_host")."""
     bulk_src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     bulk_dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
