@@ -73,8 +73,7 @@ class EngineConfig(CheckedModel):
     cuda_graphs: replay recorded CUDA graphs for small steps: decodes, and short prefill
         chunks as decode rows (used only on CUDA with the triton or cudnn attention backend;
         ignored elsewhere).
-    warmup: at start, compile every kernel and time the prefill (CUDA), or time one short
-        prefill chunk (CPU), so the first restore is weighed with the model's rate.
+    warmup: compile every kernel and time one prefill at start (CUDA).
     deterministic: every token's logits the same bits whatever its batch, its prompt's
         chunking and the tier its prefix came from (batch-invariant matrix products and
         attention; see docs/DETERMINISM.md for what it costs); off: the fastest kernels,
@@ -126,8 +125,7 @@ class EngineConfig(CheckedModel):
     seed: Annotated[int, Field(ge=0)] | None = Field(
         0, description="default sampling seed, >= 0; None: nondeterministic")
     cuda_graphs: bool = Field(True, description="replay CUDA graphs for small steps")
-    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA); "
-                         "time one prefill at start (CUDA and CPU)")
+    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
     deterministic: bool = Field(
         False, description="batch- and chunk-invariant kernels: bit-identical logits across "
         "batches, chunk sizes and tiers, in bf16 too")

@@ -64,9 +64,6 @@ LONG_CONTEXT = 2048
 SHORT_CHUNK = 48
 #: Query tokens of the warm-up's mid-sized prefill chunk.
 MID_CHUNK = 512
-#: Tokens of the prefill chunk a CPU engine times at start (`time_cpu_prefill`): enough for
-#: the step timer to count (`engine.step_timer.MIN_TIMED_TOKENS`), cheap on two cores.
-CPU_TIMED_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,35 +297,13 @@ def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
 def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                  step: WarmupStep) -> tuple[int, int, float]:
     """(tokens, keys attended to, seconds) of `step` (prompt chunks, already compiled) run
-    once more on `kv_cache`'s device, timed by CUDA events there and by the wall clock on
-    the CPU; stores nothing."""
+    once more on `kv_cache`'s device, timed by CUDA events; stores nothing."""
     input_ids, positions, metadata = _step_inputs(step, block_size, kv_cache.device)
-    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
-    if kv_cache.device.type != "cuda":
-        began = time.perf_counter()
-        model.forward(input_ids, positions, kv_cache, metadata)
-        return sum(step.q_lens), num_keys, time.perf_counter() - began
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     begin.record()
     model.forward(input_ids, positions, kv_cache, metadata)
     end.record()
     end.synchronize()
+    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
     return sum(step.q_lens), num_keys, begin.elapsed_time(end) / 1e3
-
-
-def time_cpu_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
-                     max_num_batched_tokens: int, max_model_len: int
-                     ) -> tuple[tuple[int, int, float], ...]:
-    """On the CPU, where nothing compiles: (tokens, keys, seconds) of one fresh prefill
-    chunk of `CPU_TIMED_TOKENS` (fewer if the limits say so), run once untimed (torch
-    grows its allocator on the first call of a shape) and once timed; stores nothing.
-
-    Without it a fresh engine's first lookups find no prefill rate, and the restore gate
-    reads every prefix: on the CPU that made a fresh engine's first short disk restore
-    take 1.5-1.9x as long as computing it (docs/BENCHMARKS.md, "CPU machine")."""
-    assert kv_cache.device.type == "cpu", "on CUDA the warm-up times the prefill"
-    num_tokens = max(1, min(CPU_TIMED_TOKENS, max_num_batched_tokens, max_model_len - 1))
-    step = WarmupStep("prefill", (num_tokens,), (num_tokens,))
-    time_prefill(model, kv_cache, block_size, step)  # the allocator's first call
-    return (time_prefill(model, kv_cache, block_size, step),)

@@ -251,8 +251,9 @@ def test_two_processes_share_a_4k_token_document(smollm2, tmp_path, redis_cluste
     print(f"two processes: A {a}\nB {b}")  # shown with -s: the figures of the goal
     assert b["output_token_ids"] == list(reference.outputs[0].token_ids)
     assert b["cached_gpu_host_disk"] == 0
-    # The restore computes the head while the tail loads: the compute front takes as much
-    # of the head as the remote tier would not deliver sooner, by the prefill rate the
-    # engine timed at start and the tier's. How much that is depends on the two rates
-    # (74-98% restored on the 2-core CI machine), so only most of the document is asked for.
-    assert b["cached_remote"] >= b["doc_tokens"] // 2, b
+    # The restore computes the head while the tail loads. In a fresh process the compute
+    # front first claims a 64-token probe to measure the prefill rate, then as much of the
+    # head as the remote tier would not deliver sooner; how much that is depends on the two
+    # rates (98% restored on the 2-core CI machine), so only the first step's budget is
+    # bounded here.
+    assert b["cached_remote"] >= b["doc_tokens"] - 1024 - 16, b

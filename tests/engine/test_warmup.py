@@ -1,9 +1,7 @@
 """Warm-up at engine start (engine.warmup).
 
 CPU: the warm-up steps fit the engine's limits and write nothing into the KV cache; the Triton
-cache directory goes under the user cache directory unless TRITON_CACHE_DIR is set; a CPU
-engine compiles nothing but times one prefill chunk, so its first restore is weighed with the
-model's rate.
+cache directory goes under the user cache directory unless TRITON_CACHE_DIR is set.
 GPU: after warm-up, serving prompts of every shape class compiles no new kernel variant, and
 the engine's tokens equal those of an engine that skipped warm-up.
 """
@@ -84,36 +82,10 @@ def test_triton_cache_goes_under_the_user_cache_dir(tmp_path: Path,
     assert not (tmp_path / "mine").exists()
 
 
-def test_a_cpu_engine_compiles_nothing_but_times_one_prefill_chunk() -> None:
-    options = {"device": "cpu", "gpu_blocks": 8, "host_cache": False, "disk_cache": False}
-    with LLM("random:tiny-llama", **options) as llm:
+def test_cpu_engine_skips_warmup() -> None:
+    with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
+             disk_cache=False) as llm:
         assert llm.warmup_report is None
-        rate = llm.scheduler.prefill_rate
-        assert rate.tokens_per_s is not None and rate.tokens_per_s > 0
-        assert not llm.manager.kv_cache.any()  # the timed chunk stored nothing
-    with LLM("random:tiny-llama", warmup=False, **options) as llm:
-        assert llm.scheduler.prefill_rate.tokens_per_s is None
-
-
-@pytest.mark.parametrize(("min_saving_s", "reads"), [(None, False), (0.0, True)])
-def test_a_fresh_cpu_engines_first_short_prefix_is_weighed_with_the_models_rate(
-        tmp_path: Path, min_saving_s: float | None, reads: bool) -> None:
-    # A fresh engine used to read its first prefix from the disk whatever its length: it
-    # knew no prefill rate yet. A 200-token prefix computes in milliseconds on the CPU,
-    # less than the saving a read must promise by default, so it is computed; with no
-    # saving asked of a read it is read.
-    options = {"device": "cpu", "gpu_blocks": 64, "disk_cache_dir": tmp_path}
-    prompt = list(range(5, 205))
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
-    with LLM("random:tiny-llama", **options) as llm:
-        [expected] = llm.generate([prompt], params)
-    extra = {} if min_saving_s is None else {"restore_min_saving_s": min_saving_s}
-    with LLM("random:tiny-llama", **options, **extra) as llm:
-        [output] = llm.generate([prompt], params)
-        counts = llm.restore_counts()
-    assert output.outputs[0].token_ids == expected.outputs[0].token_ids
-    assert (counts.started, counts.turned_away) == ((1, 0) if reads else (0, 1))
-    assert (output.metrics.cached_tokens_disk > 0) == reads
 
 
 # --- GPU ----------------------------------------------------------------------------------
