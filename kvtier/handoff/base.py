@@ -89,8 +89,9 @@ class SendChannel(ABC):
 
     def committed(self) -> None:
         """A commit announcing a `send` was answered, its room may be reused: called once
-        per send so answered, from the thread that took the answer (with sends under way
-        together, answers may come in any order)."""
+        per send so answered (a 404 too: the decode side consumes an unknown handoff's
+        bytes before it answers), from the thread that took the answer (with sends under
+        way together, answers may come in any order)."""
         return None  # nothing by default
 
     def close(self) -> None:
