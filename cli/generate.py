@@ -106,7 +106,8 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
                    disk_cache: Path | None, no_disk_cache: bool, disk_cache_gb: float | None,
                    disk_durable: bool | None, hash_algorithm: str | None, cache_salt: str | None,
                    attn_backend: str | None, remote_cache: str | None,
-                   deterministic: bool = False) -> dict[str, Any]:
+                   deterministic: bool = False,
+                   long_prefill_token_threshold: int | None = None) -> dict[str, Any]:
     """`LLM` keyword arguments from the model and cache options of `generate` (which
     `kvtier serve` shares under the same names); options left None come from the config
     file, the environment or the defaults. Raises ValueError for a bad or contradictory
@@ -118,6 +119,7 @@ def engine_options(config: Path | None, model: str | None, device: str | None,
         "gpu_blocks": gpu_blocks, "gpu_memory_utilization": gpu_memory_utilization,
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "long_prefill_token_threshold": long_prefill_token_threshold,
         "host_cache": False if no_host_cache else None, "host_cache_gb": host_cache_gb,
         "disk_cache": False if no_disk_cache else None, "disk_cache_dir": disk_cache,
         "disk_cache_gb": disk_cache_gb, "disk_durable": disk_durable,
@@ -171,6 +173,10 @@ def generate(
                                             help="Requests running in one step. [default: 64]"),
     max_num_batched_tokens: int | None = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens run in one step. [default: 2048]"),
+    long_prefill_token_threshold: int | None = typer.Option(
+        None, "--long-prefill-token-threshold", help="While other prompts wait to start or "
+        "are part-way through, a prompt computes at most this many tokens a step, so short "
+        "prompts are not held behind every chunk of a long one; 0: no cap. [default: 0]"),
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb",
                                                help="Host tier size, GiB. [default: 1.0]"),
     no_host_cache: bool = typer.Option(False, "--no-host-cache", help="Turn the host tier off."),
@@ -216,7 +222,7 @@ def generate(
         no_host_cache=no_host_cache, disk_cache=disk_cache, no_disk_cache=no_disk_cache,
         disk_cache_gb=disk_cache_gb, disk_durable=disk_durable, hash_algorithm=hash_algorithm,
         cache_salt=cache_salt, attn_backend=attn_backend, remote_cache=remote_cache,
-        deterministic=deterministic)
+        deterministic=deterministic, long_prefill_token_threshold=long_prefill_token_threshold)
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,

@@ -58,6 +58,10 @@ class EngineConfig(CheckedModel):
     max_model_len: cap on one request's prompt plus generated tokens; None: the model's.
     max_num_seqs: cap on requests running in one step.
     max_num_batched_tokens: token budget of one step (prefill chunks plus decodes).
+    long_prefill_token_threshold: while other prompts wait to start or are part-way
+        through, a prompt computes at most this many tokens a step, and the rest of the
+        budget goes to them (a short prompt is not held behind every chunk of a long one);
+        0: no cap, first come first served.
     host_cache / host_cache_gb: the pinned host tier and its size in GiB.
     disk_cache / disk_cache_dir / disk_cache_gb: the LMDB tier, its directory (None: the
         user cache directory) and its budget in GiB.
@@ -106,6 +110,9 @@ class EngineConfig(CheckedModel):
         None, description="tokens of prompt plus output per request; None: the model's context")
     max_num_seqs: _PositiveInt = Field(64, description="requests running in one step")
     max_num_batched_tokens: _PositiveInt = Field(2048, description="tokens run in one step")
+    long_prefill_token_threshold: Annotated[int, Field(ge=0)] = Field(
+        0, description="while other prompts wait, a prompt's tokens per step at most; "
+        "0: no cap")
     host_cache: bool = Field(True, description="the pinned host tier on or off")
     host_cache_gb: _PositiveGiB = Field(
         1.0, description="host tier size in GiB; turn the tier off instead of giving it 0")

@@ -89,6 +89,7 @@ class LLM:
                  gpu_memory_utilization: float | None = None,
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None,
+                 long_prefill_token_threshold: int | None = None,
                  host_cache: bool | None = None, host_cache_gb: float | None = None,
                  disk_cache: bool | None = None, disk_cache_dir: str | Path | None = None,
                  disk_cache_gb: float | None = None, disk_durable: bool | None = None,
@@ -106,6 +107,7 @@ class LLM:
             block_size=block_size, gpu_blocks=gpu_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             host_cache=host_cache, host_cache_gb=host_cache_gb, disk_cache=disk_cache,
             disk_cache_dir=disk_cache_dir, disk_cache_gb=disk_cache_gb,
             disk_durable=disk_durable, hash_algorithm=hash_algorithm, cache_salt=cache_salt,
@@ -142,8 +144,10 @@ class LLM:
             self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
         if self.device.type == "cpu":
             leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
-        self.scheduler = Scheduler(self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   min_restore_saving_s=cfg.restore_min_saving_s)
+        self.scheduler = Scheduler(
+            self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+            min_restore_saving_s=cfg.restore_min_saving_s,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold)
         self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
                                   deterministic=cfg.deterministic)
         self.warmup_report: WarmupReport | None = prepare_gpu(

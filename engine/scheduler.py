@@ -4,7 +4,10 @@ First come, first served, under two caps: `max_num_seqs` running requests and a 
 `max_num_batched_tokens` tokens per step (a prompt longer than the budget is prefilled in
 chunks over several steps; decodes take one token each). Running requests go first, oldest
 first; then waiting requests are admitted in arrival order until a cap is hit or the pool
-runs out of blocks.
+runs out of blocks. With `long_prefill_token_threshold`, a prompt chunk takes at most that
+many tokens of a step while other prompts wait to start or are part-way through, so the
+budget left over goes to them: a short prompt then starts in the next step instead of after
+every chunk of a long one.
 
 Admission looks up the full blocks of the request (never its last token, so at least one
 token is computed and sampled) in the tier manager. GPU hits are shared at once; HOST / DISK
@@ -110,11 +113,14 @@ class Scheduler:
     def __init__(self, manager: TierManager, max_num_seqs: int, max_num_batched_tokens: int,
                  clock: Callable[[], float] = time.perf_counter,
                  restore_group_bytes: int = DISK_GROUP_BYTES,
-                 min_restore_saving_s: float = MIN_SAVING_S) -> None:
+                 min_restore_saving_s: float = MIN_SAVING_S,
+                 long_prefill_token_threshold: int = 0) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0, "caps must be positive"
+        assert long_prefill_token_threshold >= 0, "the threshold is a token count or 0"
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.clock = clock
         self.restore_group_bytes = restore_group_bytes
         self.waiting: deque[Request] = deque()
@@ -197,9 +203,13 @@ class Scheduler:
 
         # Running requests, oldest first; a preempted one leaves `self.running`.
         index = 0
+        # Running requests with a prompt chunk to compute (not a decode's one token).
+        num_chunked = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._chunk(request, budget)
+            chunked = request.num_tokens - request.num_computed_tokens > 1
+            others = bool(self.waiting) or num_chunked > chunked
+            num_new = self._chunk(request, self._prefill_cap(budget, others))
             if num_new == 0:  # its restore waits for bytes on their way
                 index += 1
                 continue
@@ -211,14 +221,16 @@ class Scheduler:
 
         # Waiting requests in arrival order; those waiting for a load are stepped over. None
         # is admitted in a step that had to preempt: the pool is short already.
-        for request in list(self.waiting):
+        waiting = list(self.waiting)
+        for position, request in enumerate(waiting):
             if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             # One lookup per admission: a failing tier cannot keep a request waiting.
             if request.request_id not in self._gpu_hit_tokens \
                     and not self._lookup(request):
                 break  # it waits for GPU blocks to restore into; FCFS as below
-            num_new = self._chunk(request, budget)
+            num_new = self._chunk(request,
+                                  self._prefill_cap(budget, position + 1 < len(waiting)))
             if not self._grow(request, num_new, out):
                 self._release(request)
                 break  # FCFS: later requests do not jump ahead of one that does not fit
@@ -378,6 +390,15 @@ class Scheduler:
                 self.gate.learn(restore)
         for restore in self._restores.values():
             restore.collect()
+
+    def _prefill_cap(self, budget: int, others_wait: bool) -> int:
+        """The tokens a request may compute this step out of `budget`: at most
+        `long_prefill_token_threshold` while `others_wait` (requests waiting to start, or
+        running ones with prompt tokens left), so that the rest of the budget goes to them.
+        A decode takes one token either way."""
+        if self.long_prefill_token_threshold and others_wait:
+            return min(budget, self.long_prefill_token_threshold)
+        return budget
 
     def _chunk(self, request: Request, budget: int) -> int:
         """How many tokens `request` computes next, at most `budget`: past a restore's

@@ -120,6 +120,32 @@ def test_tiny_models_match_transformers_batched_and_one_by_one(tiny: TinyModel) 
         assert output.metrics.computed_tokens == len(prompt) + len(reference) - 1
 
 
+def test_tiny_models_match_transformers_when_long_prompts_leave_room_to_short_ones(
+        tiny: TinyModel) -> None:
+    # Chunks of at most 32 tokens while others wait: the short prompts start beside the
+    # 2,100-token one, and every answer stays transformers'.
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    longest = max(range(len(tiny.prompts)), key=lambda i: len(tiny.prompts[i]))
+    order = [longest, *(i for i in range(len(tiny.prompts)) if i != longest)]
+    prompts = [tiny.prompts[i] for i in order]
+    with tiny_llm(tiny, long_prefill_token_threshold=32) as llm:
+        assert llm.scheduler.long_prefill_token_threshold == 32
+        requests = [llm.add_request(prompt, params) for prompt in prompts]
+        first_token_step: dict[str, int] = {}
+        outputs = {}
+        step = 0
+        while llm.has_unfinished():
+            for delta in llm.stream_step():
+                first_token_step.setdefault(delta.request_id, step)
+                if delta.output is not None:
+                    outputs[delta.request_id] = delta.output
+            step += 1
+    assert_same_tokens([outputs[r] for r in requests], prompts, [tiny.references[i]
+                                                                 for i in order])
+    # Every shorter prompt had its first token before the long one, which was admitted first.
+    assert all(first_token_step[r] < first_token_step[requests[0]] for r in requests[1:])
+
+
 def test_tiny_models_match_transformers_with_a_small_gpu_budget_and_a_host_tier(
         tiny: TinyModel) -> None:
     # 140 blocks of 16: the 2,100-token prompt fits alone (132 blocks), the batch does not.

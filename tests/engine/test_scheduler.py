@@ -36,9 +36,11 @@ class Driver:
     """A scheduler over a real TierManager, stepped like the engine steps it."""
 
     def __init__(self, manager: TierManager, max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 64) -> None:
+                 max_num_batched_tokens: int = 64, long_prefill_token_threshold: int = 0
+                 ) -> None:
         self.manager = manager
-        self.scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens)
+        self.scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens,
+                                   long_prefill_token_threshold=long_prefill_token_threshold)
         self.namespace = namespace_hash("scheduler-test", LAYOUT)
         self.count = 0
 
@@ -135,6 +137,48 @@ def test_first_come_first_served_under_the_caps(host_manager: TierManager) -> No
     order = driver.run_until_done()
     assert order[-1] is c  # c starts only once a seat is free
     assert [r.finish_reason for r in (a, b, c)] == ["length"] * 3
+
+
+def test_past_the_threshold_a_long_prompt_leaves_room_for_those_waiting(
+        host_manager: TierManager) -> None:
+    driver = Driver(host_manager, max_num_batched_tokens=8, long_prefill_token_threshold=5)
+    long = driver.add(prompt_of(22, 100), max_tokens=2)
+    plan, _ = driver.step()
+    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(long, 8)]  # alone
+    short = driver.add(prompt_of(3, 200), max_tokens=1)
+    plan, finished = driver.step()
+    # Someone waits: the long prompt takes 5 tokens, the 3 left start the short one, which
+    # samples its token at once.
+    assert [(p.request, p.num_new_tokens, p.samples) for p in plan.scheduled] == [
+        (long, 5, False), (short, 3, True)]
+    assert finished == [short]
+    plan, _ = driver.step()
+    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(long, 8)]  # alone again
+    driver.run_until_done()
+    assert [r.finish_reason for r in (long, short)] == ["length"] * 2
+
+
+def test_a_long_prompt_admitted_first_leaves_room_for_the_one_behind_it(
+        host_manager: TierManager) -> None:
+    driver = Driver(host_manager, max_num_batched_tokens=8, long_prefill_token_threshold=5)
+    first, second = driver.add(prompt_of(12, 300), max_tokens=1), \
+        driver.add(prompt_of(2, 400), max_tokens=1)
+    plan, finished = driver.step()
+    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(first, 5), (second, 2)]
+    assert finished == [second]
+    plan, _ = driver.step()  # nobody waits: the whole budget
+    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(first, 7)]
+
+
+def test_without_the_threshold_a_waiting_prompt_waits_for_every_chunk(
+        host_manager: TierManager) -> None:
+    driver = Driver(host_manager, max_num_batched_tokens=8)
+    long = driver.add(prompt_of(22, 100), max_tokens=2)
+    driver.step()
+    short = driver.add(prompt_of(3, 200), max_tokens=1)
+    plan, _ = driver.step()
+    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(long, 8)]
+    assert short.status is RequestStatus.WAITING
 
 
 def test_newest_running_request_is_preempted_and_comes_back(host_manager: TierManager) -> None:
