@@ -6,7 +6,8 @@
 #            cuda:0, decode on cuda:1) over a Poisson sweep of RATES (default 1,2,4,6,8,12)
 #            with NUM_REQUESTS (default 48) per rate; the mix: LONG_FRACTION (default 0.25)
 #            of LONG_TOKENS-token prompts (default 4096), the rest SHORT_TOKENS (256),
-#            MAX_TOKENS (64) generated each
+#            MAX_TOKENS (64) generated each; LONG_PREFILL_TOKEN_THRESHOLD, when set, is passed
+#            to every instance (--long-prefill-token-threshold)
 #   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: four 32K prompts one at
 #            a time (--rates 0: no queueing), each mode
 # TRANSPORT (default: the instances' best) is passed as --transport. SMOKE=1 shrinks every
@@ -24,6 +25,8 @@ env_report 2>&1 | tee "$OUT_DIR/env.log"
 if stage goodput; then
     if [ "$SMOKE" = 1 ]; then ARGS="--rates 2,8 --num-requests 8 --long-tokens 1024"
     else ARGS="--rates ${RATES:-1,2,4,6,8,12} --num-requests ${NUM_REQUESTS:-48} --long-tokens ${LONG_TOKENS:-4096}"; fi
+    [ -n "${LONG_PREFILL_TOKEN_THRESHOLD:-}" ] && \
+        ARGS="$ARGS --serve-arg=--long-prefill-token-threshold=$LONG_PREFILL_TOKEN_THRESHOLD"
     limit "${GOODPUT_TIMEOUT:-590}" $KV bench disagg $COMMON $ARGS \
         --short-tokens "${SHORT_TOKENS:-256}" --long-fraction "${LONG_FRACTION:-0.25}" \
         --max-tokens "${MAX_TOKENS:-64}" --json > "$OUT_DIR/disagg.json" \
