@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any, TypeVar
 
 import httpx
@@ -336,8 +337,13 @@ class HandoffService:
             raise APIError(400, f"a commit's part must be an integer >= 0 or null, got "
                                 f"{part!r}")
         try:
-            return await asyncio.to_thread(receiver.commit, raw["handoff_id"], raw["blocks"],
-                                           raw["last"], transport, part)
+            # A thread of its own: a commit may wait up to the handoff timeout for the
+            # commits and sends before it, and waiting ones on the default executor (cores
+            # + 4 threads) left the commit they waited for queued behind them until they
+            # timed out, and the NCCL pair out of step (under a burst of handoffs).
+            return await _on_own_thread(
+                partial(receiver.commit, raw["handoff_id"], raw["blocks"], raw["last"],
+                        transport, part), "kvtier-handoff-commit")
         except UnknownHandoff:
             raise APIError(404, f"no handoff {raw['handoff_id']} here (never reserved, "
                            "expired or ended)", type_="not_found_error") from None
@@ -359,9 +365,10 @@ class HandoffService:
 
 def _on_own_thread(fn: Callable[[], T], name: str) -> asyncio.Future:
     """A future of `fn()` run on a thread of its own. For work that blocks as long as a
-    handoff lasts (the pump): on the default executor (cores + 4 threads) a few of those
-    would leave the short calls (control, JSON, tokenizing) of every other request queued
-    behind them."""
+    handoff lasts (the pump) or waits for other calls (a commit waiting for its turn): on
+    the default executor (cores + 4 threads) a few of those would leave the short calls
+    (control, JSON, tokenizing) of every other request, or the very call they wait for,
+    queued behind them."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 

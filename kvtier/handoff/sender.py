@@ -308,6 +308,12 @@ class PrefillHandoff:
     def _send(self, group: Sequence[_Pending], last: bool) -> None:
         """Move `group`'s records (its blocks are released once read) and commit them. The
         answer is settled here, or later while the channel lets commits be under way."""
+        if not group:
+            # No bytes to announce (a keepalive, or the end after the last group left): sent
+            # once the commits under way are answered, it never waits for them at the decode
+            # instance, where a burst of such waits held its threads and connections.
+            while self._commits:
+                self._settle()
         entries: list[Json] = []
         began = time.monotonic()
         try:

@@ -280,6 +280,37 @@ def _gpu_blocks_used(instance: Process) -> float:
     raise AssertionError("no kvtier_gpu_blocks in /metrics")
 
 
+def test_commits_waiting_for_their_turn_never_hold_up_the_ones_they_wait_for(
+        pair: Pair) -> None:
+    # More commits waiting for the part before them than the decode instance's default
+    # executor has threads (cores + 4): each runs on a thread of its own, so the parts they
+    # wait for still get in, and every commit is answered.
+    transport = pair.transports[0]
+    num = 16
+    ids = []
+    for k in range(num):
+        answer = httpx.post(f"{pair.decode.url}/internal/handoff/reserve", json={
+            "token_ids": _prompt(60 + k, 40), "cache_salt": None, "transport": transport},
+            timeout=30)
+        assert answer.status_code == 200, answer.text
+        ids.append(answer.json()["handoff_id"])
+
+    def commit(handoff_id: str, part: int) -> httpx.Response:
+        return httpx.post(f"{pair.decode.url}/internal/handoff/commit", json={
+            "handoff_id": handoff_id, "transport": transport, "blocks": [],
+            "last": part == 1, "part": part}, timeout=60)
+
+    later: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: later.extend(
+        at_once([partial(commit, handoff_id, 1) for handoff_id in ids], 120)))
+    waiting.start()
+    time.sleep(0.5)  # the second parts are waiting at the decode instance
+    first = at_once([partial(commit, handoff_id, 0) for handoff_id in ids], 120)
+    waiting.join(120)
+    assert [r.status_code for r in first] == [200] * num, [r.text for r in first]
+    assert [r.status_code for r in later] == [200] * num, [r.text for r in later]
+
+
 class _EndingProxy:
     """The decode instance behind a proxy on loopback that, before forwarding the commit
     numbered `end_at` of a handoff, asks the decode instance to abort that handoff: the
