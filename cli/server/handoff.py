@@ -84,8 +84,12 @@ class HandoffService:
                 llm.config.hash_algorithm, self.transports, config.timeout_s, config.hold_s,
                 self.counters)
         #: The prefill side's one HTTP client to decode instances: its connections (one
-        #: pool per decode instance) are kept from one handoff to the next.
-        self._http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=32))
+        #: pool per decode instance) are kept from one handoff to the next. No cap on
+        #: connections: a commit announcing a posted send must never queue for one behind
+        #: other handoffs' calls, since the decode instance receives in send order and
+        #: waits for it.
+        self._http = httpx.Client(limits=httpx.Limits(max_connections=None,
+                                                      max_keepalive_connections=32))
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if self.receiver is not None:
