@@ -18,7 +18,7 @@ import asyncio
 from typing import Any
 
 import typer
-from kvtier.cli.server.protocol import ServerLimits
+from kvtier.cli.server.protocol import SERVER_KEEPALIVE_S, ServerLimits
 from kvtier.cli.server.router_app import RouterSettings
 
 _SETTINGS = RouterSettings()
@@ -95,6 +95,7 @@ def router(
     typer.echo(f"kvtier router: serving {cards[0]['id']!r} on "
                f"http://{host}:{sock.getsockname()[1]} over {summary}", err=True)
     config = uvicorn.Config(app, log_level=log_level,
+                            timeout_keep_alive=int(SERVER_KEEPALIVE_S),
                             timeout_graceful_shutdown=shutdown_timeout)
     with sock, _stop_signals_return():
         uvicorn.Server(config).run(sockets=[sock])

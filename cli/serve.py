@@ -27,7 +27,7 @@ from typing import Any
 
 import typer
 from kvtier.cli import generate as generate_command
-from kvtier.cli.server.protocol import ServerLimits
+from kvtier.cli.server.protocol import SERVER_KEEPALIVE_S, ServerLimits
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.engine.llm import LLM
 
@@ -155,6 +155,7 @@ def serve(
             app = build_app(engine_front, name, api_key=api_key, limits=limits,
                             handoff=handoff)
             config = uvicorn.Config(app, log_level=log_level,
+                                    timeout_keep_alive=int(SERVER_KEEPALIVE_S),
                                     timeout_graceful_shutdown=shutdown_timeout
                                     + _ABORT_GRACE_S)
             server = _server_class()(config, engine_front, shutdown_timeout)

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import Depends, FastAPI, Request
 from kvtier.cli.server.protocol import (
+    CLIENT_KEEPALIVE_S,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,7 +90,8 @@ class HandoffService:
         #: other handoffs' calls, since the decode instance receives in send order and
         #: waits for it.
         self._http = httpx.Client(limits=httpx.Limits(max_connections=None,
-                                                      max_keepalive_connections=32))
+                                                      max_keepalive_connections=32,
+                                                      keepalive_expiry=CLIENT_KEEPALIVE_S))
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
         if self.receiver is not None:

@@ -39,6 +39,14 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+#: Seconds `kvtier serve` and `kvtier router` keep an idle connection open, and (well
+#: below it) how long their own clients reuse one. A client that reuses a connection the
+#: server is closing at that moment sees it reset; uvicorn's default (5 s) equals httpx's,
+#: which made that race common between bursts of handoffs.
+SERVER_KEEPALIVE_S = 30.0
+CLIENT_KEEPALIVE_S = 10.0
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """What one request may ask of the server; beyond a limit it gets a 400 (413 for the

@@ -34,7 +34,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvtier.cli.server.app import _Guard, _sse, unless_gone
 from kvtier.cli.server.instances import Instance, InstancePool
-from kvtier.cli.server.protocol import APIError, ServerLimits, check_api_key
+from kvtier.cli.server.protocol import (
+    CLIENT_KEEPALIVE_S,
+    APIError,
+    ServerLimits,
+    check_api_key,
+)
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -308,7 +313,8 @@ def build_router_app(pools: dict[str, InstancePool], cards: list[dict[str, Any]]
     """The router's FastAPI app over `pools` ({"prefill", "decode"} or {"both"}), serving
     the model `cards` (/v1/models' data, as the instances answer it)."""
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
-                                                   max_keepalive_connections=64))
+                                                   max_keepalive_connections=64,
+                                                   keepalive_expiry=CLIENT_KEEPALIVE_S))
     router = _Router(pools, cards, settings, api_key, client)
     app = FastAPI(title="kvtier router", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router

@@ -107,7 +107,9 @@ class HttpControl(DecodeControl):
     each call; `api_key` is sent as a bearer token. `client`: a shared `httpx.Client` whose
     connections are kept from one handoff to the next (a new client costs ~20 ms of
     certificate loading, and a new connection a round trip); None makes one for this
-    control, closed by `close`."""
+    control, closed by `close`. A call that fails on its connection (reset, or closed with
+    no answer: a kept-alive connection the server dropped) is made once more; a timeout is
+    not."""
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None,
                  client: httpx.Client | None = None) -> None:
@@ -121,15 +123,26 @@ class HttpControl(DecodeControl):
         self._client = httpx.Client() if client is None else client
 
     def _call(self, method: str, path: str, body: Json | None = None) -> Json:
-        try:
-            response = self._client.request(method, f"{self.base_url}{path}", json=body,
-                                            headers=self._headers, timeout=self.timeout_s)
-        except httpx.TimeoutException as exc:
-            raise ControlError(f"{self.base_url}{path} did not answer in time", None,
-                               timed_out=True) from exc
-        except httpx.HTTPError as exc:
-            raise ControlError(f"cannot reach the decode instance at {self.base_url}: "
-                               f"{type(exc).__name__}: {exc}") from exc
+        for attempt in range(2):
+            try:
+                response = self._client.request(method, f"{self.base_url}{path}", json=body,
+                                                headers=self._headers, timeout=self.timeout_s)
+                break
+            except httpx.TimeoutException as exc:
+                raise ControlError(f"{self.base_url}{path} did not answer in time", None,
+                                   timed_out=True) from exc
+            except httpx.TransportError as exc:
+                # Once more on a fresh connection: a kept-alive one the decode instance
+                # closed meanwhile fails at once (reset, or no answer). A commit lost so
+                # would leave its posted send unreceived and an NCCL pair out of step; a
+                # commit made twice is answered 404 the second time, which counts its send.
+                if attempt == 0:
+                    continue
+                raise ControlError(f"cannot reach the decode instance at {self.base_url}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+            except httpx.HTTPError as exc:
+                raise ControlError(f"cannot reach the decode instance at {self.base_url}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]
