@@ -203,12 +203,14 @@ class Scheduler:
 
         # Running requests, oldest first; a preempted one leaves `self.running`.
         index = 0
-        # Running requests with a prompt chunk to compute (not a decode's one token).
+        # Running requests with a prompt chunk to compute (not a decode's one token), and
+        # whether a waiting one could start this step (a seat is free).
         num_chunked = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+        admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             chunked = request.num_tokens - request.num_computed_tokens > 1
-            others = bool(self.waiting) or num_chunked > chunked
+            others = admissible or num_chunked > chunked
             num_new = self._chunk(request, self._prefill_cap(budget, others))
             if num_new == 0:  # its restore waits for bytes on their way
                 index += 1
