@@ -58,9 +58,9 @@ class EngineConfig(CheckedModel):
     max_model_len: cap on one request's prompt plus generated tokens; None: the model's.
     max_num_seqs: cap on requests running in one step.
     max_num_batched_tokens: token budget of one step (prefill chunks plus decodes).
-    long_prefill_token_threshold: while other prompts wait to start or are part-way
-        through, a prompt computes at most this many tokens a step, and the rest of the
-        budget goes to them (a short prompt is not held behind every chunk of a long one);
+    long_prefill_token_threshold: while other prompts wait to start (a seat free) or are
+        part-way through, a prompt computes at most this many tokens a step, and the rest of
+        the budget goes to them (a short prompt is not held behind every chunk of a long one);
         0: no cap, first come first served.
     host_cache / host_cache_gb: the pinned host tier and its size in GiB.
     disk_cache / disk_cache_dir / disk_cache_gb: the LMDB tier, its directory (None: the
