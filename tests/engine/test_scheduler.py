@@ -170,22 +170,13 @@ def test_a_long_prompt_admitted_first_leaves_room_for_the_one_behind_it(
     assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(first, 7)]
 
 
-def test_the_threshold_leaves_no_room_to_a_prompt_that_has_no_seat(
-        host_manager: TierManager) -> None:
-    driver = Driver(host_manager, max_num_seqs=1, max_num_batched_tokens=8,
-                    long_prefill_token_threshold=5)
-    long = driver.add(prompt_of(22, 100), max_tokens=2)
-    driver.step()
-    short = driver.add(prompt_of(3, 200), max_tokens=1)
-    plan, _ = driver.step()
-    # The short prompt cannot start (one seat, taken): the long one keeps the whole budget.
-    assert [(p.request, p.num_new_tokens) for p in plan.scheduled] == [(long, 8)]
-    assert short.status is RequestStatus.WAITING
-
-
-def test_without_the_threshold_a_waiting_prompt_waits_for_every_chunk(
-        host_manager: TierManager) -> None:
-    driver = Driver(host_manager, max_num_batched_tokens=8)
+@pytest.mark.parametrize(("max_num_seqs", "threshold"), [(1, 5), (8, 0)])
+def test_a_waiting_prompt_waits_for_every_chunk_without_a_seat_or_the_threshold(
+        host_manager: TierManager, max_num_seqs: int, threshold: int) -> None:
+    # One seat, taken: the short prompt could not start, so the long one keeps the whole
+    # budget despite the threshold; no threshold: first come, first served.
+    driver = Driver(host_manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=8,
+                    long_prefill_token_threshold=threshold)
     long = driver.add(prompt_of(22, 100), max_tokens=2)
     driver.step()
     short = driver.add(prompt_of(3, 200), max_tokens=1)
