@@ -131,16 +131,14 @@ class HttpControl(DecodeControl):
             except httpx.TimeoutException as exc:
                 raise ControlError(f"{self.base_url}{path} did not answer in time", None,
                                    timed_out=True) from exc
-            except httpx.TransportError as exc:
-                # Once more on a fresh connection: a kept-alive one the decode instance
-                # closed meanwhile fails at once (reset, or no answer). A commit lost so
-                # would leave its posted send unreceived and an NCCL pair out of step; a
-                # commit made twice is answered 404 the second time, which counts its send.
-                if attempt == 0:
-                    continue
-                raise ControlError(f"cannot reach the decode instance at {self.base_url}: "
-                                   f"{type(exc).__name__}: {exc}") from exc
             except httpx.HTTPError as exc:
+                # A connection failure goes once more on a fresh connection: a kept-alive one
+                # the decode instance closed meanwhile fails at once (reset, or no answer). A
+                # commit lost so would leave its posted send unreceived and an NCCL pair out
+                # of step; a commit made twice is answered 404 the second time, which counts
+                # its send.
+                if attempt == 0 and isinstance(exc, httpx.TransportError):
+                    continue
                 raise ControlError(f"cannot reach the decode instance at {self.base_url}: "
                                    f"{type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
