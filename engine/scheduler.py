@@ -203,10 +203,13 @@ class Scheduler:
 
         # Running requests, oldest first; a preempted one leaves `self.running`.
         index = 0
-        # Running requests with a prompt chunk to compute (not a decode's one token), and
-        # whether a waiting one could start this step (a seat is free).
-        num_chunked = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        admissible = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        # With the long prefill cap: running requests with a prompt chunk to compute (not a
+        # decode's one token), and whether a waiting one could start this step (a seat is
+        # free). Counted only then: this loop runs every step.
+        capped = bool(self.long_prefill_token_threshold)
+        num_chunked = sum(1 for r in self.running
+                          if r.num_tokens - r.num_computed_tokens > 1) if capped else 0
+        admissible = capped and bool(self.waiting) and len(self.running) < self.max_num_seqs
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             chunked = request.num_tokens - request.num_computed_tokens > 1
