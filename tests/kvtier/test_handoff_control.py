@@ -49,14 +49,16 @@ class _DroppingServer(ThreadingHTTPServer):
                         server.dropped += 1
                     self.close_connection = True
                     return
+                # Counted before the answer goes: the client may read it and the test
+                # assert before this thread runs again.
+                with server.lock:
+                    server.answered += 1
                 body = json.dumps(INFO).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                with server.lock:
-                    server.answered += 1
 
         super().__init__(("127.0.0.1", 0), Handler)
 
