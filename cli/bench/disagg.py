@@ -81,6 +81,9 @@ class DisaggConfig:
     both_urls: tuple[str, ...] = ()
     start_timeout_s: float = 900.0
     request_timeout_s: float = 600.0
+    #: Where the instances' and routers' logs are kept (None: a temporary directory,
+    #: deleted at the end).
+    logs_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "long_tokens", "short_tokens", "max_tokens",
@@ -343,6 +346,18 @@ def _phase_sums(figures: list[dict[str, Any]]) -> dict[str, float]:
     return sums
 
 
+@contextmanager
+def _logs_dir(kept: str | None) -> Iterator[Path]:
+    """`kept` (made if missing), else a temporary directory deleted on leaving."""
+    if kept is not None:
+        path = Path(kept)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-disagg-") as temporary:
+        yield Path(temporary)
+
+
 def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
                      ) -> dict[str, Any]:
     """Run the workload over each mode of `config` and return the JSON-ready report (see
@@ -360,9 +375,9 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
             link = measure_link(devices[0], devices[1], config.link_bytes)
     modes: dict[str, Any] = {}
     tokens: dict[str, list[list[list[int]]]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvtier-disagg-") as logs:
+    with _logs_dir(config.logs_dir) as logs:
         for mode in config.modes:
-            with _cluster(mode, config, devices, Path(logs), progress) as (url, where):
+            with _cluster(mode, config, devices, logs, progress) as (url, where):
                 card = asyncio.run(_model_card(url))
                 if config.long_tokens + config.max_tokens > card["max_model_len"]:
                     raise ValueError(f"--long-tokens {config.long_tokens} plus --max-tokens "
@@ -459,6 +474,9 @@ def disagg(
                                          "instance instead of starting one."),
     both_url: list[str] = typer.Option([], "--both-url", help="Use this running instance of "
                                        "role both for the colocated mode (repeat)."),
+    logs_dir: str | None = typer.Option(None, help="Keep the instances' and routers' logs "
+                                        "here (one file each; default: deleted at the "
+                                        "end)."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as one JSON "
                                      "object instead of a table."),
 ) -> None:
@@ -477,7 +495,7 @@ def disagg(
         long_tokens=long_tokens, short_tokens=short_tokens, long_fraction=long_fraction,
         max_tokens=max_tokens, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo, seed=seed,
         link_bytes=link_bytes, serve_args=tuple(serve_arg), prefill_urls=tuple(prefill_url),
-        decode_urls=tuple(decode_url), both_urls=tuple(both_url))
+        decode_urls=tuple(decode_url), both_urls=tuple(both_url), logs_dir=logs_dir)
     result = _with_status("bench disagg", lambda update: run_disagg_bench(config, update))
     if json_output:
         print_json(result)

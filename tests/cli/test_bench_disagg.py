@@ -17,11 +17,13 @@ TINY = ["bench", "disagg", "--model", "random:tiny-llama", "--dtype", "float32",
 
 
 @pytest.mark.slow
-def test_report_shape_of_both_modes(monkeypatch) -> None:
+def test_report_shape_of_both_modes(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # Rate 0: one request at a time (no arrival rate, no goodput), then a Poisson rate.
+    logs = tmp_path / "logs"
     result = CliRunner().invoke(app, [*TINY, "--rates", "0,50", "--ttft-slo", "1000",
-                                      "--tpot-slo", "1000", "--json"])
+                                      "--tpot-slo", "1000", "--logs-dir", str(logs),
+                                      "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["bench"] == "disagg"
@@ -49,6 +51,10 @@ def test_report_shape_of_both_modes(monkeypatch) -> None:
     assert link["backend"] == "gloo" and link["bytes"] == 1048576 and link["gb_s"] > 0
     # float32 on the CPU: the same tokens whichever instance computed the prompt.
     assert report["outputs_equal"] == {"equal": 8, "total": 8}
+    # Every process's log is kept where asked, after the processes stopped.
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "both0.log", "both1.log", "decode.log", "prefill.log", "router-colocated.log",
+        "router-disaggregated.log"]
 
 
 def test_poisson_workload_is_seeded_and_mixed() -> None:
