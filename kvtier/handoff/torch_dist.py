@@ -26,16 +26,28 @@ Every send takes the next number of the pair's sequence, and its commit entries 
 a prefill instance may post the next group's send while earlier commits are still on their
 way. At most `in_flight` sends, of all its handoffs together, await their commits: each
 holds a group of GPU memory on both sides, and a commit that comes early holds a thread of
-the decode instance while it waits for its turn. A commit
-the decode side cannot match (an expired handoff) still receives its bytes (`discard`)
-before it answers 404, so the prefill side counts that send as done too. A failed send or
-receive, or a number that never comes, leaves the pair out of step: the transport then says
-it is not ready, and handoffs use another transport or none.
+the decode instance while it waits for its turn. A commit the decode side cannot match (an
+expired handoff) still receives its bytes (`discard`) before it answers 404, so the prefill
+side counts that send as done too.
+
+A failed send or receive, or a number that never comes (its commit lost), leaves the pair
+out of step. The transport then says it is not ready (handoffs use another transport or
+none) and the pair forms again: the side that found the break writes it into the
+rendezvous store, which both sides' keeper threads watch (`WATCH_S`); once neither side has
+a call inside torch.distributed, each ends the group (on NCCL that aborts the sends still
+posted, which torch's watchdog would otherwise answer by ending the process after
+`timeout_s`) and forms the next generation with the other. Sends are numbered within a
+generation, and a commit names its send's generation (`gen`) as well: a commit that
+arrives after the pair formed again fails that handoff rather than take another send's
+bytes, and a reservation offers its generation, so that a prefill instance still in the
+old one uses another transport until it has formed the new one too. Handoffs under way at
+the break fail and their requests are computed again elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -72,6 +84,20 @@ DEFAULT_GROUP_BYTES = 256 << 20
 #: Sends of one handoff that may await their commits unless set (`--handoff-nccl-in-flight`):
 #: two let the next group be read and sent while the last one's commit is answered.
 DEFAULT_IN_FLIGHT = 2
+#: How often (seconds) each side's keeper looks in the rendezvous store for a break that the
+#: other side found: the pair is down at most this much longer than it takes to form again.
+WATCH_S = 0.5
+
+
+class _Generation:
+    """One forming of the pair's group. Sends and receives are numbered from 0 within it;
+    a send posted in one generation is never received in another (its group is gone)."""
+
+    def __init__(self, number: int, in_flight: int) -> None:
+        self.number = number
+        self.send_slots = threading.Semaphore(in_flight)  # one per send awaiting its commit
+        self.next_send = 0  # the sequence number of the next send
+        self.next_recv = 0  # the sequence number the next receive must carry
 
 
 class TorchDistTransport(HandoffTransport):
@@ -81,7 +107,8 @@ class TorchDistTransport(HandoffTransport):
     that may await their commits. turn_timeout_s: how long a receive waits for the sends
     numbered before it, and a send for a free slot (None: `timeout_s`); a send whose commit
     never comes (lost with its connection) then breaks the pair after that long instead of
-    holding the threads waiting behind it. Raises ValueError for a bad setting."""
+    holding the threads waiting behind it. A broken pair forms again (see the module
+    docstring). Raises ValueError for a bad setting."""
 
     name = "nccl"
 
@@ -114,123 +141,258 @@ class TorchDistTransport(HandoffTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
-        self._group_formed = threading.Event()
+        self._store: Any = None  # the rendezvous store, kept across generations
+        self._generation: _Generation | None = None  # None until the group first formed
         self._broken: str | None = None
         self._send_lock = threading.Lock()  # numbers and posts sends in one order
-        self._send_slots = threading.Semaphore(in_flight)  # one per send awaiting its commit
-        self._next_send = 0  # the sequence number of the next send
-        self._recv_turn = threading.Condition()
-        self._next_recv = 0  # the sequence number the next receive must carry
+        self._state = threading.Condition()  # guards what follows, and the generation
+        self._in_calls = 0  # threads inside a torch.distributed call
+        self._wake = threading.Event()  # this side broke the pair: the keeper acts now
+        self._gave_up = False  # the group could not be formed (again): broken for good
         self._closed = False
-        self._joiner = threading.Thread(target=self._form_group,
-                                        args=(init_method, timeout_s),
+        self._keeper = threading.Thread(target=self._keep, args=(init_method,),
                                         name="kvtier-handoff-group", daemon=True)
-        self._joiner.start()
+        self._keeper.start()
 
-    def _form_group(self, init_method: str, timeout_s: float) -> None:
+    # ---- the group's life ----------------------------------------------------------------
+
+    def _keep(self, init_method: str) -> None:
+        """The keeper thread: forms the group, then watches the rendezvous store for a
+        break (either side's) and forms the next generation."""
         import torch.distributed as dist
 
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(self.backend, init_method=init_method, rank=self.rank,
-                                    world_size=2, timeout=timedelta(seconds=timeout_s))
-            # NCCL creates the pair's point-to-point communicator at the first send or
-            # receive, with both ranks taking part: made here, so that a handoff's first
-            # `isend` does not wait for a `recv` its own commit has not asked for yet.
-            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-            if self.rank == PREFILL_RANK:
-                dist.send(probe, dst=self.peer)
-            else:
-                dist.recv(probe, src=self.peer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                # A timed-out operation aborts the communicator (its works then fail and the
+                # pair forms again) instead of torch's default, which ends the process.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            self._store, _, _ = next(dist.rendezvous(
+                init_method, rank=self.rank, world_size=2,
+                timeout=timedelta(seconds=self.timeout_s)))
+            self._form(0)
         except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            self._broken = f"the group did not form: {exc}"
-            log.error("handoff over %s: %s", self.backend, self._broken)
+            self._give_up(f"the group did not form: {exc}")
             return
-        self._group_formed.set()
+        while not self._closed:
+            generation = self._generation
+            assert generation is not None
+            try:
+                broken = self._store.check([_broken_key(generation.number)])
+            except Exception as exc:  # noqa: BLE001 (the store's host is gone: the peer)
+                self._give_up(f"the other instance cannot be reached: {exc}")
+                return
+            if broken:
+                if not self._reform(generation):
+                    return
+                continue
+            self._wake.wait(WATCH_S)
+            self._wake.clear()
+
+    def _form(self, number: int) -> None:
+        """Form generation `number` of the group with the peer (both sides call it) and
+        make its point-to-point communicator. Raises when the peer does not join."""
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            self.backend, store=dist.PrefixStore(f"kvtier-handoff/{number}/", self._store),
+            rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s))
+        # NCCL creates the pair's point-to-point communicator at the first send or
+        # receive, with both ranks taking part: made here, so that a handoff's first
+        # `isend` does not wait for a `recv` its own commit has not asked for yet.
+        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        if self.rank == PREFILL_RANK:
+            dist.send(probe, dst=self.peer)
+        else:
+            dist.recv(probe, src=self.peer)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        with self._state:
+            self._generation = _Generation(number, self.in_flight)
+            self._broken = None
+            self._state.notify_all()
+
+    def _reform(self, generation: _Generation) -> bool:
+        """The pair broke in `generation`: once no thread of either side is inside a call,
+        end its group (its sends still posted end with it) and form the next with the peer.
+        False when that failed (the pair stays broken)."""
+        import torch.distributed as dist
+
+        reason = self._store.get(_broken_key(generation.number)).decode(errors="replace")
+        with self._state:
+            self._broken = self._broken or reason
+            self._state.notify_all()
+            idle = self._state.wait_for(lambda: self._in_calls == 0, self.timeout_s)
+        try:
+            if not idle:
+                raise TransportError(f"calls still under way after {self.timeout_s:g} s")
+            # Each side says it is done with the generation and waits for the other: a
+            # receive still under way at the decode side finishes before the prefill side's
+            # end of the group takes the send it reads.
+            done = f"kvtier-handoff/done/{generation.number}/"
+            self._store.set(f"{done}{self.rank}", "1")
+            self._store.wait([f"{done}{self.peer}"], timedelta(seconds=self.timeout_s))
+            dist.destroy_process_group()
+            self._form(generation.number + 1)
+        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
+            self._give_up(f"{reason}; forming the pair again failed: {exc}")
+            return False
+        log.warning("handoff over %s: the pair formed again (generation %d) after: %s",
+                    self.backend, generation.number + 1, reason)
+        return True
+
+    def _give_up(self, reason: str) -> None:
+        """The group cannot be formed: the transport stays broken (handoffs use another)."""
+        with self._state:
+            self._broken, self._gave_up = reason, True
+            self._state.notify_all()
+        log.error("handoff over %s: %s", self.backend, reason)
+
+    def _break(self, reason: str, generation: _Generation) -> None:
+        """`generation` is out of step: say so, wake every receive waiting for its turn, and
+        tell both keepers to form the next one. Nothing for a generation already ended."""
+        with self._state:
+            if generation is not self._generation or self._broken is not None:
+                return
+            self._broken = reason
+            self._state.notify_all()
+        log.error("handoff over %s: %s; forming the pair again", self.backend, reason)
+        try:
+            self._store.set(_broken_key(generation.number), reason)
+        except Exception:  # noqa: BLE001 (the peer's store is gone: the keeper sees it)
+            log.debug("telling the other instance of the break failed", exc_info=True)
+        self._wake.set()
+
+    @property
+    def generation(self) -> int | None:
+        """The number of the group's current forming (None before the first)."""
+        generation = self._generation
+        return generation.number if generation is not None else None
 
     @property
     def ready(self) -> bool:
-        return self._group_formed.is_set() and self._broken is None and not self._closed
+        return self._generation is not None and self._broken is None and not self._closed
 
     def wait_ready(self, timeout_s: float) -> bool:
-        """Block until the group has formed (False: not within `timeout_s`, or failed)."""
-        return self._group_formed.wait(timeout_s) and self.ready
+        """Block until the group has formed, first or again (False: not within
+        `timeout_s`, or forming failed)."""
+        with self._state:
+            self._state.wait_for(lambda: self.ready or self._closed or self._gave_up,
+                                 timeout_s)
+        return self.ready
 
-    def _check(self) -> None:
-        if not self.ready:
+    def _current(self) -> _Generation:
+        """The generation handoffs may use now; TransportError when there is none."""
+        generation = self._generation
+        if generation is None or not self.ready:
             raise TransportError(self._broken or "the torch.distributed group has not formed "
                                  "yet (the other instance has not started?)")
+        return generation
+
+    def _check(self, generation: _Generation) -> None:
+        if generation is not self._current():
+            raise TransportError(f"the pair formed again since generation "
+                                 f"{generation.number}: its sends are gone")
+
+    def _enter_call(self) -> None:
+        with self._state:
+            self._in_calls += 1
+
+    def _leave_call(self) -> None:
+        with self._state:
+            self._in_calls -= 1
+            self._state.notify_all()
+
+    # ---- channels ------------------------------------------------------------------------
 
     def open_receive(self, handoff_id: str, num_blocks: int) -> ReceiveChannel:
-        self._check()
-        return _Receive(self)
+        return _Receive(self, self._current())
 
     def open_send(self, offer: Json) -> SendChannel:
-        self._check()
+        generation = self._current()
         if offer.get("rank") != self.peer:
             raise ValueError(f"the decode side is rank {offer.get('rank')}, this instance's "
                              f"peer is rank {self.peer}")
-        return _Send(self)
+        if offer.get("generation") != generation.number:
+            raise TransportError(f"the pair is forming again (generation {generation.number} "
+                                 f"here, {offer.get('generation')} at the decode instance)")
+        return _Send(self, generation)
 
-    def post_send(self, rows: torch.Tensor) -> tuple[int, Any]:
-        """Number the next send and post it: `rows` (uint8 `[n, bytes_per_block]` on the
-        device) go to the peer, once fewer than `in_flight` sends await their commits (each
-        one's `send_committed` says so). Returns (its sequence number, the send's work)."""
+    def post_send(self, rows: torch.Tensor, generation: _Generation | None = None
+                  ) -> tuple[int, Any]:
+        """Number the next send of `generation` (None: the current one) and post it: `rows`
+        (uint8 `[n, bytes_per_block]` on the device) go to the peer, once fewer than
+        `in_flight` sends await their commits (each one's `send_committed` says so).
+        Returns (its sequence number, the send's work). TransportError when the pair broke
+        or formed again."""
         import torch.distributed as dist
 
-        self._check()
-        if not self._send_slots.acquire(timeout=self.turn_timeout_s):
+        generation = generation or self._current()
+        self._check(generation)
+        if not generation.send_slots.acquire(timeout=self.turn_timeout_s):
             raise TransportError(f"no earlier send was committed within "
                                  f"{self.turn_timeout_s:g} s")
         with self._send_lock:
             try:
+                self._check(generation)
+            except TransportError:
+                generation.send_slots.release()
+                raise
+            self._enter_call()
+            try:
                 work = dist.isend(rows, dst=self.peer)
             except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
-                self._send_slots.release()
-                self._break(f"a send failed: {exc}")
+                generation.send_slots.release()
+                self._break(f"a send failed: {exc}", generation)
                 raise TransportError(self._broken) from exc
-            seq, self._next_send = self._next_send, self._next_send + 1
+            finally:
+                self._leave_call()
+            seq, generation.next_send = generation.next_send, generation.next_send + 1
         return seq, work
 
-    def send_committed(self) -> None:
-        """A send's commit was answered (or it never will be): its slot is free."""
-        self._send_slots.release()
-
-    def receive_into(self, rows: torch.Tensor, seq: int) -> None:
-        """Receive the send numbered `seq` into `rows` (uint8 `[n, bytes_per_block]` on the
-        device), once every earlier send has been received. Raises TransportError when the
-        pair is broken or the sends before it do not come within `turn_timeout_s`, ValueError
-        for a number already received."""
+    def receive_into(self, rows: torch.Tensor, seq: int, number: int | None = None) -> None:
+        """Receive send `seq` of generation `number` (None: the current one) into `rows`
+        (uint8 `[n, bytes_per_block]` on the device), once every earlier send has been
+        received.
+        Raises TransportError when the pair is broken, formed again since (the send is
+        gone), or the sends before it do not come within `turn_timeout_s`; ValueError for a
+        number already received."""
         import torch.distributed as dist
 
-        self._check()
-        with self._recv_turn:
-            if seq < self._next_recv:
-                raise ValueError(f"send {seq} was received already (next: {self._next_recv})")
-            if not self._recv_turn.wait_for(
-                    lambda: self._next_recv == seq or self._broken is not None,
-                    self.turn_timeout_s):
-                self._break(f"send {self._next_recv} never came while send {seq} waited "
-                            f"{self.turn_timeout_s:g} s for its turn")
-            self._check()
+        generation = self._current()
+        if number is not None and number != generation.number:
+            raise TransportError(f"send {seq} of generation {number} is gone: the pair is at "
+                                 f"generation {generation.number}")
+        with self._state:
+            if seq < generation.next_recv:
+                raise ValueError(f"send {seq} was received already "
+                                 f"(next: {generation.next_recv})")
+            if not self._state.wait_for(
+                    lambda: generation.next_recv == seq or self._broken is not None
+                    or generation is not self._generation, self.turn_timeout_s):
+                turn_missed = (f"send {generation.next_recv} never came while send {seq} "
+                               f"waited {self.turn_timeout_s:g} s for its turn")
+            else:
+                turn_missed = None
+        if turn_missed is not None:
+            self._break(turn_missed, generation)
+        with self._state:
+            self._check(generation)
+            self._in_calls += 1
         try:
             dist.recv(rows, src=self.peer)
         except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
-            self._break(f"a receive failed: {exc}")
+            self._break(f"a receive failed: {exc}", generation)
             raise TransportError(self._broken) from exc
-        with self._recv_turn:
-            self._next_recv += 1
-            self._recv_turn.notify_all()
+        finally:
+            self._leave_call()
+        with self._state:
+            generation.next_recv += 1
+            self._state.notify_all()
 
-    def _break(self, reason: str) -> None:
-        """The pair is out of step: say so, and wake every receive waiting for its turn."""
-        with self._recv_turn:
-            self._broken = self._broken or reason
-            self._recv_turn.notify_all()
-        log.error("handoff over %s: %s", self.backend, self._broken)
+    def send_committed(self, generation: _Generation) -> None:
+        """A send's commit was answered (or it never will be): its slot is free."""
+        generation.send_slots.release()
 
     def receive_buffer(self, num_blocks: int) -> torch.Tensor:
         with on_stream(self.stream):
@@ -239,24 +401,35 @@ class TorchDistTransport(HandoffTransport):
     def discard(self, entries: Sequence[Json]) -> None:
         rows = self.receive_buffer(len(entries))
         try:
+            number, seq = send_number(entries)
             with on_stream(self.stream):
-                self.receive_into(rows, sequence_number(entries))
+                self.receive_into(rows, seq, number)
         except (TransportError, ValueError):
-            pass
+            pass  # a send of an ended generation went with its group
 
     def close(self) -> None:
-        self._closed = True
+        with self._state:
+            self._closed = True
+            self._state.notify_all()
+        self._wake.set()
 
 
-def sequence_number(entries: Sequence[Json]) -> int:
-    """The send a commit's entries announce (`seq`, the same in each). Raises ValueError."""
-    numbers = {entry.get("seq") for entry in entries}
+def _broken_key(number: int) -> str:
+    """The rendezvous store's key whose presence says generation `number` broke."""
+    return f"kvtier-handoff/broken/{number}"
+
+
+def send_number(entries: Sequence[Json]) -> tuple[int, int]:
+    """The send a commit's entries announce: (its generation, its sequence number within
+    it), the same in each entry. Raises ValueError."""
+    numbers = {(entry.get("gen"), entry.get("seq")) for entry in entries}
     if len(numbers) != 1:
         raise ValueError(f"a commit's blocks must name one send, got {sorted(map(str, numbers))}")
-    seq = numbers.pop()
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise ValueError(f"a send's number must be an integer >= 0, got {seq!r}")
-    return seq
+    generation, seq = numbers.pop()
+    for name, value in (("generation", generation), ("sequence number", seq)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"a send's {name} must be an integer >= 0, got {value!r}")
+    return generation, seq
 
 
 def device_checksum(rows: torch.Tensor) -> list[int]:
@@ -270,17 +443,18 @@ def device_checksum(rows: torch.Tensor) -> list[int]:
 
 
 class _Receive(ReceiveChannel):
-    def __init__(self, transport: TorchDistTransport) -> None:
+    def __init__(self, transport: TorchDistTransport, generation: _Generation) -> None:
         self.transport = transport
+        self.generation = generation
 
     def offer(self) -> Json:
-        return {"rank": self.transport.rank}
+        return {"rank": self.transport.rank, "generation": self.generation.number}
 
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
                      dests: torch.Tensor) -> list[bool]:
-        seq = sequence_number(entries)
+        number, seq = send_number(entries)
         with on_stream(self.transport.stream):
-            self.transport.receive_into(dests, seq)
+            self.transport.receive_into(dests, seq, number)
             sums = device_checksum(dests)
         fingerprint = self.transport.layout.fingerprint()
         results = []
@@ -297,8 +471,9 @@ class _Receive(ReceiveChannel):
 
 
 class _Send(SendChannel):
-    def __init__(self, transport: TorchDistTransport) -> None:
+    def __init__(self, transport: TorchDistTransport, generation: _Generation) -> None:
         self.transport = transport
+        self.generation = generation
         self.capacity = transport.batch
         self.in_flight = transport.in_flight
         # The sends not yet committed, oldest first: their work and the rows it reads.
@@ -307,15 +482,16 @@ class _Send(SendChannel):
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
         transport = self.transport
-        transport._check()
+        transport._check(self.generation)
         if not blocks:
             return []
         rows = payload_rows(blocks).to(transport.device)
         sums = device_checksum(rows)
-        seq, work = transport.post_send(rows)  # may wait for a commit's answer: no lock held
+        # May wait for a commit's answer: no lock held.
+        seq, work = transport.post_send(rows, self.generation)
         with self._lock:
             self._posted.append((work, rows))
-        return [{"index": block.index, "seq": seq,
+        return [{"index": block.index, "gen": self.generation.number, "seq": seq,
                  "header": encode_header(block.meta, transport.layout, rows.shape[1],
                                          checksum).hex()}
                 for block, checksum in zip(blocks, sums)]
@@ -328,12 +504,13 @@ class _Send(SendChannel):
                 return
             work, _ = self._posted.popleft()
         try:
-            work.wait()
+            if self.generation is self.transport._generation:
+                work.wait()  # else it ended with its group, received or not
         except Exception as exc:  # noqa: BLE001
-            self.transport._break(f"a send failed: {exc}")
-            raise TransportError(self.transport._broken) from exc
+            self.transport._break(f"a send failed: {exc}", self.generation)
+            raise TransportError(self.transport._broken or str(exc)) from exc
         finally:
-            self.transport.send_committed()
+            self.transport.send_committed(self.generation)
 
     def close(self) -> None:
         with self._lock:
@@ -341,6 +518,6 @@ class _Send(SendChannel):
         if unanswered:
             # A send whose commit failed: its bytes may never be received; the pair can no
             # longer be trusted to line up.
-            self.transport._break("a send was never committed")
+            self.transport._break("a send was never committed", self.generation)
         for _ in range(unanswered):
-            self.transport.send_committed()
+            self.transport.send_committed(self.generation)

@@ -3,11 +3,14 @@ prints what it saw as one JSON object.
 
     python -m tests.kvtier.handoff_pair_worker ROLE INIT_METHOD
 
-ROLE sender: posts send 0 (rows of 0s) and send 1 (rows of 1s), no commit for either, then
-waits to be stopped. ROLE reversed: receives send 1 first (on a thread, which must wait for
-send 0), then send 0; prints each one's bytes. ROLE lost: receives send 1 only, as if send
-0's commit had been lost with its connection; prints the error and whether the transport
-still says it is ready.
+ROLE sender: posts send 0 (rows of 0s) and send 1 (rows of 1s), no commit for either; once
+the pair has formed again (after a receiver broke it), posts the first send of the new
+generation (rows of 7s); then waits to be stopped. ROLE reversed: receives send 1 first (on
+a thread, which must wait for send 0), then send 0; prints each one's bytes. ROLE lost:
+receives send 1 only, as if send 0's commit had been lost with its connection; prints the
+error and whether the transport still says it is ready. ROLE reform: as lost, then waits
+for the pair to form again, tries send 1 of the old generation once more, and receives the
+new generation's first send.
 """
 
 from __future__ import annotations
@@ -32,23 +35,41 @@ def main(role: str, init_method: str) -> dict:
     rank = PREFILL_RANK if role == "sender" else DECODE_RANK
     transport = TorchDistTransport(
         LAYOUT, init_method, rank, "gloo", timeout_s=60.0,
-        turn_timeout_s=LOST_TURN_TIMEOUT_S if role == "lost" else 60.0)
+        turn_timeout_s=LOST_TURN_TIMEOUT_S if role in ("lost", "reform") else 60.0)
     if not transport.wait_ready(60.0):
         return {"error": "the pair did not form"}
     rows = [torch.full((2, LAYOUT.bytes_per_block), k, dtype=torch.uint8) for k in (0, 1)]
     if role == "sender":
         posted = [transport.post_send(r) for r in rows]  # (seq, work): the work kept alive
         print(json.dumps({"posted": [seq for seq, _ in posted]}), flush=True)
+        if _formed_again(transport):
+            sevens = torch.full((2, LAYOUT.bytes_per_block), 7, dtype=torch.uint8)
+            posted.append(transport.post_send(sevens))  # kept alive, as its rows are
         time.sleep(600)  # until the test stops this process
     received = [torch.full((2, LAYOUT.bytes_per_block), 9, dtype=torch.uint8) for _ in rows]
-    if role == "lost":
+    if role in ("lost", "reform"):
         began = time.monotonic()
         try:
             transport.receive_into(received[1], 1)
         except TransportError as exc:
-            return {"error": str(exc), "seconds": time.monotonic() - began,
+            seen = {"error": str(exc), "seconds": time.monotonic() - began,
                     "ready": transport.ready}
-        return {"error": None}
+        else:
+            return {"error": None}
+        # Either way the pair forms again: waited for, so that the process does not end
+        # while its keeper is inside torch.distributed.
+        seen["formed_again"] = _formed_again(transport)
+        if role == "lost":
+            return seen
+        seen["generation"] = transport.generation
+        try:
+            transport.receive_into(received[1], 1, 0)
+            seen["old_send"] = "received"
+        except TransportError as exc:
+            seen["old_send"] = str(exc)
+        transport.receive_into(received[0], 0)
+        seen["values"] = sorted(set(received[0].flatten().tolist()))
+        return seen
     later: dict = {}
 
     def receive_second() -> None:
@@ -64,6 +85,16 @@ def main(role: str, init_method: str) -> dict:
     thread.join(60)
     return {"waited": waited, "in_order": first_at <= later.get("at", 0.0),
             "values": [sorted(set(r.flatten().tolist())) for r in received]}
+
+
+def _formed_again(transport: TorchDistTransport) -> bool:
+    """Wait (up to 60 s) until the pair is ready in a generation after the first."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        if transport.ready and (transport.generation or 0) > 0:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 if __name__ == "__main__":

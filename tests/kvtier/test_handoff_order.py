@@ -1,7 +1,8 @@
 """The torch.distributed handoff transport keeps its pair in step: a receive waits for the
-sends numbered before it, whatever order the commits come in, and a send whose commit never
-comes breaks the pair after the turn timeout instead of holding the receives behind it.
-Two real processes on gloo over loopback (`handoff_pair_worker.py`)."""
+sends numbered before it, whatever order the commits come in, a send whose commit never
+comes breaks the pair after the turn timeout instead of holding the receives behind it, and
+a broken pair forms again. Two real processes on gloo over loopback
+(`handoff_pair_worker.py`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,16 @@ def test_a_send_whose_commit_never_came_breaks_the_pair_after_the_turn_timeout()
     assert seen["error"] is not None and "send 0 never came" in seen["error"]
     assert 0.9 <= seen["seconds"] < 30  # the turn timeout (1 s), not the op timeout (60 s)
     assert seen["ready"] is False  # handoffs use another transport from now on
+
+
+def test_a_broken_pair_forms_again_and_the_old_generations_sends_are_gone() -> None:
+    seen = _pair("reform")
+    assert "send 0 never came" in seen["error"] and seen["ready"] is False
+    # Both sides' keepers formed the next generation: the sender's first send in it lands.
+    assert seen["formed_again"] and seen["generation"] == 1
+    assert seen["values"] == [7]
+    # A commit of the old generation that arrives late takes no bytes of the new one.
+    assert "generation 0 is gone" in seen["old_send"]
 
 
 @pytest.mark.parametrize("turn_timeout_s", [0.0, -1.0])
