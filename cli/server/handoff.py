@@ -40,7 +40,7 @@ from kvtier.cli.server.protocol import (
 from kvtier.engine.async_llm import AsyncLLM, EngineClosedError, EngineFullError
 from kvtier.engine.block_taps import BlockTap
 from kvtier.engine.sampler import SamplingParams
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.handoff.base import HandoffTransport, TransportError
@@ -50,6 +50,7 @@ from kvtier.handoff.placement import PoolPlacement
 from kvtier.handoff.receiver import HandoffReceiver, UnknownHandoff
 from kvtier.handoff.sender import HandoffFailed, PrefillHandoff
 from kvtier.handoff.stats import HandoffCounters
+from kvtier.handoff.torch_dist import TorchDistTransport
 from kvtier.hashing import namespace_hash
 
 log = logging.getLogger("kvtier.serve")
@@ -435,10 +436,18 @@ def _check_prefill_body(raw: Any) -> tuple[str, dict, str, str | None, float]:
 
 
 class HandoffCollector(Collector):
-    """The handoff counters in /metrics (names in `kvtier.handoff.stats`)."""
+    """The handoff counters in /metrics (names in `kvtier.handoff.stats`), and the state
+    of the torch.distributed pair where there is one:
 
-    def __init__(self, counters: HandoffCounters) -> None:
+        kvtier_handoff_pair_ready        1 while handoffs can go over the pair, else 0
+        kvtier_handoff_pair_generation   times the pair formed again after a break
+    """
+
+    def __init__(self, counters: HandoffCounters,
+                 transports: dict[str, HandoffTransport]) -> None:
         self.counters = counters
+        pair = transports.get("nccl")
+        self.pair = pair if isinstance(pair, TorchDistTransport) else None
 
     def collect(self) -> Iterator[Metric]:
         stats = self.counters.snapshot()
@@ -455,12 +464,20 @@ class HandoffCollector(Collector):
         for labels, value in sorted(stats.blocks.items()):
             blocks.add_metric(list(labels), value)
         yield from (handoffs, moved, blocks)
+        if self.pair is not None:
+            yield GaugeMetricFamily("kvtier_handoff_pair_ready", "Whether handoffs can go "
+                                    "over the torch.distributed pair now",
+                                    value=int(self.pair.ready))
+            yield GaugeMetricFamily("kvtier_handoff_pair_generation", "Times the "
+                                    "torch.distributed pair formed again after a break",
+                                    value=self.pair.generation or 0)
 
 
 def add_handoff_routes(app: FastAPI, server: Any, service: HandoffService,
                        authorize: Any) -> None:
     """The handoff's routes on `app` (see the module docstring)."""
-    server.metrics.registry.register(HandoffCollector(service.counters))
+    server.metrics.registry.register(HandoffCollector(service.counters,
+                                                        service.transports))
 
     async def read_json(request: Request) -> Any:
         import json

@@ -12,6 +12,8 @@ prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on
 - A decode instance that cannot be reached gives the prefill endpoint a 502.
 - A handoff the decode instance ends mid-way (its commits answered 404) leaves the NCCL
   pair in step: the next handoff over it lands.
+- A commit lost on its way breaks the pair; both instances form it again, and the next
+  handoff over it lands.
 
 One decode and one prefill process serve every transport (starting a process costs
 seconds); the kill test starts a prefill process of its own.
@@ -315,9 +317,11 @@ class _EndingProxy:
     """The decode instance behind a proxy on loopback that, before forwarding the commit
     numbered `end_at` of a handoff, asks the decode instance to abort that handoff: the
     commit, and those after it, are answered 404 as for a reservation that expired
-    mid-handoff (the decode side consumes their bytes first)."""
+    mid-handoff (the decode side consumes their bytes first). With `lose`, that commit is
+    answered 502 and never forwarded: a commit lost on its way, whose send the decode
+    instance never receives."""
 
-    def __init__(self, decode_url: str, end_at: int) -> None:
+    def __init__(self, decode_url: str, end_at: int, lose: bool = False) -> None:
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -330,6 +334,9 @@ class _EndingProxy:
                     commit = json.loads(body)
                     if commit.get("part") == end_at:
                         proxy.ended.append(commit["handoff_id"])
+                        if lose:
+                            self.send_error(502)
+                            return
                         httpx.post(f"{decode_url}/internal/handoff/abort",
                                    json={"handoff_id": commit["handoff_id"]}, timeout=30)
                 answer = httpx.request(method, f"{decode_url}{self.path}", content=body,
@@ -375,6 +382,40 @@ def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
     # pair is still ready, and the next handoff's bytes land where they belong.
     assert "nccl" in httpx.get(f"{pair.prefill.url}/v1/handoff/info").json()["transports"]
     prompt = _prompt(41, 117)
+    response = _hand_over(pair, prompt, "nccl")
+    assert response.status_code == 200, response.text
+    tokens, cached = _decode(pair, prompt)
+    assert tokens == _reference(colocated, prompt)
+    assert cached == 7 * 16
+
+
+def _pair_ready(instance: Process, timeout_s: float = 60.0) -> bool:
+    """Wait until `instance` lists the torch.distributed pair among its transports."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if "nccl" in httpx.get(f"{instance.url}/v1/handoff/info").json()["transports"]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_lost_commit_breaks_the_nccl_pair_and_the_pair_forms_again(
+        pair: Pair, colocated: LLM) -> None:
+    _check_available(pair, "nccl")
+    before = _metrics(pair.prefill)["kvtier_handoff_pair_generation"]
+    with _EndingProxy(pair.decode.url, end_at=1, lose=True) as proxy:
+        response = _hand_over(pair, _prompt(42, 130), "nccl", decode_url=proxy.url)
+    assert len(proxy.ended) == 1
+    assert response.status_code == 502, response.text
+    # The prefill instance found its send never committed: the pair broke, and both
+    # instances formed the next generation without a restart.
+    assert _pair_ready(pair.prefill) and _pair_ready(pair.decode)
+    for instance in (pair.prefill, pair.decode):
+        metrics = _metrics(instance)
+        assert metrics["kvtier_handoff_pair_ready"] == 1
+        assert metrics["kvtier_handoff_pair_generation"] == before + 1
+    # The next handoff goes over the new generation, its bytes where they belong.
+    prompt = _prompt(43, 117)
     response = _hand_over(pair, prompt, "nccl")
     assert response.status_code == 200, response.text
     tokens, cached = _decode(pair, prompt)
