@@ -21,13 +21,11 @@ seconds); the kill test starts a prefill process of its own.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -37,6 +35,7 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
 from kvtier.handoff.mooncake import mooncake_available
+from tests.cli.handoff_proxy import EndingProxy
 from tests.cli.serve_harness import MODEL_NAME, at_once, parse_metrics
 from tests.model_cache import seed_model_cache
 
@@ -313,65 +312,10 @@ def test_commits_waiting_for_their_turn_never_hold_up_the_ones_they_wait_for(
     assert [r.status_code for r in later] == [200] * num, [r.text for r in later]
 
 
-class _EndingProxy:
-    """The decode instance behind a proxy on loopback that, before forwarding the commit
-    numbered `end_at` of a handoff, asks the decode instance to abort that handoff: the
-    commit, and those after it, are answered 404 as for a reservation that expired
-    mid-handoff (the decode side consumes their bytes first). With `lose`, that commit is
-    answered 502 and never forwarded: a commit lost on its way, whose send the decode
-    instance never receives."""
-
-    def __init__(self, decode_url: str, end_at: int, lose: bool = False) -> None:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def _forward(self, method: str) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.path == "/internal/handoff/commit":
-                    commit = json.loads(body)
-                    if commit.get("part") == end_at:
-                        proxy.ended.append(commit["handoff_id"])
-                        if lose:
-                            self.send_error(502)
-                            return
-                        httpx.post(f"{decode_url}/internal/handoff/abort",
-                                   json={"handoff_id": commit["handoff_id"]}, timeout=30)
-                answer = httpx.request(method, f"{decode_url}{self.path}", content=body,
-                                       headers={"Content-Type": "application/json"},
-                                       timeout=60)
-                self.send_response(answer.status_code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(answer.content)))
-                self.end_headers()
-                self.wfile.write(answer.content)
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                self._forward("GET")
-
-            def do_POST(self) -> None:  # noqa: N802
-                self._forward("POST")
-
-        self.ended: list[str] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def __enter__(self) -> _EndingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
                                                               colocated: LLM) -> None:
     _check_available(pair, "nccl")
-    with _EndingProxy(pair.decode.url, end_at=1) as proxy:
+    with EndingProxy(pair.decode.url, end_at=1) as proxy:
         # 8 full blocks, one per send, three sends awaiting their commits: the handoff is
         # ended while sends of it are in flight.
         response = _hand_over(pair, _prompt(40, 130), "nccl", decode_url=proxy.url)
@@ -403,7 +347,7 @@ def test_a_lost_commit_breaks_the_nccl_pair_and_the_pair_forms_again(
         pair: Pair, colocated: LLM) -> None:
     _check_available(pair, "nccl")
     before = _metrics(pair.prefill)["kvtier_handoff_pair_generation"]
-    with _EndingProxy(pair.decode.url, end_at=1, lose=True) as proxy:
+    with EndingProxy(pair.decode.url, end_at=1, lose=True) as proxy:
         response = _hand_over(pair, _prompt(42, 130), "nccl", decode_url=proxy.url)
     assert len(proxy.ended) == 1
     assert response.status_code == 502, response.text

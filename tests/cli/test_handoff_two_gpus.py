@@ -3,6 +3,7 @@ to `kvtier serve --role decode` on cuda:1 over NCCL, every block a group of its 
 three sends awaiting their commits, several handoffs at once. The decode instance answers
 with the tokens of one engine that computed everything, bit for bit: both run the
 deterministic mode, in float32, on a random model of Llama 3.2 1B's shape (1 MiB blocks).
+A commit lost on its way then breaks the pair: it forms again, and a handoff over it lands.
 
 Needs two CUDA devices (the device tool's multi-GPU machines); skipped elsewhere.
 """
@@ -19,7 +20,8 @@ import torch
 from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.engine import LLM, SamplingParams
 
-from tests.cli.serve_harness import at_once
+from tests.cli.handoff_proxy import EndingProxy
+from tests.cli.serve_harness import at_once, parse_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -33,18 +35,31 @@ BS = 16
 
 
 def _prompts() -> list[list[int]]:
+    """Three handed over at once, one whose commit is lost, one after the pair formed
+    again."""
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(1000, 30000, (n,), generator=generator).tolist()
-            for n in (300, 517, 130)]
+            for n in (300, 517, 130, 200, 260)]
 
 
-def _hand_over(prefill: Process, decode: Process, model: str, prompt: list[int]
+def _hand_over(prefill: Process, decode_url: str, model: str, prompt: list[int]
                ) -> httpx.Response:
     return httpx.post(f"{prefill.url}/v1/handoff/prefill", json={
         "endpoint": "/v1/completions",
         "request": {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
                     "temperature": 0},
-        "decode": decode.url, "transport": "nccl", "timeout_s": 120}, timeout=300)
+        "decode": decode_url, "transport": "nccl", "timeout_s": 120}, timeout=300)
+
+
+def _pair_generation(instance: Process) -> float:
+    """`instance`'s pair generation once it is ready (waits up to 120 s)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = parse_metrics(httpx.get(f"{instance.url}/metrics").text)
+        if metrics.get("kvtier_handoff_pair_ready") == 1:
+            return metrics["kvtier_handoff_pair_generation"]
+        time.sleep(0.2)
+    raise AssertionError(f"the NCCL pair of {instance.name} is not ready")
 
 
 def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
@@ -67,8 +82,18 @@ def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
             assert time.monotonic() < deadline, "the NCCL pair did not form"
             time.sleep(0.2)
         model = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
-        handed = at_once([partial(_hand_over, prefill, decode, model, prompt)
-                          for prompt in prompts], 300)
+        handed = at_once([partial(_hand_over, prefill, decode.url, model, prompt)
+                          for prompt in prompts[:3]], 300)
+        before = _pair_generation(prefill)
+        with EndingProxy(decode.url, end_at=1, lose=True) as proxy:
+            lost = _hand_over(prefill, proxy.url, model, prompts[3])
+        assert lost.status_code == 502, lost.text
+        # The prefill instance found the send never committed before it answered: both
+        # instances end the broken generation (NCCL aborts its posted sends) and form the
+        # next, the prefill's ready only once the decode's has joined.
+        assert _pair_generation(prefill) == _pair_generation(decode) == before + 1
+        handed.append(_hand_over(prefill, decode.url, model, prompts[4]))
+        prompts = prompts[:3] + prompts[4:]
         for k, prompt in enumerate(prompts):
             assert handed[k].status_code == 200, handed[k].text
             result = handed[k].json()
