@@ -33,26 +33,33 @@ side counts that send as done too.
 A failed send or receive, or a number that never comes (its commit lost), leaves the pair
 out of step. The transport then says it is not ready (handoffs use another transport or
 none) and the pair forms again: the side that found the break writes it into the
-rendezvous store, which both sides' keeper threads watch (`WATCH_S`); once neither side has
-a call inside torch.distributed, each ends the group (on NCCL that aborts the sends still
-posted, which torch's watchdog would otherwise answer by ending the process after
-`timeout_s`) and forms the next generation with the other. Sends are numbered within a
-generation, and a commit names its send's generation (`gen`) as well: a commit that
-arrives after the pair formed again fails that handoff rather than take another send's
-bytes, and a reservation offers its generation, so that a prefill instance still in the
-old one uses another transport until it has formed the new one too. Handoffs under way at
-the break fail and their requests are computed again elsewhere.
+rendezvous store (the prefill instance's), which both sides' keeper threads watch
+(`WATCH_S`); once neither side has a call inside torch.distributed, each ends the group (on
+NCCL that aborts the sends still posted, which torch's watchdog would otherwise answer by
+ending the process after `timeout_s`) and forms the next generation with the other. Sends
+are numbered within a generation, and a commit names its send's generation (`gen`) as
+well: a commit that arrives after the pair formed again fails that handoff rather than
+take another send's bytes, and a reservation offers its generation, so that a prefill
+instance still in the old one uses another transport until it has formed the new one too.
+Handoffs under way at the break fail and their requests are computed again elsewhere.
+
+Either instance may restart. The store names the generation the prefill instance formed
+last; a decode instance that joins ends that generation (its old peer is gone) and forms
+the next with it. A decode instance whose store went away with its prefill instance ends
+its generation alone and joins whichever prefill instance listens at the address next.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -87,6 +94,9 @@ DEFAULT_IN_FLIGHT = 2
 #: How often (seconds) each side's keeper looks in the rendezvous store for a break that the
 #: other side found: the pair is down at most this much longer than it takes to form again.
 WATCH_S = 0.5
+#: How long (seconds) a decode instance's keeper waits for the prefill instance's store at
+#: each try: it tries until it joins, and a try is what its transport's close waits for.
+_JOIN_ATTEMPT_S = 5.0
 
 
 class _Generation:
@@ -157,92 +167,161 @@ class TorchDistTransport(HandoffTransport):
     # ---- the group's life ----------------------------------------------------------------
 
     def _keep(self, init_method: str) -> None:
-        """The keeper thread: forms the group, then watches the rendezvous store for a
-        break (either side's) and forms the next generation."""
+        """The keeper thread: forms the group and keeps it (see the module docstring)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            # A timed-out operation aborts the communicator (its works then fail and the
+            # pair forms again) instead of torch's default, which ends the process.
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        try:
+            if self.rank == PREFILL_RANK:
+                self._keep_prefill(init_method)
+            else:
+                self._keep_decode(init_method)
+        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
+            self._give_up(f"keeping the pair failed: {exc}")
+
+    def _keep_prefill(self, init_method: str) -> None:
+        """Host the rendezvous store and form generation after generation: each is ended by
+        a break (either side's, or a new decode instance's) and followed by the next."""
+        try:
+            store = self._store = self._rendezvous(init_method, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
+            self._give_up(f"the rendezvous store could not start: {exc}")
+            return
+        number = 0
+        while not self._closed:
+            if not self._form(store, number):
+                continue  # the decode instance did not join in time: wait for it again
+            store.set(_CURRENT_KEY, str(number))
+            if self._watch(store, number):
+                self._end(store, number)
+                number += 1
+
+    def _keep_decode(self, init_method: str) -> None:
+        """Join the prefill instance's store (again after losing it: a restarted prefill
+        instance) and form the generation after the one it had, then keep it as the
+        prefill side does."""
+        while not self._closed:
+            if not _listening(init_method):  # a quiet look first: torch logs failed joins
+                self._wake.wait(WATCH_S)
+                continue
+            try:
+                store = self._rendezvous(init_method, _JOIN_ATTEMPT_S)
+                store.set_timeout(timedelta(seconds=self.timeout_s))
+                self._store = store
+                # A prefill instance that formed a generation without this process (with a
+                # decode instance that is gone) ends it and forms the next with this one.
+                number = 0
+                if store.check([_CURRENT_KEY]):
+                    current = int(store.get(_CURRENT_KEY))
+                    store.set(_broken_key(current), "a decode instance joined anew")
+                    store.set(_done_key(current, self.rank), "1")
+                    number = current + 1
+            except Exception:  # noqa: BLE001 (the prefill instance is not up: try again)
+                log.debug("handoff over %s: no prefill instance to join yet", self.backend,
+                          exc_info=True)
+                self._wake.wait(WATCH_S)
+                continue
+            while not self._closed and self._form(store, number):
+                if not self._watch(store, number):
+                    break  # the store is gone with its prefill instance: join again
+                self._end(store, number)
+                number += 1
+
+    def _rendezvous(self, init_method: str, timeout_s: float) -> Any:
+        import torch.distributed as dist
+
+        store, _, _ = next(dist.rendezvous(init_method, rank=self.rank, world_size=2,
+                                           timeout=timedelta(seconds=timeout_s)))
+        return store
+
+    def _form(self, store: Any, number: int) -> bool:
+        """Form generation `number` of the group with the peer (both sides call it) and
+        make its point-to-point communicator. False when the peer did not join within
+        `timeout_s` (or the store failed)."""
         import torch.distributed as dist
 
         try:
+            dist.init_process_group(
+                self.backend, store=dist.PrefixStore(f"kvtier-handoff/{number}/", store),
+                rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s))
+            # NCCL creates the pair's point-to-point communicator at the first send or
+            # receive, with both ranks taking part: made here, so that a handoff's first
+            # `isend` does not wait for a `recv` its own commit has not asked for yet.
+            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
+            if self.rank == PREFILL_RANK:
+                dist.send(probe, dst=self.peer)
+            else:
+                dist.recv(probe, src=self.peer)
             if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                # A timed-out operation aborts the communicator (its works then fail and the
-                # pair forms again) instead of torch's default, which ends the process.
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-            self._store, _, _ = next(dist.rendezvous(
-                init_method, rank=self.rank, world_size=2,
-                timeout=timedelta(seconds=self.timeout_s)))
-            self._form(0)
+                torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            self._give_up(f"the group did not form: {exc}")
-            return
-        while not self._closed:
-            generation = self._generation
-            assert generation is not None
-            try:
-                broken = self._store.check([_broken_key(generation.number)])
-            except Exception as exc:  # noqa: BLE001 (the store's host is gone: the peer)
-                self._give_up(f"the other instance cannot be reached: {exc}")
-                return
-            if broken:
-                if not self._reform(generation):
-                    return
-                continue
-            self._wake.wait(WATCH_S)
-            self._wake.clear()
-
-    def _form(self, number: int) -> None:
-        """Form generation `number` of the group with the peer (both sides call it) and
-        make its point-to-point communicator. Raises when the peer does not join."""
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            self.backend, store=dist.PrefixStore(f"kvtier-handoff/{number}/", self._store),
-            rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s))
-        # NCCL creates the pair's point-to-point communicator at the first send or
-        # receive, with both ranks taking part: made here, so that a handoff's first
-        # `isend` does not wait for a `recv` its own commit has not asked for yet.
-        probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-        if self.rank == PREFILL_RANK:
-            dist.send(probe, dst=self.peer)
-        else:
-            dist.recv(probe, src=self.peer)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            with self._state:
+                self._broken = f"the group did not form: {exc}"
+                self._state.notify_all()
+            log.warning("handoff over %s: %s", self.backend, self._broken)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return False
         with self._state:
+            again = self._generation is not None
             self._generation = _Generation(number, self.in_flight)
             self._broken = None
             self._state.notify_all()
+        if again:
+            log.warning("handoff over %s: the pair formed again (generation %d)",
+                        self.backend, number)
+        return True
 
-    def _reform(self, generation: _Generation) -> bool:
-        """The pair broke in `generation`: once no thread of either side is inside a call,
-        end its group (its sends still posted end with it) and form the next with the peer.
-        False when that failed (the pair stays broken)."""
+    def _watch(self, store: Any, number: int) -> bool:
+        """Wait until generation `number` breaks (True) or this transport closes (False);
+        False too when the store cannot be reached (its prefill instance is gone), after
+        ending the generation here."""
+        while not self._closed:
+            try:
+                if store.check([_broken_key(number)]):
+                    return True
+            except Exception as exc:  # noqa: BLE001 (the store's host is gone: the peer)
+                self._end(None, number, f"the prefill instance cannot be reached: {exc}")
+                return False
+            self._wake.wait(WATCH_S)
+            self._wake.clear()
+        return False
+
+    def _end(self, store: Any, number: int, reason: str | None = None) -> None:
+        """End generation `number`: once no call of this side is inside torch.distributed,
+        and the peer says the same (through `store`; None: it is gone), end its group, which
+        takes the sends still posted with it."""
         import torch.distributed as dist
 
-        reason = self._store.get(_broken_key(generation.number)).decode(errors="replace")
+        if store is not None:
+            reason = store.get(_broken_key(number)).decode(errors="replace")
         with self._state:
             self._broken = self._broken or reason
             self._state.notify_all()
             idle = self._state.wait_for(lambda: self._in_calls == 0, self.timeout_s)
-        try:
-            if not idle:
-                raise TransportError(f"calls still under way after {self.timeout_s:g} s")
+        if not idle:  # ending the group under a call could crash the process: leave it be
+            self._give_up(f"{reason}; calls still under way after {self.timeout_s:g} s")
+            self._closed = True
+            return
+        if store is not None:
             # Each side says it is done with the generation and waits for the other: a
-            # receive still under way at the decode side finishes before the prefill side's
-            # end of the group takes the send it reads.
-            done = f"kvtier-handoff/done/{generation.number}/"
-            self._store.set(f"{done}{self.rank}", "1")
-            self._store.wait([f"{done}{self.peer}"], timedelta(seconds=self.timeout_s))
-            dist.destroy_process_group()
-            self._form(generation.number + 1)
-        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            self._give_up(f"{reason}; forming the pair again failed: {exc}")
-            return False
-        log.warning("handoff over %s: the pair formed again (generation %d) after: %s",
-                    self.backend, generation.number + 1, reason)
-        return True
+            # receive still under way at the decode side finishes before the prefill
+            # side's end of the group takes the send it reads.
+            try:
+                store.set(_done_key(number, self.rank), "1")
+                store.wait([_done_key(number, self.peer)],
+                           timedelta(seconds=self.turn_timeout_s))
+            except Exception:  # noqa: BLE001 (the peer is gone: nothing of it to wait for)
+                log.debug("the other instance did not end generation %d", number,
+                          exc_info=True)
+        dist.destroy_process_group()
+        log.warning("handoff over %s: generation %d of the pair ended: %s", self.backend,
+                    number, reason)
 
     def _give_up(self, reason: str) -> None:
-        """The group cannot be formed: the transport stays broken (handoffs use another)."""
+        """The group cannot be kept: the transport stays broken (handoffs use another)."""
         with self._state:
             self._broken, self._gave_up = reason, True
             self._state.notify_all()
@@ -412,11 +491,35 @@ class TorchDistTransport(HandoffTransport):
             self._closed = True
             self._state.notify_all()
         self._wake.set()
+        # The keeper leaves at its next look (a process that ends while it is inside
+        # torch.distributed may abort); it may be waiting for a peer that never comes.
+        self._keeper.join(_JOIN_ATTEMPT_S + WATCH_S)
+
+
+#: The rendezvous store's key holding the generation the prefill instance formed last.
+_CURRENT_KEY = "kvtier-handoff/current"
+
+
+def _listening(init_method: str) -> bool:
+    """Whether a tcp:// rendezvous address takes connections (True for other methods)."""
+    address = urlparse(init_method)
+    if address.scheme != "tcp" or address.hostname is None or address.port is None:
+        return True
+    try:
+        with socket.create_connection((address.hostname, address.port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def _broken_key(number: int) -> str:
     """The rendezvous store's key whose presence says generation `number` broke."""
     return f"kvtier-handoff/broken/{number}"
+
+
+def _done_key(number: int, rank: int) -> str:
+    """The key by which side `rank` says it has no call left in generation `number`."""
+    return f"kvtier-handoff/done/{number}/{rank}"
 
 
 def send_number(entries: Sequence[Json]) -> tuple[int, int]:

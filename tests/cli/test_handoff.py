@@ -13,7 +13,8 @@ prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on
 - A handoff the decode instance ends mid-way (its commits answered 404) leaves the NCCL
   pair in step: the next handoff over it lands.
 - A commit lost on its way breaks the pair; both instances form it again, and the next
-  handoff over it lands.
+  handoff over it lands. So does a pair whose prefill, then decode, instance was killed and
+  started again.
 
 One decode and one prefill process serve every transport (starting a process costs
 seconds); the kill test starts a prefill process of its own.
@@ -365,3 +366,32 @@ def test_a_lost_commit_breaks_the_nccl_pair_and_the_pair_forms_again(
     tokens, cached = _decode(pair, prompt)
     assert tokens == _reference(colocated, prompt)
     assert cached == 7 * 16
+
+
+def test_either_instance_of_an_nccl_pair_restarted_forms_the_pair_again(
+        pair: Pair, colocated: LLM) -> None:
+    nccl = ["--handoff-nccl", f"tcp://127.0.0.1:{free_port()}", "--handoff-nccl-backend",
+            "gloo"]
+    decode_args = ["--role", "decode", "--handoff-timeout", "3", *nccl]
+    tmp = pair.tmp
+    instances = [_serve(pair.cache_dir, tmp / "decode1.log", *decode_args),
+                 _serve(pair.cache_dir, tmp / "prefill1.log", "--role", "prefill", *nccl)]
+    try:
+        for k, replaced in enumerate((1, 0)):  # the prefill instance first, then the decode
+            assert _pair_ready(instances[0]) and _pair_ready(instances[1])
+            instances[replaced].kill()
+            name = f"{'prefill' if replaced else 'decode'}{2 + k}"
+            args = ("--role", "prefill", *nccl) if replaced else decode_args
+            instances[replaced] = _serve(pair.cache_dir, tmp / f"{name}.log", *args)
+            # The other instance joins the new one's pair without a restart of its own.
+            assert _pair_ready(instances[0]) and _pair_ready(instances[1]), name
+            restarted = Pair(instances[0], instances[1], ["nccl"], pair.cache_dir, tmp)
+            prompt = _prompt(50 + k, 117)
+            response = _hand_over(restarted, prompt, "nccl")
+            assert response.status_code == 200, response.text
+            tokens, cached = _decode(restarted, prompt)
+            assert tokens == _reference(colocated, prompt)
+            assert cached == 7 * 16
+    finally:
+        for instance in instances:
+            instance.stop(60)
