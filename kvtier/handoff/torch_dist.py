@@ -257,12 +257,16 @@ class TorchDistTransport(HandoffTransport):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
+            reason = f"the group did not form: {exc}"
             with self._state:
-                self._broken = f"the group did not form: {exc}"
+                repeated, self._broken = self._broken == reason, reason
                 self._state.notify_all()
-            log.warning("handoff over %s: %s", self.backend, self._broken)
+            if not repeated:  # the keeper tries again and again: said once
+                log.warning("handoff over %s: %s", self.backend, reason)
             if dist.is_initialized():
                 dist.destroy_process_group()
+            self._wake.wait(WATCH_S)  # a failure at once is not tried again at once
+            self._wake.clear()
             return False
         with self._state:
             again = self._generation is not None

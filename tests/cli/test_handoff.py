@@ -313,6 +313,17 @@ def test_commits_waiting_for_their_turn_never_hold_up_the_ones_they_wait_for(
     assert [r.status_code for r in later] == [200] * num, [r.text for r in later]
 
 
+def _lands_over_nccl(pair: Pair, colocated: LLM, seed: int) -> None:
+    """A 117-token prompt handed over through the pair: the decode instance answers with
+    the colocated tokens, its 7 full blocks found cached."""
+    prompt = _prompt(seed, 117)
+    response = _hand_over(pair, prompt, "nccl")
+    assert response.status_code == 200, response.text
+    tokens, cached = _decode(pair, prompt)
+    assert tokens == _reference(colocated, prompt)
+    assert cached == 7 * 16
+
+
 def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
                                                               colocated: LLM) -> None:
     _check_available(pair, "nccl")
@@ -326,12 +337,7 @@ def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
     # Every send of the ended handoff was received and counted done on both sides: the
     # pair is still ready, and the next handoff's bytes land where they belong.
     assert "nccl" in httpx.get(f"{pair.prefill.url}/v1/handoff/info").json()["transports"]
-    prompt = _prompt(41, 117)
-    response = _hand_over(pair, prompt, "nccl")
-    assert response.status_code == 200, response.text
-    tokens, cached = _decode(pair, prompt)
-    assert tokens == _reference(colocated, prompt)
-    assert cached == 7 * 16
+    _lands_over_nccl(pair, colocated, 41)
 
 
 def _pair_ready(instance: Process, timeout_s: float = 60.0) -> bool:
@@ -360,12 +366,7 @@ def test_a_lost_commit_breaks_the_nccl_pair_and_the_pair_forms_again(
         assert metrics["kvtier_handoff_pair_ready"] == 1
         assert metrics["kvtier_handoff_pair_generation"] == before + 1
     # The next handoff goes over the new generation, its bytes where they belong.
-    prompt = _prompt(43, 117)
-    response = _hand_over(pair, prompt, "nccl")
-    assert response.status_code == 200, response.text
-    tokens, cached = _decode(pair, prompt)
-    assert tokens == _reference(colocated, prompt)
-    assert cached == 7 * 16
+    _lands_over_nccl(pair, colocated, 43)
 
 
 def test_either_instance_of_an_nccl_pair_restarted_forms_the_pair_again(
@@ -386,12 +387,7 @@ def test_either_instance_of_an_nccl_pair_restarted_forms_the_pair_again(
             # The other instance joins the new one's pair without a restart of its own.
             assert _pair_ready(instances[0]) and _pair_ready(instances[1]), name
             restarted = Pair(instances[0], instances[1], ["nccl"], pair.cache_dir, tmp)
-            prompt = _prompt(50 + k, 117)
-            response = _hand_over(restarted, prompt, "nccl")
-            assert response.status_code == 200, response.text
-            tokens, cached = _decode(restarted, prompt)
-            assert tokens == _reference(colocated, prompt)
-            assert cached == 7 * 16
+            _lands_over_nccl(restarted, colocated, 50 + k)
     finally:
         for instance in instances:
             instance.stop(60)
