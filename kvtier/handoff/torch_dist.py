@@ -377,8 +377,13 @@ class TorchDistTransport(HandoffTransport):
             raise TransportError(f"the pair formed again since generation "
                                  f"{generation.number}: its sends are gone")
 
-    def _enter_call(self) -> None:
+    def _enter_call(self, generation: _Generation) -> None:
+        """A call of `generation` goes into torch.distributed: counted, so that the keeper
+        ends no group under it; checked in the same hold of the lock that the keeper marks
+        the generation broken under, so that no call goes into a group being ended (or
+        into the next one). Raises TransportError."""
         with self._state:
+            self._check(generation)
             self._in_calls += 1
 
     def _leave_call(self) -> None:
@@ -417,17 +422,16 @@ class TorchDistTransport(HandoffTransport):
                                  f"{self.turn_timeout_s:g} s")
         with self._send_lock:
             try:
-                self._check(generation)
+                self._enter_call(generation)
             except TransportError:
                 generation.send_slots.release()
                 raise
-            self._enter_call()
             try:
                 work = dist.isend(rows, dst=self.peer)
             except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
                 generation.send_slots.release()
                 self._break(f"a send failed: {exc}", generation)
-                raise TransportError(self._broken) from exc
+                raise TransportError(self._broken or str(exc)) from exc
             finally:
                 self._leave_call()
             seq, generation.next_send = generation.next_send, generation.next_send + 1
@@ -459,14 +463,12 @@ class TorchDistTransport(HandoffTransport):
                 turn_missed = None
         if turn_missed is not None:
             self._break(turn_missed, generation)
-        with self._state:
-            self._check(generation)
-            self._in_calls += 1
+        self._enter_call(generation)
         try:
             dist.recv(rows, src=self.peer)
         except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
             self._break(f"a receive failed: {exc}", generation)
-            raise TransportError(self._broken) from exc
+            raise TransportError(self._broken or str(exc)) from exc
         finally:
             self._leave_call()
         with self._state:
