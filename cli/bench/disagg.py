@@ -25,7 +25,9 @@ Beside them: the handoffs' bytes and bandwidth as the prefill instance reported 
 large NCCL send/recv between the two devices' processes, gloo on the CPU; with `--transport
 mooncake`, one-sided Mooncake writes of the same size between two processes' host buffers;
 none for redis), and whether the disaggregated answers equal the colocated ones token for
-token.
+token. Requests whose prompt the decode instance computed itself are counted by the
+router's reason (`fallback_reasons`), and each instance's `pair_generation` says whether
+its NCCL pair broke and formed again during the run (0: never).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import asyncio
 import json
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -166,9 +169,11 @@ def _serve_args(config: DisaggConfig, device: str, role: str | None) -> list[str
 
 @contextmanager
 def _cluster(mode: str, config: DisaggConfig, devices: tuple[str, str, tuple[str, ...]],
-             logs: Path, progress: Progress) -> Iterator[tuple[str, list[str]]]:
-    """The router's URL over the mode's instances (started here unless given as URLs), and
-    a line per instance; every process started here is stopped on leaving."""
+             logs: Path, progress: Progress
+             ) -> Iterator[tuple[str, list[str], dict[str, list[str]]]]:
+    """The router's URL over the mode's instances (started here unless given as URLs), a
+    line per instance, and the instances' URLs by part; every process started here is
+    stopped on leaving."""
     prefill_device, decode_device, colocated_devices = devices
     started: list[Process] = []
     try:
@@ -207,7 +212,7 @@ def _cluster(mode: str, config: DisaggConfig, devices: tuple[str, str, tuple[str
         router = launch(f"router-{mode}", router_args, logs)
         started.append(router)
         wait_healthy([router], 120.0)
-        yield router.url, where
+        yield router.url, where, urls
     finally:
         for process in reversed(started):
             process.stop()
@@ -315,8 +320,10 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
     per_request = [f["bytes"] / f["transfer_s"] / 1e9 for f in done
                    if f.get("transfer_s", 0) > 0 and f.get("bytes", 0) > 0]
     gb_s = num_bytes / transfer_s / 1e9 if transfer_s > 0 else None
+    reasons = Counter(str(f["fallback"]) for f in figures if "fallback" in f)
     return {
         "num_handoffs": len(done), "num_fallbacks": len(figures) - len(done),
+        "fallback_reasons": dict(sorted(reasons.items())),
         "transports": sorted({str(f.get("transport")) for f in done}),
         "bytes": num_bytes, "transfer_s": transfer_s, "gb_s": gb_s,
         "gb_s_per_request": _summary_of(per_request),
@@ -334,6 +341,26 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
         "blocks_skipped": sum(int(f.get("blocks_skipped", 0)) for f in done),
         "of_link": gb_s / link["gb_s"] if gb_s is not None and link else None,
     }
+
+
+def _pair_generations(urls: dict[str, list[str]]) -> dict[str, list[int | None]]:
+    """Per part, each instance's `kvtier_handoff_pair_generation` (how often its NCCL pair
+    formed again; None: it has no pair, or its /metrics could not be read)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    generations: dict[str, list[int | None]] = {}
+    for part, given in urls.items():
+        for url in given:
+            generation = None
+            try:
+                text = httpx.get(f"{url}/metrics", timeout=30).text
+            except httpx.HTTPError:
+                text = ""
+            for family in text_string_to_metric_families(text):
+                if family.name == "kvtier_handoff_pair_generation" and family.samples:
+                    generation = int(family.samples[0].value)
+            generations.setdefault(part, []).append(generation)
+    return generations
 
 
 def _phase_sums(figures: list[dict[str, Any]]) -> dict[str, float]:
@@ -377,7 +404,7 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
     tokens: dict[str, list[list[list[int]]]] = {}
     with _logs_dir(config.logs_dir) as logs:
         for mode in config.modes:
-            with _cluster(mode, config, devices, logs, progress) as (url, where):
+            with _cluster(mode, config, devices, logs, progress) as (url, where, urls):
                 card = asyncio.run(_model_card(url))
                 if config.long_tokens + config.max_tokens > card["max_model_len"]:
                     raise ValueError(f"--long-tokens {config.long_tokens} plus --max-tokens "
@@ -394,6 +421,9 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
                                                 one_at_a_time=rate == 0))
                     runs.append(_rate_report(rate, records, config))
                     records_of_mode.append(records)
+                # Read while the instances run: whether their NCCL pair broke and formed
+                # again during the run.
+                generations = _pair_generations(urls) if mode == "disaggregated" else None
             # (One request at a time is no arrival rate: it has no goodput.)
             met = [run["rate_rps"] for run in runs if run["slo_met"] and run["rate_rps"]]
             modes[mode] = {"instances": where, "rates": runs,
@@ -401,6 +431,7 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
             if mode == "disaggregated":
                 modes[mode]["handoff"] = _handoff_report(
                     [r for records in records_of_mode for r in records], link)
+                modes[mode]["handoff"]["pair_generation"] = generations
             tokens[mode] = [[r.token_ids for r in records] for records in records_of_mode]
     result: dict[str, Any] = {
         "bench": "disagg", "model": config.model, "dtype": config.dtype,

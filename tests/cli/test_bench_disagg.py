@@ -42,6 +42,9 @@ def test_report_shape_of_both_modes(monkeypatch, tmp_path) -> None:
     assert report["goodput_ratio"] == 1.0 and len(report["ttft_p50_ratio"]) == 2
     handoff = report["modes"]["disaggregated"]["handoff"]
     assert handoff["num_handoffs"] == 8 and handoff["num_fallbacks"] == 0
+    assert handoff["fallback_reasons"] == {}
+    # The pair formed once and never again (no break during the run).
+    assert handoff["pair_generation"] == {"prefill": [0], "decode": [0]}
     assert handoff["bytes"] > 0 and handoff["gb_s"] > 0 and handoff["of_link"] > 0
     assert handoff["transports"] == ["nccl"]  # the torch.distributed pair (gloo here)
     # Where the transfer's seconds went: each handoff read and committed at least a group.
