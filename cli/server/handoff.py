@@ -440,7 +440,9 @@ class HandoffCollector(Collector):
     of the torch.distributed pair where there is one:
 
         kvtier_handoff_pair_ready        1 while handoffs can go over the pair, else 0
-        kvtier_handoff_pair_generation   times the pair formed again after a break
+        kvtier_handoff_pair_generation   its generation: how often it formed again since
+                                         the prefill instance started (after breaks, or
+                                         a new decode instance)
     """
 
     def __init__(self, counters: HandoffCounters,
@@ -468,9 +470,9 @@ class HandoffCollector(Collector):
             yield GaugeMetricFamily("kvtier_handoff_pair_ready", "Whether handoffs can go "
                                     "over the torch.distributed pair now",
                                     value=int(self.pair.ready))
-            yield GaugeMetricFamily("kvtier_handoff_pair_generation", "Times the "
-                                    "torch.distributed pair formed again after a break",
-                                    value=self.pair.generation or 0)
+            yield GaugeMetricFamily("kvtier_handoff_pair_generation", "How often the "
+                                    "torch.distributed pair formed again since its prefill "
+                                    "instance started", value=self.pair.generation or 0)
 
 
 def add_handoff_routes(app: FastAPI, server: Any, service: HandoffService,
