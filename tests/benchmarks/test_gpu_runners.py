@@ -92,6 +92,18 @@ def test_the_disagg_runner_passes_the_long_prefill_threshold_to_every_instance(t
     assert not any("long-prefill" in arg for c in plain for arg in c)
 
 
+@pytest.mark.parametrize("smoke", ["0", "1"])
+def test_the_disagg_runners_burst_keeps_the_logs_and_runs_only_when_named(smoke, tmp_path):
+    out = tmp_path / "out"
+    [burst] = [c for c in _dry_run("gpu_disagg.sh", out, STAGES="burst", SMOKE=smoke)
+               if c[3:5] == ["bench", "disagg"]]
+    assert burst[burst.index("--modes") + 1] == "disaggregated"
+    assert burst[burst.index("--logs-dir") + 1] == str(out / "burst-logs")
+    _check_kvtier_options(burst[3:])
+    default = _dry_run("gpu_disagg.sh", tmp_path / "default")
+    assert not any("--logs-dir" in c for c in default)
+
+
 def test_stages_pick_what_runs(tmp_path):
     commands = _dry_run("gpu_restore.sh", tmp_path / "out", STAGES="serve")
     assert [command[3:5] for command in commands[:-1]] == [["bench", "serve"]]
