@@ -13,8 +13,8 @@ prompt's KV to `kvtier serve --role decode` over loopback, SmolLM2 in float32 on
 - A handoff the decode instance ends mid-way (its commits answered 404) leaves the NCCL
   pair in step: the next handoff over it lands.
 - A commit lost on its way breaks the pair; both instances form it again, and the next
-  handoff over it lands. So does a pair whose prefill, then decode, instance was killed and
-  started again.
+  handoff over it lands. So does a pair whose prefill instance was killed mid-handoff (the
+  decode instance answers that prompt right) and started again, then its decode instance.
 
 One decode and one prefill process serve every transport (starting a process costs
 seconds); the kill test starts a prefill process of its own.
@@ -375,21 +375,57 @@ def test_either_instance_of_an_nccl_pair_restarted_forms_the_pair_again(
         pair: Pair, colocated: LLM) -> None:
     nccl = ["--handoff-nccl", f"tcp://127.0.0.1:{free_port()}", "--handoff-nccl-backend",
             "gloo"]
-    decode_args = ["--role", "decode", "--handoff-timeout", "3", *nccl]
+    decode_args = ("--role", "decode", "--handoff-timeout", "3", *nccl)
+    # Chunks of 16 tokens: a prompt takes many steps, its blocks committed as they come.
+    prefill_args = ("--role", "prefill", "--max-num-batched-tokens", "16", *nccl)
     tmp = pair.tmp
     instances = [_serve(pair.cache_dir, tmp / "decode1.log", *decode_args),
-                 _serve(pair.cache_dir, tmp / "prefill1.log", "--role", "prefill", *nccl)]
+                 _serve(pair.cache_dir, tmp / "prefill1.log", *prefill_args)]
     try:
-        for k, replaced in enumerate((1, 0)):  # the prefill instance first, then the decode
-            assert _pair_ready(instances[0]) and _pair_ready(instances[1])
-            instances[replaced].kill()
+        assert _pair_ready(instances[0]) and _pair_ready(instances[1])
+        # The prefill instance dies mid-handoff: the decode instance answers that prompt
+        # right (what landed is used, the rest computed) ...
+        _kill_mid_handoff(Pair(*instances, ["nccl"], pair.cache_dir, tmp), colocated)
+        for k, replaced in enumerate((1, 0)):  # ... and a new one takes its place; then the
+            if replaced == 0:                  # decode instance is restarted
+                instances[0].kill()
             name = f"{'prefill' if replaced else 'decode'}{2 + k}"
-            args = ("--role", "prefill", *nccl) if replaced else decode_args
+            args = prefill_args if replaced else decode_args
             instances[replaced] = _serve(pair.cache_dir, tmp / f"{name}.log", *args)
             # The other instance joins the new one's pair without a restart of its own.
             assert _pair_ready(instances[0]) and _pair_ready(instances[1]), name
-            restarted = Pair(instances[0], instances[1], ["nccl"], pair.cache_dir, tmp)
+            restarted = Pair(*instances, ["nccl"], pair.cache_dir, tmp)
             _lands_over_nccl(restarted, colocated, 50 + k)
     finally:
         for instance in instances:
             instance.stop(60)
+
+
+def _kill_mid_handoff(pair: Pair, colocated: LLM) -> None:
+    """Kill `pair`'s prefill instance once some blocks of a long prompt have landed over
+    NCCL; the decode instance then answers that prompt with the colocated tokens."""
+    prompt = _prompt(55, 1200)
+    landed = 'kvtier_handoff_bytes_total{role="decode",transport="nccl"}'
+    outcome: list[object] = []
+
+    def hand_over() -> None:
+        try:
+            response = _hand_over(pair, prompt, "nccl")
+            outcome.append((response.status_code, response.text))
+        except httpx.HTTPError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=hand_over)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not _metrics(pair.decode).get(landed, 0):
+        assert time.monotonic() < deadline and thread.is_alive(), \
+            f"no block landed: {outcome}"
+        time.sleep(0.05)
+    pair.prefill.kill()
+    thread.join(60)
+    assert outcome and isinstance(outcome[0], httpx.HTTPError), outcome
+    # The decode instance never waits for the handoff: what landed is cached already.
+    tokens, cached = _decode(pair, prompt)
+    assert tokens == _reference(colocated, prompt)
+    assert 0 < cached < 1200 - 16
