@@ -30,36 +30,21 @@ the decode instance while it waits for its turn. A commit the decode side cannot
 expired handoff) still receives its bytes (`discard`) before it answers 404, so the prefill
 side counts that send as done too.
 
-A failed send or receive, or a number that never comes (its commit lost), leaves the pair
-out of step. The transport then says it is not ready (handoffs use another transport or
-none) and the pair forms again: the side that found the break writes it into the
-rendezvous store (the prefill instance's), which both sides' keeper threads watch
-(`WATCH_S`); once neither side has a call inside torch.distributed, each ends the group (on
-NCCL that aborts the sends still posted, which torch's watchdog would otherwise answer by
-ending the process after `timeout_s`) and forms the next generation with the other. Sends
-are numbered within a generation, and a commit names its send's generation (`gen`) as
-well: a commit that arrives after the pair formed again fails that handoff rather than
-take another send's bytes, and a reservation offers its generation, so that a prefill
-instance still in the old one uses another transport until it has formed the new one too.
-Handoffs under way at the break fail and their requests are computed again elsewhere.
-
-Either instance may restart. The store names the generation the prefill instance formed
-last; a decode instance that joins ends that generation (its old peer is gone) and forms
-the next with it. A decode instance whose store went away with its prefill instance ends
-its generation alone and joins whichever prefill instance listens at the address next.
+The group itself, formed again after a break or a restart, is `kvtier.handoff.torch_pair`'s:
+sends are numbered within one of its generations, and a commit names its send's generation
+(`gen`) as well, so that a commit that arrives after the pair formed again fails that
+handoff rather than take another send's bytes. A reservation offers its generation, so that
+a prefill instance still in the old one uses another transport until it has formed the new
+one too. Handoffs under way at a break fail and their requests are computed again
+elsewhere.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 
@@ -73,6 +58,7 @@ from kvtier.handoff.base import (
     TransportError,
     payload_rows,
 )
+from kvtier.handoff.torch_pair import DECODE_RANK, PREFILL_RANK, Generation, TorchPair
 from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import (
@@ -83,31 +69,11 @@ from kvtier.tiers.record import (
     encode_header,
 )
 
-log = logging.getLogger("kvtier.handoff")
-
-PREFILL_RANK, DECODE_RANK = 0, 1
 #: Payload bytes per send unless set (`--handoff-nccl-group-mib`).
 DEFAULT_GROUP_BYTES = 256 << 20
 #: Sends of one handoff that may await their commits unless set (`--handoff-nccl-in-flight`):
 #: two let the next group be read and sent while the last one's commit is answered.
 DEFAULT_IN_FLIGHT = 2
-#: How often (seconds) each side's keeper looks in the rendezvous store for a break that the
-#: other side found: the pair is down at most this much longer than it takes to form again.
-WATCH_S = 0.5
-#: How long (seconds) a decode instance's keeper waits for the prefill instance's store at
-#: each try: it tries until it joins, and a try is what its transport's close waits for.
-_JOIN_ATTEMPT_S = 5.0
-
-
-class _Generation:
-    """One forming of the pair's group. Sends and receives are numbered from 0 within it;
-    a send posted in one generation is never received in another (its group is gone)."""
-
-    def __init__(self, number: int, in_flight: int) -> None:
-        self.number = number
-        self.send_slots = threading.Semaphore(in_flight)  # one per send awaiting its commit
-        self.next_send = 0  # the sequence number of the next send
-        self.next_recv = 0  # the sequence number the next receive must carry
 
 
 class TorchDistTransport(HandoffTransport):
@@ -117,8 +83,8 @@ class TorchDistTransport(HandoffTransport):
     that may await their commits. turn_timeout_s: how long a receive waits for the sends
     numbered before it, and a send for a free slot (None: `timeout_s`); a send whose commit
     never comes (lost with its connection) then breaks the pair after that long instead of
-    holding the threads waiting behind it. A broken pair forms again (see the module
-    docstring). Raises ValueError for a bad setting."""
+    holding the threads waiting behind it. A broken pair forms again
+    (`kvtier.handoff.torch_pair`). Raises ValueError for a bad setting."""
 
     name = "nccl"
 
@@ -151,253 +117,29 @@ class TorchDistTransport(HandoffTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
-        self._store: Any = None  # the rendezvous store, kept across generations
-        self._generation: _Generation | None = None  # None until the group first formed
-        self._broken: str | None = None
         self._send_lock = threading.Lock()  # numbers and posts sends in one order
-        self._state = threading.Condition()  # guards what follows, and the generation
-        self._in_calls = 0  # threads inside a torch.distributed call
-        self._wake = threading.Event()  # this side broke the pair: the keeper acts now
-        self._gave_up = False  # the group could not be formed (again): broken for good
-        self._closed = False
-        self._keeper = threading.Thread(target=self._keep, args=(init_method,),
-                                        name="kvtier-handoff-group", daemon=True)
-        self._keeper.start()
-
-    # ---- the group's life ----------------------------------------------------------------
-
-    def _keep(self, init_method: str) -> None:
-        """The keeper thread: forms the group and keeps it (see the module docstring)."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            # A timed-out operation aborts the communicator (its works then fail and the
-            # pair forms again) instead of torch's default, which ends the process.
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        try:
-            if self.rank == PREFILL_RANK:
-                self._keep_prefill(init_method)
-            else:
-                self._keep_decode(init_method)
-        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            self._give_up(f"keeping the pair failed: {exc}")
-
-    def _keep_prefill(self, init_method: str) -> None:
-        """Host the rendezvous store and form generation after generation: each is ended by
-        a break (either side's, or a new decode instance's) and followed by the next."""
-        try:
-            store = self._store = self._rendezvous(init_method, self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            self._give_up(f"the rendezvous store could not start: {exc}")
-            return
-        number = 0
-        while not self._closed:
-            if not self._form(store, number):
-                continue  # the decode instance did not join in time: wait for it again
-            store.set(_CURRENT_KEY, str(number))
-            if self._watch(store, number):
-                self._end(store, number)
-                number += 1
-
-    def _keep_decode(self, init_method: str) -> None:
-        """Join the prefill instance's store (again after losing it: a restarted prefill
-        instance) and form the generation after the one it had, then keep it as the
-        prefill side does."""
-        while not self._closed:
-            if not _listening(init_method):  # a quiet look first: torch logs failed joins
-                self._wake.wait(WATCH_S)
-                continue
-            try:
-                store = self._rendezvous(init_method, _JOIN_ATTEMPT_S)
-                store.set_timeout(timedelta(seconds=self.timeout_s))
-                self._store = store
-                # A prefill instance that formed a generation without this process (with a
-                # decode instance that is gone) ends it and forms the next with this one.
-                number = 0
-                if store.check([_CURRENT_KEY]):
-                    current = int(store.get(_CURRENT_KEY))
-                    store.set(_broken_key(current), "a decode instance joined anew")
-                    store.set(_done_key(current, self.rank), "1")
-                    number = current + 1
-            except Exception:  # noqa: BLE001 (the prefill instance is not up: try again)
-                log.debug("handoff over %s: no prefill instance to join yet", self.backend,
-                          exc_info=True)
-                self._wake.wait(WATCH_S)
-                continue
-            while not self._closed and self._form(store, number):
-                if not self._watch(store, number):
-                    break  # the store is gone with its prefill instance: join again
-                self._end(store, number)
-                number += 1
-
-    def _rendezvous(self, init_method: str, timeout_s: float) -> Any:
-        import torch.distributed as dist
-
-        store, _, _ = next(dist.rendezvous(init_method, rank=self.rank, world_size=2,
-                                           timeout=timedelta(seconds=timeout_s)))
-        return store
-
-    def _form(self, store: Any, number: int) -> bool:
-        """Form generation `number` of the group with the peer (both sides call it) and
-        make its point-to-point communicator. False when the peer did not join within
-        `timeout_s` (or the store failed)."""
-        import torch.distributed as dist
-
-        try:
-            dist.init_process_group(
-                self.backend, store=dist.PrefixStore(f"kvtier-handoff/{number}/", store),
-                rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s))
-            # NCCL creates the pair's point-to-point communicator at the first send or
-            # receive, with both ranks taking part: made here, so that a handoff's first
-            # `isend` does not wait for a `recv` its own commit has not asked for yet.
-            probe = torch.zeros(1, dtype=torch.uint8, device=self.device)
-            if self.rank == PREFILL_RANK:
-                dist.send(probe, dst=self.peer)
-            else:
-                dist.recv(probe, src=self.peer)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        except Exception as exc:  # noqa: BLE001 (reported through `ready` and the log)
-            reason = f"the group did not form: {exc}"
-            with self._state:
-                repeated, self._broken = self._broken == reason, reason
-                self._state.notify_all()
-            if not repeated:  # the keeper tries again and again: said once
-                log.warning("handoff over %s: %s", self.backend, reason)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self._wake.wait(WATCH_S)  # a failure at once is not tried again at once
-            self._wake.clear()
-            return False
-        with self._state:
-            again = self._generation is not None
-            self._generation = _Generation(number, self.in_flight)
-            self._broken = None
-            self._state.notify_all()
-        if again:
-            log.warning("handoff over %s: the pair formed again (generation %d)",
-                        self.backend, number)
-        return True
-
-    def _watch(self, store: Any, number: int) -> bool:
-        """Wait until generation `number` breaks (True) or this transport closes (False);
-        False too when the store cannot be reached (its prefill instance is gone), after
-        ending the generation here."""
-        while not self._closed:
-            try:
-                if store.check([_broken_key(number)]):
-                    return True
-            except Exception as exc:  # noqa: BLE001 (the store's host is gone: the peer)
-                self._end(None, number, f"the prefill instance cannot be reached: {exc}")
-                return False
-            self._wake.wait(WATCH_S)
-            self._wake.clear()
-        return False
-
-    def _end(self, store: Any, number: int, reason: str | None = None) -> None:
-        """End generation `number`: once no call of this side is inside torch.distributed,
-        and the peer says the same (through `store`; None: it is gone), end its group, which
-        takes the sends still posted with it."""
-        import torch.distributed as dist
-
-        if store is not None:
-            reason = store.get(_broken_key(number)).decode(errors="replace")
-        with self._state:
-            self._broken = self._broken or reason
-            self._state.notify_all()
-            idle = self._state.wait_for(lambda: self._in_calls == 0, self.timeout_s)
-        if not idle:  # ending the group under a call could crash the process: leave it be
-            self._give_up(f"{reason}; calls still under way after {self.timeout_s:g} s")
-            self._closed = True
-            return
-        if store is not None:
-            # Each side says it is done with the generation and waits for the other: a
-            # receive still under way at the decode side finishes before the prefill
-            # side's end of the group takes the send it reads.
-            try:
-                store.set(_done_key(number, self.rank), "1")
-                store.wait([_done_key(number, self.peer)],
-                           timedelta(seconds=self.turn_timeout_s))
-            except Exception:  # noqa: BLE001 (the peer is gone: nothing of it to wait for)
-                log.debug("the other instance did not end generation %d", number,
-                          exc_info=True)
-        dist.destroy_process_group()
-        log.warning("handoff over %s: generation %d of the pair ended: %s", self.backend,
-                    number, reason)
-
-    def _give_up(self, reason: str) -> None:
-        """The group cannot be kept: the transport stays broken (handoffs use another)."""
-        with self._state:
-            self._broken, self._gave_up = reason, True
-            self._state.notify_all()
-        log.error("handoff over %s: %s", self.backend, reason)
-
-    def _break(self, reason: str, generation: _Generation) -> None:
-        """`generation` is out of step: say so, wake every receive waiting for its turn, and
-        tell both keepers to form the next one. Nothing for a generation already ended."""
-        with self._state:
-            if generation is not self._generation or self._broken is not None:
-                return
-            self._broken = reason
-            self._state.notify_all()
-        log.error("handoff over %s: %s; forming the pair again", self.backend, reason)
-        try:
-            self._store.set(_broken_key(generation.number), reason)
-        except Exception:  # noqa: BLE001 (the peer's store is gone: the keeper sees it)
-            log.debug("telling the other instance of the break failed", exc_info=True)
-        self._wake.set()
+        self.pair = TorchPair(init_method, rank, backend, self.device, in_flight, timeout_s,
+                              self.turn_timeout_s)
 
     @property
     def generation(self) -> int | None:
-        """The number of the group's current forming (None before the first)."""
-        generation = self._generation
-        return generation.number if generation is not None else None
+        """The number of the pair's current forming (None before the first)."""
+        return self.pair.generation
 
     @property
     def ready(self) -> bool:
-        return self._generation is not None and self._broken is None and not self._closed
+        return self.pair.ready
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the group has formed, first or again (False: not within
-        `timeout_s`, or forming failed)."""
-        with self._state:
-            self._state.wait_for(lambda: self.ready or self._closed or self._gave_up,
-                                 timeout_s)
-        return self.ready
-
-    def _current(self) -> _Generation:
-        """The generation handoffs may use now; TransportError when there is none."""
-        generation = self._generation
-        if generation is None or not self.ready:
-            raise TransportError(self._broken or "the torch.distributed group has not formed "
-                                 "yet (the other instance has not started?)")
-        return generation
-
-    def _check(self, generation: _Generation) -> None:
-        if generation is not self._current():
-            raise TransportError(f"the pair formed again since generation "
-                                 f"{generation.number}: its sends are gone")
-
-    def _enter_call(self, generation: _Generation) -> None:
-        """A call of `generation` goes into torch.distributed: counted, so that the keeper
-        ends no group under it; checked in the same hold of the lock that the keeper marks
-        the generation broken under, so that no call goes into a group being ended (or
-        into the next one). Raises TransportError."""
-        with self._state:
-            self._check(generation)
-            self._in_calls += 1
-
-    def _leave_call(self) -> None:
-        with self._state:
-            self._in_calls -= 1
-            self._state.notify_all()
-
-    # ---- channels ------------------------------------------------------------------------
+        `timeout_s`, or it cannot be kept)."""
+        return self.pair.wait_ready(timeout_s)
 
     def open_receive(self, handoff_id: str, num_blocks: int) -> ReceiveChannel:
-        return _Receive(self, self._current())
+        return _Receive(self, self.pair.current())
 
     def open_send(self, offer: Json) -> SendChannel:
-        generation = self._current()
+        generation = self.pair.current()
         if offer.get("rank") != self.peer:
             raise ValueError(f"the decode side is rank {offer.get('rank')}, this instance's "
                              f"peer is rank {self.peer}")
@@ -406,7 +148,7 @@ class TorchDistTransport(HandoffTransport):
                                  f"here, {offer.get('generation')} at the decode instance)")
         return _Send(self, generation)
 
-    def post_send(self, rows: torch.Tensor, generation: _Generation | None = None
+    def post_send(self, rows: torch.Tensor, generation: Generation | None = None
                   ) -> tuple[int, Any]:
         """Number the next send of `generation` (None: the current one) and post it: `rows`
         (uint8 `[n, bytes_per_block]` on the device) go to the peer, once fewer than
@@ -415,67 +157,49 @@ class TorchDistTransport(HandoffTransport):
         or formed again."""
         import torch.distributed as dist
 
-        generation = generation or self._current()
-        self._check(generation)
+        generation = generation or self.pair.current()
+        self.pair.check(generation)
         if not generation.send_slots.acquire(timeout=self.turn_timeout_s):
             raise TransportError(f"no earlier send was committed within "
                                  f"{self.turn_timeout_s:g} s")
         with self._send_lock:
             try:
-                self._enter_call(generation)
+                with self.pair.calling(generation):
+                    work = dist.isend(rows, dst=self.peer)
             except TransportError:
                 generation.send_slots.release()
                 raise
-            try:
-                work = dist.isend(rows, dst=self.peer)
             except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
                 generation.send_slots.release()
-                self._break(f"a send failed: {exc}", generation)
-                raise TransportError(self._broken or str(exc)) from exc
-            finally:
-                self._leave_call()
+                self.pair.break_(f"a send failed: {exc}", generation)
+                raise TransportError(self.pair.broken or str(exc)) from exc
             seq, generation.next_send = generation.next_send, generation.next_send + 1
         return seq, work
 
     def receive_into(self, rows: torch.Tensor, seq: int, number: int | None = None) -> None:
         """Receive send `seq` of generation `number` (None: the current one) into `rows`
         (uint8 `[n, bytes_per_block]` on the device), once every earlier send has been
-        received.
-        Raises TransportError when the pair is broken, formed again since (the send is
-        gone), or the sends before it do not come within `turn_timeout_s`; ValueError for a
-        number already received."""
+        received. Raises TransportError when the pair is broken, formed again since (the
+        send is gone), or the sends before it do not come within `turn_timeout_s`;
+        ValueError for a number already received."""
         import torch.distributed as dist
 
-        generation = self._current()
+        generation = self.pair.current()
         if number is not None and number != generation.number:
             raise TransportError(f"send {seq} of generation {number} is gone: the pair is at "
                                  f"generation {generation.number}")
-        with self._state:
-            if seq < generation.next_recv:
-                raise ValueError(f"send {seq} was received already "
-                                 f"(next: {generation.next_recv})")
-            if not self._state.wait_for(
-                    lambda: generation.next_recv == seq or self._broken is not None
-                    or generation is not self._generation, self.turn_timeout_s):
-                turn_missed = (f"send {generation.next_recv} never came while send {seq} "
-                               f"waited {self.turn_timeout_s:g} s for its turn")
-            else:
-                turn_missed = None
-        if turn_missed is not None:
-            self._break(turn_missed, generation)
-        self._enter_call(generation)
+        self.pair.wait_turn(generation, seq)
         try:
-            dist.recv(rows, src=self.peer)
+            with self.pair.calling(generation):
+                dist.recv(rows, src=self.peer)
+        except TransportError:
+            raise
         except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
-            self._break(f"a receive failed: {exc}", generation)
-            raise TransportError(self._broken or str(exc)) from exc
-        finally:
-            self._leave_call()
-        with self._state:
-            generation.next_recv += 1
-            self._state.notify_all()
+            self.pair.break_(f"a receive failed: {exc}", generation)
+            raise TransportError(self.pair.broken or str(exc)) from exc
+        self.pair.received(generation)
 
-    def send_committed(self, generation: _Generation) -> None:
+    def send_committed(self, generation: Generation) -> None:
         """A send's commit was answered (or it never will be): its slot is free."""
         generation.send_slots.release()
 
@@ -493,39 +217,7 @@ class TorchDistTransport(HandoffTransport):
             pass  # a send of an ended generation went with its group
 
     def close(self) -> None:
-        with self._state:
-            self._closed = True
-            self._state.notify_all()
-        self._wake.set()
-        # The keeper leaves at its next look (a process that ends while it is inside
-        # torch.distributed may abort); it may be waiting for a peer that never comes.
-        self._keeper.join(_JOIN_ATTEMPT_S + WATCH_S)
-
-
-#: The rendezvous store's key holding the generation the prefill instance formed last.
-_CURRENT_KEY = "kvtier-handoff/current"
-
-
-def _listening(init_method: str) -> bool:
-    """Whether a tcp:// rendezvous address takes connections (True for other methods)."""
-    address = urlparse(init_method)
-    if address.scheme != "tcp" or address.hostname is None or address.port is None:
-        return True
-    try:
-        with socket.create_connection((address.hostname, address.port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
-def _broken_key(number: int) -> str:
-    """The rendezvous store's key whose presence says generation `number` broke."""
-    return f"kvtier-handoff/broken/{number}"
-
-
-def _done_key(number: int, rank: int) -> str:
-    """The key by which side `rank` says it has no call left in generation `number`."""
-    return f"kvtier-handoff/done/{number}/{rank}"
+        self.pair.close()
 
 
 def send_number(entries: Sequence[Json]) -> tuple[int, int]:
@@ -552,7 +244,7 @@ def device_checksum(rows: torch.Tensor) -> list[int]:
 
 
 class _Receive(ReceiveChannel):
-    def __init__(self, transport: TorchDistTransport, generation: _Generation) -> None:
+    def __init__(self, transport: TorchDistTransport, generation: Generation) -> None:
         self.transport = transport
         self.generation = generation
 
@@ -580,7 +272,7 @@ class _Receive(ReceiveChannel):
 
 
 class _Send(SendChannel):
-    def __init__(self, transport: TorchDistTransport, generation: _Generation) -> None:
+    def __init__(self, transport: TorchDistTransport, generation: Generation) -> None:
         self.transport = transport
         self.generation = generation
         self.capacity = transport.batch
@@ -591,7 +283,7 @@ class _Send(SendChannel):
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
         transport = self.transport
-        transport._check(self.generation)
+        transport.pair.check(self.generation)
         if not blocks:
             return []
         rows = payload_rows(blocks).to(transport.device)
@@ -613,11 +305,11 @@ class _Send(SendChannel):
                 return
             work, _ = self._posted.popleft()
         try:
-            if self.generation is self.transport._generation:
+            if self.transport.pair.is_current(self.generation):
                 work.wait()  # else it ended with its group, received or not
         except Exception as exc:  # noqa: BLE001
-            self.transport._break(f"a send failed: {exc}", self.generation)
-            raise TransportError(self.transport._broken or str(exc)) from exc
+            self.transport.pair.break_(f"a send failed: {exc}", self.generation)
+            raise TransportError(self.transport.pair.broken or str(exc)) from exc
         finally:
             self.transport.send_committed(self.generation)
 
@@ -627,6 +319,6 @@ class _Send(SendChannel):
         if unanswered:
             # A send whose commit failed: its bytes may never be received; the pair can no
             # longer be trusted to line up.
-            self.transport._break("a send was never committed", self.generation)
+            self.transport.pair.break_("a send was never committed", self.generation)
         for _ in range(unanswered):
             self.transport.send_committed(self.generation)
