@@ -307,7 +307,7 @@ class TorchPair:
         return True
 
     def _watch(self, store: Any, number: int) -> bool:
-        """Wait until generation `number` breaks (True) or this transport closes (False);
+        """Wait until generation `number` breaks (True) or the pair is closed (False);
         False too when the store cannot be reached (its prefill instance is gone), after
         ending the generation here."""
         while not self._closed:
