@@ -43,6 +43,14 @@ def used_on_current_stream(tensor: torch.Tensor) -> None:
         tensor.record_stream(torch.cuda.current_stream(tensor.device))
 
 
+def urgent_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream on `device` whose kernels the GPU starts ahead of the default priority's
+    whenever an SM comes free. The handoff reads, checks and receives on one: beside a
+    prefill, whose matrix products hold every SM, a group's gather on a stream of default
+    priority waits behind each of the products' waves."""
+    return torch.cuda.Stream(device, priority=-1)  # lower numbers run first
+
+
 def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """`stream` as the current stream inside the block (its device's); nothing for None."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -320,6 +320,11 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
     per_request = [f["bytes"] / f["transfer_s"] / 1e9 for f in done
                    if f.get("transfer_s", 0) > 0 and f.get("bytes", 0) > 0]
     gb_s = num_bytes / transfer_s / 1e9 if transfer_s > 0 else None
+    # The bytes' own time on the link, where the transport times it (NCCL): from a send's
+    # rows being ready to their delivery, which the link ceiling is the bar for.
+    timed = [f for f in done if isinstance(f.get("wire_s"), (int, float)) and f["wire_s"] > 0]
+    wire_s = sum(float(f["wire_s"]) for f in timed)
+    wire_gb_s = sum(int(f.get("bytes", 0)) for f in timed) / wire_s / 1e9 if timed else None
     reasons = Counter(str(f["fallback"]) for f in figures if "fallback" in f)
     return {
         "num_handoffs": len(done), "num_fallbacks": len(figures) - len(done),
@@ -340,6 +345,8 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
         "blocks_sent": sum(int(f.get("blocks_sent", 0)) for f in done),
         "blocks_skipped": sum(int(f.get("blocks_skipped", 0)) for f in done),
         "of_link": gb_s / link["gb_s"] if gb_s is not None and link else None,
+        "wire_s": wire_s if timed else None, "wire_gb_s": wire_gb_s,
+        "wire_of_link": wire_gb_s / link["gb_s"] if wire_gb_s is not None and link else None,
     }
 
 
@@ -563,6 +570,9 @@ def print_disagg(result: dict[str, Any]) -> None:
         lines.append(("handoff", rate, f"{handoff['num_handoffs']} handoffs, "
                       f"{handoff['bytes'] / 2**20:,.1f} MiB, {handoff['num_fallbacks']} "
                       "fallbacks"))
+        if handoff.get("wire_gb_s") is not None:
+            lines.append(("handoff bytes on the link", f"{handoff['wire_gb_s']:.2f} GB/s",
+                          f"{handoff['wire_s']:.3f} s from ready to delivered"))
         phases = handoff.get("phases_s") or {}
         if phases:
             lines.append(("handoff seconds by part", f"{sum(phases.values()):.3f} s",

@@ -206,7 +206,8 @@ class HandoffService:
                 "blocks_sent": result.blocks_sent, "blocks_skipped": result.blocks_skipped,
                 "bytes": result.bytes, "prefill_s": prefill_s,
                 "transfer_s": result.transfer_s, "wait_s": result.wait_s,
-                "phases_s": result.phases, "groups": result.num_groups}
+                "phases_s": result.phases, "groups": result.num_groups,
+                "wire_s": result.wire_s}
 
     def _choose(self, wanted: str | None, info: dict[str, Any]) -> str:
         theirs = info.get("transports") if isinstance(info, dict) else None

@@ -79,6 +79,11 @@ class SendChannel(ABC):
     #: Sends that may await their commits: the next `send` may come before the last one's
     #: commit is answered while fewer are.
     in_flight: int = 1
+    #: Seconds `send` has waited, in all, for an earlier send's commit to free its room.
+    slot_wait_s: float = 0.0
+    #: Seconds the committed sends' bytes took from ready to delivered, in all, where the
+    #: transport can tell (NCCL); None where it cannot.
+    wire_s: float | None = None
 
     @abstractmethod
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:

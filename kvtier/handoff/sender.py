@@ -36,7 +36,7 @@ from functools import partial
 
 import torch
 
-from kvtier.cuda_device import bind_thread, on_stream
+from kvtier.cuda_device import bind_thread, on_stream, urgent_stream
 from kvtier.free_queue import KVCacheBlock
 from kvtier.handoff.base import (
     HandoffTransport,
@@ -70,9 +70,9 @@ class HandoffFailed(RuntimeError):
 class HandoffResult:
     """What one handoff did; `transfer_s` is the time during which some group was being
     read, sent or committed (not waiting for the prefill to fill the blocks; overlapping
-    groups counted once), `wait_s` the time from the end of the
-    prefill to the last commit's answer, `phases` the seconds of each part
-    (`PrefillHandoff.phases`), `num_groups` the sends it took."""
+    groups counted once), `wire_s` the part of it the bytes took on the link, `wait_s` the
+    time from the end of the prefill to the last commit's answer, `phases` the seconds of
+    each part (`PrefillHandoff.phases`), `num_groups` the sends it took."""
 
     handoff_id: str
     transport: str
@@ -85,6 +85,9 @@ class HandoffResult:
     wait_s: float
     phases: dict[str, float]
     num_groups: int
+    #: Seconds the sends' bytes took from ready to delivered, in all (`SendChannel.wire_s`;
+    #: None where the transport cannot tell).
+    wire_s: float | None = None
 
 
 class PrefillHandoff:
@@ -95,7 +98,8 @@ class PrefillHandoff:
     from now. The engine may tap blocks at once; they wait in a queue until `start` gives
     the decode's reservation (made while the prefill computes) and `pump` runs.
     `phases` adds up where the time went (seconds): `chunk` (waiting for the prefill to
-    fill a group's blocks), `read` (gathering, checking and moving them), `commit` (from a
+    fill a group's blocks), `read` (gathering, checking and moving them), `slot` (a send
+    waiting for an earlier one's commit to free its room), `commit` (from a
     commit's call to its answer; commits under way together each count), and, within that,
     the decode side's own `receive` (bytes and validation) and `place` as its answers
     report them.
@@ -123,7 +127,7 @@ class PrefillHandoff:
         self._closed = False  # taps from now on are released at once (`discard`)
         self._num_tapped = 0  # blocks tapped so far (they come in prompt order)
         on_gpu = kv_cache.device.type == "cuda"
-        self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        self._stream = urgent_stream(kv_cache.device) if on_gpu else None
         self.phases: dict[str, float] = {}
         self.num_groups = 0
         self.num_sent = self.num_rejected = self.num_bytes = 0
@@ -240,7 +244,7 @@ class PrefillHandoff:
         return HandoffResult(self.handoff_id, name, len(self.held), self.num_sent, num_skipped,
                              self.num_rejected, self.num_bytes, busy_seconds(self._spans),
                              ended - (self._prompt_done_at or ended), dict(self.phases),
-                             self.num_groups)
+                             self.num_groups, self.channel.wire_s)
 
     @staticmethod
     def _attempt(step: Callable[[], None]) -> HandoffFailed | None:
@@ -326,6 +330,7 @@ class PrefillHandoff:
                     filled.synchronize()
                 self._add_phase("chunk", time.monotonic() - began)
                 began = time.monotonic()
+                waited = self.channel.slot_wait_s
                 with on_stream(self._stream):
                     rows = _read_blocks(self.kv_cache, [item.block.block_id for item in group])
                     entries = self.channel.send([OutgoingBlock(item.index, item.meta, rows[k])
@@ -334,7 +339,9 @@ class PrefillHandoff:
                     # The blocks go back to the engine next: their bytes must have been read.
                     self._stream.synchronize()
                 self.num_groups += 1
-                self._add_phase("read", time.monotonic() - began)
+                waited = self.channel.slot_wait_s - waited
+                self._add_phase("slot", waited)
+                self._add_phase("read", time.monotonic() - began - waited)
         except TransportError as exc:
             raise HandoffFailed(f"the {self.transport.name} transport failed: {exc}") from exc
         finally:

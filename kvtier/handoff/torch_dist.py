@@ -6,29 +6,37 @@ the prefill instance is rank 0, the decode instance rank 1); forming it runs in 
 background, and the transport is not `ready` until it has. The bytes never leave the
 device: a send posts one `isend` of a group's payloads as gathered from the KV cache, and
 the commit that follows carries each block's record header (`kvtier.tiers.record`: magic,
-version, layout, parent hash, token ids, header checksum); the decode side posts the
-matching `recv` into rows on its device and checks every header against the block it
-expects and every payload against the header's checksum. That checksum is
-`device_checksum`, not the stored records' xxh3: xxh3 runs on the host, and sending every
-byte through the host would cost the handoff most of its bandwidth. It is a weighted sum of
-the payload's 32-bit words (odd weights, modulo 2**64), computed on the device on both
-sides: any single damaged word changes it.
+version, layout, parent hash, token ids, header checksum); the decode side checks every
+header against the block it expects and every payload against the header's checksum. That
+checksum is `device_checksum`, not the stored records' xxh3: xxh3 runs on the host, and
+sending every byte through the host would cost the handoff most of its bandwidth. It is a
+weighted sum of the payload's 32-bit words (odd weights, modulo 2**64), computed on the
+device on both sides: any single damaged word changes it.
 
-Both sides move and check bytes on a CUDA stream of the transport's own, so a group never
-waits behind the engine's queued steps; received rows are allocated on that stream and
+The bytes do not wait for their commit. Every send takes the next number of the pair's
+sequence and is announced in the rendezvous store (its number and rows) as it is posted;
+while a handoff is open, a thread of the decode side (`_land`) looks for the next
+announcement (every `POLL_S` to `POLL_MAX_S`), posts the matching `recv` into rows of its
+own and computes their checksums. A send is thus on the link as soon as its rows are
+gathered, and its commit, which names its number (`seq`), finds it landed and checked: the
+commit's HTTP round trip is off the bytes' path, and the decode side receives in number
+order whatever order the commits come in. The decode side posts a receive only for a send
+it knows is posted, so no NCCL kernel of the transport waits on its GPU beside the decode
+steps.
+
+Both sides move and check bytes on a CUDA stream of the transport's own, of high priority
+(`urgent_stream`), so a group neither waits behind the engine's queued steps nor behind
+each wave of a prefill's matrix products; received rows are allocated on that stream and
 marked used where the engine copies them into its pool (`used_on_current_stream`). A send
-carries at most `group_bytes` of payloads: each group costs a commit round trip and a
-checksum pass on both sides, so fewer, larger groups lose less to that fixed cost, at the
-price of that much GPU memory on each side while a group is in flight.
-
-Every send takes the next number of the pair's sequence, and its commit entries carry it
-(`seq`); the decode side receives in that order whatever order the commits reach it in, so
-a prefill instance may post the next group's send while earlier commits are still on their
-way. At most `in_flight` sends, of all its handoffs together, await their commits: each
-holds a group of GPU memory on both sides, and a commit that comes early holds a thread of
-the decode instance while it waits for its turn. A commit the decode side cannot match (an
-expired handoff) still receives its bytes (`discard`) before it answers 404, so the prefill
-side counts that send as done too.
+carries at most `group_bytes` of payloads: each group costs a commit and a checksum pass on
+both sides, so fewer, larger groups lose less to that fixed cost, at the price of that much
+GPU memory on each side while a group is in flight. At most `in_flight` sends, of all a
+prefill instance's handoffs together, await their commits (each holds a group of GPU memory
+on both sides), so a prefill instance may post the next group's send while earlier commits
+are still on their way. A commit the decode side cannot match (an expired handoff) still
+takes its send (`discard`) before it answers 404, so the prefill side counts that send as
+done too. On CUDA each send is timed from its rows being ready to their delivery
+(`SendChannel.wire_s`): the link's share of the handoff's time.
 
 The group itself, formed again after a break or a restart, is `kvtier.handoff.torch_pair`'s:
 sends are numbered within one of its generations, and a commit names its send's generation
@@ -41,14 +49,16 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from kvtier.cuda_device import on_stream
+from kvtier.cuda_device import bind_thread, on_stream, urgent_stream
 from kvtier.handoff.base import (
     HandoffTransport,
     Json,
@@ -58,7 +68,13 @@ from kvtier.handoff.base import (
     TransportError,
     payload_rows,
 )
-from kvtier.handoff.torch_pair import DECODE_RANK, PREFILL_RANK, Generation, TorchPair
+from kvtier.handoff.torch_pair import (
+    DECODE_RANK,
+    PREFILL_RANK,
+    WATCH_S,
+    Generation,
+    TorchPair,
+)
 from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import (
@@ -74,6 +90,12 @@ DEFAULT_GROUP_BYTES = 256 << 20
 #: Sends of one handoff that may await their commits unless set (`--handoff-nccl-in-flight`):
 #: two let the next group be read and sent while the last one's commit is answered.
 DEFAULT_IN_FLIGHT = 2
+#: How often (seconds) the decode side looks for an announced send while a handoff is open,
+#: right after a send landed; each look that finds none doubles the wait, up to
+#: `POLL_MAX_S`. A send waits about that much for its receive to be posted, and the engine
+#: thread, which shares the GIL with the looking thread, is woken that much less often.
+POLL_S = 0.0005
+POLL_MAX_S = 0.001
 
 
 class TorchDistTransport(HandoffTransport):
@@ -116,10 +138,20 @@ class TorchDistTransport(HandoffTransport):
         self.peer = DECODE_RANK if rank == PREFILL_RANK else PREFILL_RANK
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
-        self.stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
+        self.stream = urgent_stream(self.device) if backend == "nccl" else None
         self._send_lock = threading.Lock()  # numbers and posts sends in one order
         self.pair = TorchPair(init_method, rank, backend, self.device, in_flight, timeout_s,
                               self.turn_timeout_s)
+        # Decode side: a thread receives every send as soon as it is announced, while some
+        # handoff may send (`_wanted`: receive channels open and commits waiting for theirs).
+        self._wanted = 0
+        self._closed = False
+        self._wanting_changed = threading.Condition()
+        self._lander: threading.Thread | None = None
+        if rank == DECODE_RANK:
+            self._lander = threading.Thread(target=self._land, name="kvtier-handoff-landing",
+                                            daemon=True)
+            self._lander.start()
 
     @property
     def generation(self) -> int | None:
@@ -130,6 +162,12 @@ class TorchDistTransport(HandoffTransport):
     def ready(self) -> bool:
         return self.pair.ready
 
+    @property
+    def landed_ahead(self) -> int:
+        """Sends of the current generation received and waiting for their commits."""
+        generation = self.pair.current_or_none()
+        return len(generation.landed) if generation is not None else 0
+
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the group has formed, first or again (False: not within
         `timeout_s`, or it cannot be kept)."""
@@ -137,6 +175,20 @@ class TorchDistTransport(HandoffTransport):
 
     def open_receive(self, handoff_id: str, num_blocks: int) -> ReceiveChannel:
         return _Receive(self, self.pair.current())
+
+    def want(self, more: int) -> None:
+        """`more` (+1 or -1) handoffs or commits may need the sends announced from now."""
+        with self._wanting_changed:
+            self._wanted += more
+            self._wanting_changed.notify_all()
+
+    @contextlib.contextmanager
+    def _wanting(self) -> Iterator[None]:
+        self.want(1)
+        try:
+            yield
+        finally:
+            self.want(-1)
 
     def open_send(self, offer: Json) -> SendChannel:
         generation = self.pair.current()
@@ -166,6 +218,7 @@ class TorchDistTransport(HandoffTransport):
             try:
                 with self.pair.calling(generation):
                     work = dist.isend(rows, dst=self.peer)
+                self.pair.announce(generation, generation.next_send, rows.shape[0])
             except TransportError:
                 generation.send_slots.release()
                 raise
@@ -176,28 +229,60 @@ class TorchDistTransport(HandoffTransport):
             seq, generation.next_send = generation.next_send, generation.next_send + 1
         return seq, work
 
-    def receive_into(self, rows: torch.Tensor, seq: int, number: int | None = None) -> None:
-        """Receive send `seq` of generation `number` (None: the current one) into `rows`
-        (uint8 `[n, bytes_per_block]` on the device), once every earlier send has been
-        received. Raises TransportError when the pair is broken, formed again since (the
-        send is gone), or the sends before it do not come within `turn_timeout_s`;
-        ValueError for a number already received."""
-        import torch.distributed as dist
-
+    def take(self, seq: int, number: int | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Send `seq` of generation `number` (None: the current one), once it has landed:
+        its rows (uint8 `[n, bytes_per_block]` on the device) and each row's checksum. Each
+        send is taken once. Raises TransportError when the pair is broken, formed again
+        since (the send is gone), or the send does not land within `turn_timeout_s`;
+        ValueError for a send taken already."""
         generation = self.pair.current()
         if number is not None and number != generation.number:
             raise TransportError(f"send {seq} of generation {number} is gone: the pair is at "
                                  f"generation {generation.number}")
-        self.pair.wait_turn(generation, seq)
-        try:
-            with self.pair.calling(generation):
-                dist.recv(rows, src=self.peer)
-        except TransportError:
-            raise
-        except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
-            self.pair.break_(f"a receive failed: {exc}", generation)
-            raise TransportError(self.pair.broken or str(exc)) from exc
-        self.pair.received(generation)
+        with self._wanting():
+            return self.pair.take(generation, seq)
+
+    def receive_into(self, rows: torch.Tensor, seq: int, number: int | None = None) -> None:
+        """`take` send `seq` into `rows` (uint8 `[n, bytes_per_block]` on the device)."""
+        landed, _ = self.take(seq, number)
+        with on_stream(self.stream):
+            rows.copy_(landed)
+
+    def _land(self) -> None:
+        """The decode side's landing thread: receives each announced send, in number order,
+        as soon as it is announced (ahead of its commit), and checks its rows."""
+        import torch.distributed as dist
+
+        bind_thread(self.device)
+        delay = POLL_S
+        while True:
+            with self._wanting_changed:
+                self._wanting_changed.wait_for(lambda: self._wanted > 0 or self._closed)
+                if self._closed:
+                    return
+            try:
+                generation = self.pair.current()
+                num_rows = self.pair.announced(generation)
+            except TransportError:
+                self.pair.wait_ready(WATCH_S)  # not formed, broken, or its store is gone
+                time.sleep(POLL_S)
+                continue
+            if num_rows is None:
+                time.sleep(delay)
+                delay = min(2 * delay, POLL_MAX_S)
+                continue
+            delay = POLL_S
+            rows = self.receive_buffer(num_rows)
+            try:
+                with on_stream(self.stream), self.pair.calling(generation):
+                    dist.recv(rows, src=self.peer)
+                    sums = device_checksum(rows)  # waits for the bytes
+            except TransportError:
+                continue  # the generation ended: its sends went with it
+            except Exception as exc:  # noqa: BLE001 (the pair is out of step from here on)
+                self.pair.break_(f"a receive failed: {exc}", generation)
+                continue
+            self.pair.landed(generation, rows, sums)
 
     def send_committed(self, generation: Generation) -> None:
         """A send's commit was answered (or it never will be): its slot is free."""
@@ -208,16 +293,19 @@ class TorchDistTransport(HandoffTransport):
             return super().receive_buffer(num_blocks)
 
     def discard(self, entries: Sequence[Json]) -> None:
-        rows = self.receive_buffer(len(entries))
         try:
             number, seq = send_number(entries)
-            with on_stream(self.stream):
-                self.receive_into(rows, seq, number)
+            self.take(seq, number)  # landed or landing: dropped
         except (TransportError, ValueError):
             pass  # a send of an ended generation went with its group
 
     def close(self) -> None:
+        with self._wanting_changed:
+            self._closed = True
+            self._wanting_changed.notify_all()
         self.pair.close()
+        if self._lander is not None:
+            self._lander.join(WATCH_S + 1.0)
 
 
 def send_number(entries: Sequence[Json]) -> tuple[int, int]:
@@ -247,6 +335,8 @@ class _Receive(ReceiveChannel):
     def __init__(self, transport: TorchDistTransport, generation: Generation) -> None:
         self.transport = transport
         self.generation = generation
+        self._open = True
+        transport.want(1)  # its sends are received as they are announced
 
     def offer(self) -> Json:
         return {"rank": self.transport.rank, "generation": self.generation.number}
@@ -254,9 +344,12 @@ class _Receive(ReceiveChannel):
     def receive_into(self, entries: Sequence[Json], metas: Sequence[BlockMeta],
                      dests: torch.Tensor) -> list[bool]:
         number, seq = send_number(entries)
+        landed, sums = self.transport.take(seq, number)
+        if landed.shape != dests.shape:
+            raise ValueError(f"send {seq} carried {landed.shape[0]} rows, its commit "
+                             f"announces {dests.shape[0]}")
         with on_stream(self.transport.stream):
-            self.transport.receive_into(dests, seq, number)
-            sums = device_checksum(dests)
+            dests.copy_(landed)
         fingerprint = self.transport.layout.fingerprint()
         results = []
         for entry, meta, checksum in zip(entries, metas, sums):
@@ -270,6 +363,11 @@ class _Receive(ReceiveChannel):
             results.append(header.matches(meta) and header.payload_checksum == checksum)
         return results
 
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.transport.want(-1)
+
 
 class _Send(SendChannel):
     def __init__(self, transport: TorchDistTransport, generation: Generation) -> None:
@@ -277,8 +375,11 @@ class _Send(SendChannel):
         self.generation = generation
         self.capacity = transport.batch
         self.in_flight = transport.in_flight
-        # The sends not yet committed, oldest first: their work and the rows it reads.
-        self._posted: deque[tuple[Any, torch.Tensor]] = deque()
+        # The sends not yet committed, oldest first: their work, the rows it reads, and
+        # the events that time it (`_time`).
+        self._posted: deque[tuple[Any, torch.Tensor, Any]] = deque()
+        self._watch = torch.cuda.Stream(transport.device) \
+            if transport.stream is not None else None
         self._lock = threading.Lock()
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
@@ -287,15 +388,33 @@ class _Send(SendChannel):
         if not blocks:
             return []
         rows = payload_rows(blocks).to(transport.device)
-        sums = device_checksum(rows)
         # May wait for a commit's answer: no lock held.
+        posting = time.monotonic()
         seq, work = transport.post_send(rows, self.generation)
+        self.slot_wait_s += time.monotonic() - posting
+        timing = self._time(work)
+        sums = device_checksum(rows)  # read beside the send
         with self._lock:
-            self._posted.append((work, rows))
+            self._posted.append((work, rows, timing))
         return [{"index": block.index, "gen": self.generation.number, "seq": seq,
                  "header": encode_header(block.meta, transport.layout, rows.shape[1],
                                          checksum).hex()}
                 for block, checksum in zip(blocks, sums)]
+
+    def _time(self, work: Any) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """Events around a posted send on CUDA: one where its bytes were ready, one where
+        they were delivered (recorded on a stream of its own, which alone waits for the
+        send). None elsewhere."""
+        stream = self.transport.stream
+        if stream is None:
+            return None
+        posted = torch.cuda.Event(enable_timing=True)
+        delivered = torch.cuda.Event(enable_timing=True)
+        posted.record()
+        with torch.cuda.stream(self._watch):
+            work.wait()
+            delivered.record()
+        return posted, delivered
 
     def committed(self) -> None:
         # An answered commit means the decode side received its send, and every send
@@ -303,10 +422,14 @@ class _Send(SendChannel):
         with self._lock:
             if not self._posted:
                 return
-            work, _ = self._posted.popleft()
+            work, _, timing = self._posted.popleft()
         try:
             if self.transport.pair.is_current(self.generation):
                 work.wait()  # else it ended with its group, received or not
+                if timing is not None:
+                    posted, delivered = timing
+                    delivered.synchronize()
+                    self.wire_s = (self.wire_s or 0.0) + posted.elapsed_time(delivered) / 1e3
         except Exception as exc:  # noqa: BLE001
             self.transport.pair.break_(f"a send failed: {exc}", self.generation)
             raise TransportError(self.transport.pair.broken or str(exc)) from exc

@@ -6,10 +6,13 @@ group of two; a keeper thread on each side forms it in the background, and the p
 `ready` until it has. Sends and receives over it are numbered within a `Generation`, one
 forming of the group.
 
-A failed send or receive, or a number that never comes (its commit lost), leaves the
-generation out of step (`break_`). The pair then says it is not ready (handoffs use another
-transport or none) and forms again: the side that found the break writes it into the
-store, which both sides' keepers watch (`WATCH_S`); once neither side has a call inside
+Sends are announced in the store as they are posted (`announce`); the decode side receives
+each as soon as it reads the announcement (`announced`, `landed`), and a commit takes its
+send by number (`take`). A failed send or receive, a send that never lands, or a send the
+prefill side gave up on unanswered, leaves the generation out of step (`break_`). The
+pair then says it is not ready (handoffs use another transport or none) and forms again:
+the side that found the break writes it into the store, which both sides' keepers watch
+(`WATCH_S`); once neither side has a call inside
 torch.distributed (`calling`), each ends the group (on NCCL that aborts the sends still
 posted, which torch's watchdog would otherwise answer by ending the process after
 `timeout_s`) and forms the next generation with the other. A call of an ended generation
@@ -59,6 +62,9 @@ class Generation:
         self.send_slots = threading.Semaphore(in_flight)  # one per send awaiting its commit
         self.next_send = 0  # the sequence number of the next send
         self.next_recv = 0  # the sequence number the next receive must carry
+        #: Sends received ahead of their commits, by number, until a commit takes them:
+        #: (rows, each row's checksum).
+        self.landed: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
 
 class TorchPair:
@@ -119,6 +125,10 @@ class TorchPair:
                                  "yet (the other instance has not started?)")
         return generation
 
+    def current_or_none(self) -> Generation | None:
+        """The latest generation formed (broken or not), None before the first."""
+        return self._generation
+
     def is_current(self, generation: Generation) -> bool:
         return generation is self._generation
 
@@ -144,29 +154,60 @@ class TorchPair:
                 self._in_calls -= 1
                 self._state.notify_all()
 
-    def wait_turn(self, generation: Generation, seq: int) -> None:
-        """Wait until every send of `generation` numbered before `seq` has been received.
-        Raises ValueError for a number received already, TransportError when the pair
-        broke meanwhile or the turn does not come within `turn_timeout_s` (which breaks
-        it)."""
-        with self._state:
-            if seq < generation.next_recv:
-                raise ValueError(f"send {seq} was received already "
-                                 f"(next: {generation.next_recv})")
-            came = self._state.wait_for(
-                lambda: generation.next_recv == seq or self._broken is not None
-                or generation is not self._generation, self.turn_timeout_s)
-            missing = generation.next_recv
-        if not came:
-            self.break_(f"send {missing} never came while send {seq} waited "
-                        f"{self.turn_timeout_s:g} s for its turn", generation)
-        self.check(generation)
+    def announce(self, generation: Generation, seq: int, num_rows: int) -> None:
+        """Prefill side: send `seq` of `generation`, of `num_rows` rows, is posted; the
+        decode side receives it as soon as it reads this (`announced`), ahead of its commit.
+        Raises TransportError when the store fails (the send can then never be received:
+        the pair is broken)."""
+        try:
+            self._store.set(_sent_key(generation.number, seq), str(num_rows))
+        except Exception as exc:  # noqa: BLE001 (the store is this process's own)
+            self.break_(f"announcing send {seq} failed: {exc}", generation)
+            raise TransportError(self._broken or str(exc)) from exc
 
-    def received(self, generation: Generation) -> None:
-        """The receive whose turn it was is done: the next one's turn."""
+    def announced(self, generation: Generation) -> int | None:
+        """Decode side: the rows of the next send of `generation` to receive
+        (`next_recv`), once the prefill side has announced it (the key is then removed);
+        None while it has not. Raises TransportError when the store fails."""
+        key = _sent_key(generation.number, generation.next_recv)
+        try:
+            if not self._store.check([key]):
+                return None
+            num_rows = int(self._store.get(key))
+            self._store.delete_key(key)
+        except Exception as exc:  # noqa: BLE001 (the prefill instance is gone: the keeper
+            raise TransportError(f"reading the announced sends failed: {exc}") from exc
+        return num_rows
+
+    def landed(self, generation: Generation, rows: torch.Tensor, sums: list[int]) -> None:
+        """Decode side: send `next_recv` of `generation` was received into `rows` (their
+        checksums `sums`); the next number is the next to receive."""
         with self._state:
+            generation.landed[generation.next_recv] = (rows, sums)
             generation.next_recv += 1
             self._state.notify_all()
+
+    def take(self, generation: Generation, seq: int) -> tuple[torch.Tensor, list[int]]:
+        """Decode side: send `seq` of `generation` once it has landed, given up to the
+        caller (a commit takes each send once). Raises ValueError for a send taken
+        already, TransportError when the pair broke or formed again meanwhile, or the send
+        does not land within `turn_timeout_s` (which breaks the pair: its number was never
+        sent, or its bytes never came)."""
+        with self._state:
+            if seq < generation.next_recv and seq not in generation.landed:
+                raise ValueError(f"send {seq} was taken already")
+            came = self._state.wait_for(
+                lambda: seq in generation.landed or self._broken is not None
+                or generation is not self._generation, self.turn_timeout_s)
+            missing = generation.next_recv
+            item = generation.landed.pop(seq, None)
+        if item is not None:
+            return item
+        if not came:
+            self.break_(f"send {missing} never came while send {seq} waited "
+                        f"{self.turn_timeout_s:g} s for it", generation)
+        self.check(generation)  # raises: the pair broke or formed again
+        raise TransportError(self._broken or f"send {seq} did not land")
 
     def break_(self, reason: str, generation: Generation) -> None:
         """`generation` is out of step: say so, wake every receive waiting for its turn, and
@@ -271,9 +312,16 @@ class TorchPair:
         import torch.distributed as dist
 
         try:
+            options = None
+            if self.backend == "nccl":
+                # NCCL's own stream runs the sends and receives: beside a prefill's compute
+                # they wait behind its kernels unless the stream is urgent too.
+                options = dist.ProcessGroupNCCL.Options()
+                options.is_high_priority_stream = True
             dist.init_process_group(
                 self.backend, store=dist.PrefixStore(f"kvtier-handoff/{number}/", store),
-                rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s))
+                rank=self.rank, world_size=2, timeout=timedelta(seconds=self.timeout_s),
+                pg_options=options)
             # NCCL creates the pair's point-to-point communicator at the first send or
             # receive, with both ranks taking part: made here, so that a handoff's first
             # `isend` does not wait for a `recv` its own commit has not asked for yet.
@@ -375,6 +423,11 @@ def _listening(init_method: str) -> bool:
 def _broken_key(number: int) -> str:
     """The rendezvous store's key whose presence says generation `number` broke."""
     return f"kvtier-handoff/broken/{number}"
+
+
+def _sent_key(number: int, seq: int) -> str:
+    """The key announcing send `seq` of generation `number` (its value: the rows)."""
+    return f"kvtier-handoff/{number}/sent/{seq}"
 
 
 def _done_key(number: int, rank: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvtier.cli.bench.disagg import DisaggConfig, make_workload
+from kvtier.cli.bench.disagg import DisaggConfig, _handoff_report, _Record, make_workload
 from kvtier.cli.bench.link import measure_mooncake
 from kvtier.cli.main import app
 from typer.testing import CliRunner
@@ -48,7 +48,10 @@ def test_report_shape_of_both_modes(monkeypatch, tmp_path) -> None:
     assert handoff["bytes"] > 0 and handoff["gb_s"] > 0 and handoff["of_link"] > 0
     assert handoff["transports"] == ["nccl"]  # the torch.distributed pair (gloo here)
     # Where the transfer's seconds went: each handoff read and committed at least a group.
-    assert {"read", "commit", "receive", "place"} <= set(handoff["phases_s"])
+    assert {"read", "slot", "commit", "receive", "place"} <= set(handoff["phases_s"])
+    # gloo cannot time a send's bytes on the link: no such figure rather than a wrong one.
+    assert handoff["wire_s"] is None and handoff["wire_gb_s"] is None
+    assert handoff["wire_of_link"] is None
     assert handoff["groups"] >= handoff["num_handoffs"]
     link = report["link"]
     assert link["backend"] == "gloo" and link["bytes"] == 1048576 and link["gb_s"] > 0
@@ -58,6 +61,23 @@ def test_report_shape_of_both_modes(monkeypatch, tmp_path) -> None:
     assert sorted(p.name for p in logs.iterdir()) == [
         "both0.log", "both1.log", "decode.log", "prefill.log", "router-colocated.log",
         "router-disaggregated.log"]
+
+
+def test_handoff_report_times_the_bytes_on_the_link_where_they_were_timed() -> None:
+    def record(handoff: dict) -> _Record:
+        return _Record(True, 0.1, 0.01, [1], handoff, 0.2)
+
+    records = [record({"bytes": 4 * 10**9, "transfer_s": 0.4, "wire_s": 0.02}),
+               record({"bytes": 2 * 10**9, "transfer_s": 0.1, "wire_s": 0.01}),
+               record({"bytes": 10**9, "transfer_s": 0.5, "wire_s": None}),  # not timed
+               record({"fallback": "no transport"})]
+    report = _handoff_report(records, {"gb_s": 400.0})
+    assert report["num_handoffs"] == 3 and report["num_fallbacks"] == 1
+    assert report["gb_s"] == pytest.approx(7.0)  # 7 GB over 1 s of transfer
+    # Only the timed handoffs: 6 GB over 0.03 s on the link.
+    assert report["wire_s"] == pytest.approx(0.03)
+    assert report["wire_gb_s"] == pytest.approx(200.0)
+    assert report["wire_of_link"] == pytest.approx(0.5)
 
 
 def test_poisson_workload_is_seeded_and_mixed() -> None:

@@ -5,19 +5,18 @@ prints what it saw as one JSON object.
 
 ROLE sender: posts send 0 (rows of 0s) and send 1 (rows of 1s), no commit for either; once
 the pair has formed again (after a receiver broke it), posts the first send of the new
-generation (rows of 7s); then waits to be stopped. ROLE reversed: receives send 1 first (on
-a thread, which must wait for send 0), then send 0; prints each one's bytes. ROLE lost:
-receives send 1 only, as if send 0's commit had been lost with its connection; prints the
-error and whether the transport still says it is ready. ROLE reform: as lost, then waits
-for the pair to form again, tries send 1 of the old generation once more, and receives the
-new generation's first send.
+generation (rows of 7s); then waits to be stopped. ROLE landing: opens a receive channel,
+waits until both sends have landed though nothing asked for them, then takes send 1 before
+send 0; prints each one's bytes. ROLE lost: asks for send 2, which was never posted (as if
+its bytes had been lost); prints the error and whether the transport still says it is
+ready. ROLE reform: as lost, then waits for the pair to form again, tries send 1 of the old
+generation once more, and receives the new generation's first send.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
 
 import torch
@@ -36,6 +35,13 @@ def main(role: str, init_method: str) -> dict:
     transport = TorchDistTransport(
         LAYOUT, init_method, rank, "gloo", timeout_s=60.0,
         turn_timeout_s=LOST_TURN_TIMEOUT_S if role in ("lost", "reform") else 60.0)
+    try:
+        return _act(role, transport)
+    finally:  # its threads leave torch.distributed before the process ends
+        transport.close()
+
+
+def _act(role: str, transport: TorchDistTransport) -> dict:
     if not transport.wait_ready(60.0):
         return {"error": "the pair did not form"}
     rows = [torch.full((2, LAYOUT.bytes_per_block), k, dtype=torch.uint8) for k in (0, 1)]
@@ -50,7 +56,7 @@ def main(role: str, init_method: str) -> dict:
     if role in ("lost", "reform"):
         began = time.monotonic()
         try:
-            transport.receive_into(received[1], 1)
+            transport.receive_into(received[1], 2)
         except TransportError as exc:
             seen = {"error": str(exc), "seconds": time.monotonic() - began,
                     "ready": transport.ready}
@@ -70,20 +76,15 @@ def main(role: str, init_method: str) -> dict:
         transport.receive_into(received[0], 0)
         seen["values"] = sorted(set(received[0].flatten().tolist()))
         return seen
-    later: dict = {}
-
-    def receive_second() -> None:
-        transport.receive_into(received[1], 1)
-        later["at"] = time.monotonic()
-
-    thread = threading.Thread(target=receive_second)
-    thread.start()
-    thread.join(0.5)
-    waited = thread.is_alive()
+    channel = transport.open_receive("a handoff", 4)
+    deadline = time.monotonic() + 60.0
+    while transport.landed_ahead < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    landed_ahead = transport.landed_ahead
+    transport.receive_into(received[1], 1)
     transport.receive_into(received[0], 0)
-    first_at = time.monotonic()
-    thread.join(60)
-    return {"waited": waited, "in_order": first_at <= later.get("at", 0.0),
+    channel.close()
+    return {"landed_ahead": landed_ahead, "left": transport.landed_ahead,
             "values": [sorted(set(r.flatten().tolist())) for r in received]}
 
 

@@ -1,8 +1,8 @@
-"""The torch.distributed handoff transport keeps its pair in step: a receive waits for the
-sends numbered before it, whatever order the commits come in, a send whose commit never
-comes breaks the pair after the turn timeout instead of holding the receives behind it, and
-a broken pair forms again. Two real processes on gloo over loopback
-(`handoff_pair_worker.py`)."""
+"""The torch.distributed handoff transport keeps its pair in step: the decode side
+receives every send as it is announced, ahead of its commit, and a commit takes its send by
+number whatever order the commits come in; a commit whose send never comes breaks the pair
+after the turn timeout instead of holding the threads behind it, and a broken pair forms
+again. Two real processes on gloo over loopback (`handoff_pair_worker.py`)."""
 
 from __future__ import annotations
 
@@ -33,22 +33,23 @@ def _pair(receiver_role: str) -> dict:
     return json.loads(receiver.stdout.strip().splitlines()[-1])
 
 
-def test_a_receive_waits_for_the_sends_before_it() -> None:
-    seen = _pair("reversed")
-    assert seen["waited"] and seen["in_order"]
+def test_sends_land_ahead_of_their_commits_and_are_taken_by_number() -> None:
+    seen = _pair("landing")
+    # Both sends were received while nothing had asked for them yet (no commit came).
+    assert seen["landed_ahead"] == 2 and seen["left"] == 0
     assert seen["values"] == [[0], [1]]  # each send's bytes where its number says
 
 
-def test_a_send_whose_commit_never_came_breaks_the_pair_after_the_turn_timeout() -> None:
+def test_a_commit_whose_send_never_came_breaks_the_pair_after_the_turn_timeout() -> None:
     seen = _pair("lost")
-    assert seen["error"] is not None and "send 0 never came" in seen["error"]
+    assert seen["error"] is not None and "send 2 never came" in seen["error"]
     assert 0.9 <= seen["seconds"] < 30  # the turn timeout (1 s), not the op timeout (60 s)
     assert seen["ready"] is False  # handoffs use another transport from now on
 
 
 def test_a_broken_pair_forms_again_and_the_old_generations_sends_are_gone() -> None:
     seen = _pair("reform")
-    assert "send 0 never came" in seen["error"] and seen["ready"] is False
+    assert "send 2 never came" in seen["error"] and seen["ready"] is False
     # Both sides' keepers formed the next generation: the sender's first send in it lands.
     assert seen["formed_again"] and seen["generation"] == 1
     assert seen["values"] == [7]
