@@ -102,11 +102,10 @@ class TorchDistTransport(HandoffTransport):
     """The pair's group. rank: PREFILL_RANK or DECODE_RANK. backend: "nccl" (CUDA tensors)
     or "gloo" (CPU tensors). timeout_s: how long forming the group and each operation may
     take. group_bytes: most payload bytes per send (at least one block). in_flight: sends
-    that may await their commits. turn_timeout_s: how long a receive waits for the sends
-    numbered before it, and a send for a free slot (None: `timeout_s`); a send whose commit
-    never comes (lost with its connection) then breaks the pair after that long instead of
-    holding the threads waiting behind it. A broken pair forms again
-    (`kvtier.handoff.torch_pair`). Raises ValueError for a bad setting."""
+    that may await their commits. turn_timeout_s: how long a commit waits for its send to
+    land, and a send for a free slot (None: `timeout_s`); a send that never lands then
+    breaks the pair after that long instead of holding the threads waiting for it. A broken
+    pair forms again (`kvtier.handoff.torch_pair`). Raises ValueError for a bad setting."""
 
     name = "nccl"
 

@@ -71,8 +71,8 @@ class TorchPair:
     """One side of the pair (see the module docstring). rank: PREFILL_RANK or DECODE_RANK.
     backend: "nccl" or "gloo"; device: where its tensors live. in_flight: sends of a
     generation that may await their commits. timeout_s: how long forming the group and each
-    operation may take. turn_timeout_s: how long a receive waits for the sends numbered
-    before it."""
+    operation may take. turn_timeout_s: how long a commit waits for its send to land
+    (`take`)."""
 
     def __init__(self, init_method: str, rank: int, backend: str, device: torch.device,
                  in_flight: int, timeout_s: float, turn_timeout_s: float) -> None:
