@@ -444,6 +444,9 @@ class HandoffCollector(Collector):
         kvtier_handoff_pair_generation   its generation: how often it formed again since
                                          the prefill instance started (after breaks, or
                                          a new decode instance)
+        kvtier_handoff_pair_landed       decode side: sends received ahead of their
+                                         commits and not taken yet (one that stays up
+                                         says commits are being lost)
     """
 
     def __init__(self, counters: HandoffCounters,
@@ -474,6 +477,9 @@ class HandoffCollector(Collector):
             yield GaugeMetricFamily("kvtier_handoff_pair_generation", "How often the "
                                     "torch.distributed pair formed again since its prefill "
                                     "instance started", value=self.pair.generation or 0)
+            yield GaugeMetricFamily("kvtier_handoff_pair_landed", "Sends received over the "
+                                    "torch.distributed pair ahead of their commits and not "
+                                    "taken yet", value=self.pair.landed_ahead)
 
 
 def add_handoff_routes(app: FastAPI, server: Any, service: HandoffService,

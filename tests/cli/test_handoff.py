@@ -335,8 +335,10 @@ def test_a_handoff_ended_mid_way_leaves_the_nccl_pair_in_step(pair: Pair,
     assert response.status_code == 502, response.text
     assert "404" in response.json()["error"]["message"]
     # Every send of the ended handoff was received and counted done on both sides: the
-    # pair is still ready, and the next handoff's bytes land where they belong.
+    # pair is still ready, no send is left landed at the decode instance, and the next
+    # handoff's bytes land where they belong.
     assert "nccl" in httpx.get(f"{pair.prefill.url}/v1/handoff/info").json()["transports"]
+    assert _metrics(pair.decode)["kvtier_handoff_pair_landed"] == 0
     _lands_over_nccl(pair, colocated, 41)
 
 
@@ -367,6 +369,8 @@ def test_a_lost_commit_breaks_the_nccl_pair_and_the_pair_forms_again(
             metrics = _metrics(instance)
             assert metrics["kvtier_handoff_pair_ready"] == 1
             assert metrics["kvtier_handoff_pair_generation"] == before + k
+        # The lost commit's send had landed; it went with its generation.
+        assert _metrics(pair.decode)["kvtier_handoff_pair_landed"] == 0
         # The next handoff goes over the new generation, its bytes where they belong.
         _lands_over_nccl(pair, colocated, 41 + 2 * k)
 
