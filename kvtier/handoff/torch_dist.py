@@ -138,6 +138,9 @@ class TorchDistTransport(HandoffTransport):
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if backend == "nccl" else torch.device("cpu")
         self.stream = urgent_stream(self.device) if backend == "nccl" else None
+        # Waits for each send to time its delivery (`_Send`): one stream for all of them,
+        # made once, so that no stream doing other work ever waits for a send.
+        self.delivery_stream = torch.cuda.Stream(self.device) if backend == "nccl" else None
         self._send_lock = threading.Lock()  # numbers and posts sends in one order
         self.pair = TorchPair(init_method, rank, backend, self.device, in_flight, timeout_s,
                               self.turn_timeout_s)
@@ -377,8 +380,6 @@ class _Send(SendChannel):
         # The sends not yet committed, oldest first: their work, the rows it reads, and
         # the events that time it (`_time`).
         self._posted: deque[tuple[Any, torch.Tensor, Any]] = deque()
-        self._watch = torch.cuda.Stream(transport.device) \
-            if transport.stream is not None else None
         self._lock = threading.Lock()
 
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:
@@ -404,13 +405,13 @@ class _Send(SendChannel):
         """Events around a posted send on CUDA: one where its bytes were ready, one where
         they were delivered (recorded on a stream of its own, which alone waits for the
         send). None elsewhere."""
-        stream = self.transport.stream
+        stream = self.transport.delivery_stream
         if stream is None:
             return None
         posted = torch.cuda.Event(enable_timing=True)
         delivered = torch.cuda.Event(enable_timing=True)
         posted.record()
-        with torch.cuda.stream(self._watch):
+        with torch.cuda.stream(stream):
             work.wait()
             delivered.record()
         return posted, delivered
