@@ -264,10 +264,17 @@ class TorchDistTransport(HandoffTransport):
                     return
             try:
                 generation = self.pair.current()
+            except TransportError:  # not formed yet, or broken: until it forms again
+                if not self.pair.wait_ready(WATCH_S):
+                    time.sleep(POLL_MAX_S)
+                continue
+            try:
                 num_rows = self.pair.announced(generation)
             except TransportError:
-                self.pair.wait_ready(WATCH_S)  # not formed, broken, or its store is gone
-                time.sleep(POLL_S)
+                # The store went with its prefill instance. The keeper sees that within
+                # WATCH_S and ends the generation; torch logs a stack trace for every
+                # failed look, so the next look waits as long.
+                time.sleep(WATCH_S)
                 continue
             if num_rows is None:
                 time.sleep(delay)

@@ -400,6 +400,9 @@ def test_either_instance_of_an_nccl_pair_restarted_forms_the_pair_again(
             assert _pair_ready(instances[0]) and _pair_ready(instances[1]), name
             restarted = Pair(*instances, ["nccl"], pair.cache_dir, tmp)
             _lands_over_nccl(restarted, colocated, 50 + k)
+        # torch logs a stack trace for each look into a store that is gone: the decode
+        # instance looked a few times when its prefill instance died, not at every poll.
+        assert (tmp / "decode1.log").read_text().count("Exception raised from") < 5
     finally:
         for instance in instances:
             instance.stop(60)
