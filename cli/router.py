@@ -69,7 +69,7 @@ def router(
 ) -> None:
     """Route OpenAI-compatible requests over prefill and decode instances (or colocated)."""
     import uvicorn
-    from kvtier.cli.serve import _stop_signals_return, bind
+    from kvtier.cli.serve import _stop_signals_return, bind, settle_heap
     from kvtier.cli.server.router_app import build_router_app
 
     if both and (prefill or decode):
@@ -97,6 +97,7 @@ def router(
     config = uvicorn.Config(app, log_level=log_level,
                             timeout_keep_alive=int(SERVER_KEEPALIVE_S),
                             timeout_graceful_shutdown=shutdown_timeout)
+    settle_heap()
     with sock, _stop_signals_return():
         uvicorn.Server(config).run(sockets=[sock])
 

@@ -16,6 +16,7 @@ restart it.
 from __future__ import annotations
 
 import errno
+import gc
 import inspect
 import logging
 import signal
@@ -164,6 +165,7 @@ def serve(
             typer.echo(f"kvtier serve: serving {name!r} (role {role}"
                        + (f", handoff over {', '.join(handoff.transport_names())}"
                           if role != "both" else "") + ")", err=True)
+            settle_heap()
             with _stop_signals_return():
                 server.run(sockets=[sock])
         finally:
@@ -178,6 +180,16 @@ def serve(
         typer.echo(f"error: the engine failed ({type(failure).__name__}: {failure}); "
                    "exiting with status 1 so that a supervisor restarts the server", err=True)
         raise typer.Exit(1)
+
+
+def settle_heap() -> None:
+    """Collect, then freeze everything alive (`gc.freeze`): the objects made at start
+    (torch, transformers, the model and the engine) are never scanned again. Python's first
+    full collection while serving otherwise scans them all, holding the GIL, so every
+    request under way stalls that long (docs/BENCHMARKS.md, "Figures behind the engine's
+    constants")."""
+    gc.collect()
+    gc.freeze()
 
 
 def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_device: str,

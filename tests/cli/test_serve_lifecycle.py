@@ -5,20 +5,23 @@
   an error event and `[DONE]` (not a cut connection).
 - If the engine thread dies, /health says so and the server stops (the command then exits
   with status 1).
+- Before serving, garbage is collected and what is alive frozen out of later collections.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
 import time
+import weakref
 
 import httpx
 import pytest
 import uvicorn
 from kvtier.cli.main import app
-from kvtier.cli.serve import _exit_if_engine_fails, _server_class
+from kvtier.cli.serve import _exit_if_engine_fails, _server_class, settle_heap
 from kvtier.cli.server.app import build_app
 from kvtier.engine import LLM
 from kvtier.engine.async_llm import AsyncLLM
@@ -122,3 +125,22 @@ def test_streams_outlasting_the_shutdown_timeout_end_with_an_error(model: Loaded
             server.should_exit = True
             thread.join(30)
             engine.shutdown()
+
+
+class _Node:
+    """An object that can point at itself: a cycle only the collector frees."""
+
+    me: _Node | None = None
+
+
+def test_settling_the_heap_collects_the_garbage_then_freezes_what_is_alive() -> None:
+    garbage = _Node()
+    garbage.me = garbage
+    freed = weakref.ref(garbage)
+    del garbage
+    try:
+        settle_heap()
+        assert freed() is None  # collected first, not frozen with the rest
+        assert gc.get_freeze_count() > 0  # what is alive is left out of later collections
+    finally:
+        gc.unfreeze()  # this test process collects as before
