@@ -549,6 +549,18 @@ class LLM:
         of GPU blocks, prefixes the measured rates sent to compute, probes."""
         return dataclasses.replace(self.scheduler.restore_counts)
 
+    def restore_rates(self) -> dict[str, Any]:
+        """The speeds this engine's restores are sized by now (`kvtier.engine.restore_rates`):
+        the model's prefill tokens/s with no context and its seconds per key attended to,
+        and per slow tier the tokens/s it delivered to recent restores and its first-read
+        latency. None where nothing was measured yet."""
+        prefill, tiers = self.scheduler.prefill_rate, self.scheduler.tier_rates
+        return {"prefill_tokens_per_s": prefill.tokens_per_s,
+                "prefill_per_key_s": prefill.per_key_s if prefill.per_token_s else None,
+                "tiers": {tier.value: {"tokens_per_s": rate,
+                                       "latency_s": tiers.latency_s.get(tier)}
+                          for tier, rate in tiers.tokens_per_s.items()}}
+
     def close(self) -> FlushReport:
         """Wait for in-flight transfers, write what is still pending to the disk tier (the
         host's dirty blocks and the GPU-resident blocks that found no host slot yet, within

@@ -246,6 +246,8 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         send(conversation)
     finished: list[RequestOutput] = []
     answered: list[int] = []  # with lockstep: conversations waiting for the round to end
+    by_round: list[dict[str, Any]] = []  # with lockstep: one record per round
+    round_began, round_first = start, 0
     while owner:
         for output in llm.step():
             conversation = owner.pop(output.request_id)
@@ -254,6 +256,10 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
             rounds[conversation] += 1
             if rounds[conversation] < config.num_rounds:
                 answered.append(conversation)
+            if config.lockstep and not owner:
+                now = time.perf_counter()
+                by_round.append(_round_record(llm, finished[round_first:], now - round_began))
+                round_began, round_first = now, len(finished)
             if not config.lockstep or not owner:
                 for waiting in sorted(answered):
                     send(waiting)
@@ -276,11 +282,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         "ttft_by_arrival_s": [o.metrics.ttft_s for o in
                               sorted(finished, key=lambda o: o.metrics.arrival_time)],
         "tpot_s": summarize(tpot) if tpot else None,
-        "tokens": {"gpu": sum(o.metrics.cached_tokens_gpu for o in finished),
-                   "host": sum(o.metrics.cached_tokens_host for o in finished),
-                   "disk": sum(o.metrics.cached_tokens_disk for o in finished),
-                   "remote": sum(o.metrics.cached_tokens_remote for o in finished),
-                   "computed": sum(o.metrics.computed_tokens for o in finished)},
+        "tokens": _prompt_tokens(finished),
         "num_preemptions": sum(o.metrics.num_preemptions for o in finished),
         "bytes_moved": {d.value: t.num_bytes for d, t in stats.transfers.items()},
         "tier_blocks": {tier.value: asdict(counts)
@@ -288,8 +290,33 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         # Per lookup: restores started, hits given up for want of GPU blocks, prefixes the
         # rates sent to compute, probes (`RestoreCounts`).
         "restores": asdict(llm.restore_counts()),
+        "rounds": by_round or None,
         "histories": histories,
     }
+
+
+def _prompt_tokens(outputs: list[RequestOutput]) -> dict[str, int]:
+    """Where the prompts' tokens came from, summed over `outputs`."""
+    return {"gpu": sum(o.metrics.cached_tokens_gpu for o in outputs),
+            "host": sum(o.metrics.cached_tokens_host for o in outputs),
+            "disk": sum(o.metrics.cached_tokens_disk for o in outputs),
+            "remote": sum(o.metrics.cached_tokens_remote for o in outputs),
+            "computed": sum(o.metrics.computed_tokens for o in outputs)}
+
+
+def _round_record(llm: LLM, outputs: list[RequestOutput], seconds: float) -> dict[str, Any]:
+    """One lockstep round: its seconds, where its prompts' tokens came from, its TTFT p50;
+    when its last answer came, the restores so far and the rates that size them
+    (`LLM.restore_rates`), and where the disk tier's ledger stood (blocks written so far,
+    still pending, reused by the GPU before their write): what the next round's lookups
+    could find on disk."""
+    ledger = llm.stats().stores
+    return {"seconds": seconds, "tokens": _prompt_tokens(outputs),
+            "ttft_p50_s": statistics.median(o.metrics.ttft_s for o in outputs),
+            "restores": asdict(llm.restore_counts()), "rates": llm.restore_rates(),
+            "disk_ledger": None if ledger is None else
+            {"written": ledger.written, "pending": ledger.pending,
+             "gpu_reused": ledger.skipped.get("gpu_reused", 0)}}
 
 
 def _median_run(mode_runs: list[dict[str, Any]]) -> dict[str, Any]:

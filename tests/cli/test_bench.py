@@ -245,6 +245,10 @@ def test_serve_table(runner):
     assert result.exit_code == 0, result.output
     assert "conversations across modes: identical" in result.stdout
     assert "TTFT" in result.stdout and "TPOT" in result.stdout
+    assert "Rounds (lockstep)" not in result.stdout
+    lockstep = runner.invoke(app, [*SERVE, "--modes", "off", "--lockstep"])
+    assert lockstep.exit_code == 0, lockstep.output
+    assert "Rounds (lockstep)" in lockstep.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
@@ -464,6 +468,21 @@ def test_serve_host_small_disk_with_documents_in_lockstep(runner):
                                  + sum(writes["skipped"].values()) + writes["pending"])
     # Each conversation's own document is in its history.
     assert report["working_set_blocks"] > 4 * 64 // 16
+    # One record per round; together they are the run's prompt tokens.
+    for mode in report["modes"].values():
+        rounds = mode["rounds"]
+        assert len(rounds) == 3
+        for source in ("host", "disk", "computed"):
+            assert sum(r["tokens"][source] for r in rounds) == mode["tokens"][source]
+        assert sum(r["seconds"] for r in rounds) <= mode["elapsed_s"]
+    ledgers = [r["disk_ledger"] for r in report["modes"]["host_small_disk"]["rounds"]]
+    assert [ledger["written"] for ledger in ledgers] == sorted(ledger["written"]
+                                                               for ledger in ledgers)
+    assert report["modes"]["off"]["rounds"][0]["disk_ledger"] is None
+    # The engine timed its prefill steps (the documents' chunks), and the tiers off read
+    # nothing, so no tier's rate is known there.
+    off_rates = report["modes"]["off"]["rounds"][-1]["rates"]
+    assert off_rates["prefill_tokens_per_s"] > 0 and off_rates["tiers"] == {}
 
 
 @pytest.mark.parametrize("bench", ["longctx", "serve"])
