@@ -194,14 +194,15 @@ class Restore:
     # ---- the load front ------------------------------------------------------------------
 
     def issue(self, floor: int, prefill: PrefillRate | None = None,
-              max_slow_groups: int | None = None) -> None:
+              max_slow_groups: int | None = None, others: int = 0) -> None:
         """Issue groups of PENDING blocks at or above block `floor`, from the tail down,
         while the window has room (and, given `max_slow_groups`, until that many disk or
         remote groups are issued); groups whose bytes are queued on the GPU at once (host
         hits on CUDA) land right away. With the prefill rate and the slow tiers' rate known,
         disk and remote groups stay above the head the compute front will compute anyway
-        (`reserved_head`): a read there would only make the front wait for it."""
-        reserve = self.reserved_head(floor, prefill)
+        (`reserved_head`, with `others` requests running beside this one): a read there
+        would only make the front wait for it."""
+        reserve = self.reserved_head(floor, prefill, others)
         slow_left = max_slow_groups
         self._issue_capped = False
         while len(self._in_flight) < self._max_groups:
@@ -239,16 +240,16 @@ class Restore:
             if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
 
-    def reserved_head(self, floor: int, prefill: PrefillRate | None) -> int:
+    def reserved_head(self, floor: int, prefill: PrefillRate | None, others: int = 0) -> int:
         """The first block from `floor` on that the slow tiers should load: above the head
         that the model computes (`PrefillRate.head_tokens`, its cost growing with the
-        context) while they deliver the other tokens still to come at L tokens/s (`floor`
-        while either rate is unknown)."""
+        context and with the `others` requests its steps hold up) while they deliver the
+        other tokens still to come at L tokens/s (`floor` while either rate is unknown)."""
         load_rate = self._load_rate()
         if prefill is None or prefill.tokens_per_s is None or load_rate is None:
             return floor
         share = prefill.head_tokens(self._pending_tokens(floor), floor * self.block_size,
-                                    load_rate)
+                                    load_rate, others=others)
         return floor + share // self.block_size
 
     def _load_rate(self) -> float | None:
@@ -350,26 +351,31 @@ class Restore:
         return self.block_size * (rest.count(BlockState.PENDING) + rest.count(BlockState.LOADING))
 
     def balanced_tokens(self, compute_block: int, num_tokens: int,
-                        prefill: PrefillRate | None) -> int:
+                        prefill: PrefillRate | None, others: int = 0) -> int:
         """How many of `num_tokens` tokens from `compute_block` the compute front should
         claim now, so that it and the loads finish together. With R tokens the tiers may
         still deliver (PENDING or LOADING from the front on), the load front landing L
         tokens/s (the slow tiers' landings so far, else their rate in recent restores) and the
-        model's measured speed (`PrefillRate.head_tokens`), that is the head it computes
-        while the tiers deliver the rest, whole blocks: 0
-        (wait this step) when the tiers would deliver everything before one block is
-        computed. While the prefill rate is unknown the front claims `PROBE_TOKENS` to
-        measure it; while the load rate is unknown, or nothing is in flight or about to be
-        issued, it claims all of `num_tokens` (the plain meeting point)."""
+        model's measured speed (`PrefillRate.head_tokens`, with the `others` requests its
+        steps hold up), that is the head it computes while the tiers deliver the rest,
+        whole blocks, after the blocks at the front that no tier holds (a gap: computed
+        whatever the rates say): 0 (wait this step) when there is no gap there and the tiers
+        would deliver everything before one block is computed. While the prefill rate is
+        unknown the front claims `PROBE_TOKENS` to measure it; while the load rate is
+        unknown, or nothing is in flight or about to be issued, it claims all of
+        `num_tokens` (the plain meeting point)."""
         bs = self.block_size
         if prefill is None or prefill.tokens_per_s is None:
             return min(num_tokens, PROBE_TOKENS)
         load_rate = self._load_rate()
         if not (self._in_flight or self._issue_capped) or load_rate is None:
             return num_tokens
-        share = prefill.head_tokens(self._pending_tokens(compute_block), compute_block * bs,
-                                    load_rate)
-        return min(num_tokens, share // bs * bs)
+        gap = compute_block
+        while gap < self.num_blocks and self.states[gap] is BlockState.COMPUTE:
+            gap += 1
+        share = prefill.head_tokens(self._pending_tokens(gap), gap * bs, load_rate,
+                                    others=others)
+        return min(num_tokens, (gap - compute_block) * bs + share // bs * bs)
 
     def skip(self, compute_block: int) -> int:
         """The compute front after skipping the VALID blocks at `compute_block` onwards."""

@@ -119,19 +119,42 @@ class PrefillRate:
             return None
         return self.per_token_s * num_tokens + self.per_key_s * num_keys
 
+    def head_pays(self, num_tokens: int, context: int, load_tokens_per_s: float,
+                  others: int) -> bool:
+        """Whether computing some of `num_tokens` tokens after `context` rather than loading
+        them at `load_tokens_per_s` shortens the waiting of all the requests a step serves
+        (this one and `others`): only while `others` times a token's seconds (on average
+        over these tokens) stays below the 1/L a load of it takes. Serving many conversations
+        behind a small host tier, heads sized for the request alone computed more than half
+        of every prefix the disk held, at the others' cost (docs/BENCHMARKS.md, "The disk
+        tier behind a small host tier"). True while the rate is unknown or `others` is 0."""
+        if others <= 0 or num_tokens <= 0:
+            return True
+        seconds = self.seconds(num_tokens, context)
+        if seconds is None:
+            return True
+        return others * seconds / num_tokens * load_tokens_per_s < 1.0
+
     def set_backlog(self, queued: list[tuple[int, int]]) -> None:
         """`backlog_s` from the (tokens, keys) of the prefill steps queued and not finished."""
         self.backlog_s = sum(self.step_seconds(n, k) or 0.0 for n, k in queued)
 
     def head_tokens(self, num_tokens: int, context: int, load_tokens_per_s: float,
-                    backlog_s: float | None = None) -> int:
+                    backlog_s: float | None = None, others: int = 0) -> int:
         """Of `num_tokens` tokens after `context`, how many the model should compute (the
         head) while a tier delivering `load_tokens_per_s` loads the rest, so that both end
         together: h with backlog + a*h + b*(c*h + h*h/2) = (R - h) / L (the head starts once
         the queued steps ran; the loads are under way). 0 while the rate is unknown, or when
         the tier delivers everything before the queued steps end. `backlog_s` replaces the
-        queued steps' seconds (`self.backlog_s`)."""
+        queued steps' seconds (`self.backlog_s`).
+
+        `others`: requests that run beside this one. Each step's seconds hold up every one
+        of them, so a token the head computes costs `others` times its seconds in their
+        waiting, while sparing this request 1/L of its own; past `head_pays`, the head is 0
+        and the tier delivers everything it holds."""
         if self.per_token_s is None or load_tokens_per_s <= 0:
+            return 0
+        if not self.head_pays(num_tokens, context, load_tokens_per_s, others):
             return 0
         linear = self.per_token_s + self.per_key_s * context + 1.0 / load_tokens_per_s
         rest = num_tokens / load_tokens_per_s - (self.backlog_s if backlog_s is None

@@ -357,7 +357,8 @@ class Scheduler:
             # are issued once the step with the front's first claim is launched.
             known = self.prefill_rate.tokens_per_s is not None
             restore.issue(num_leading, self.prefill_rate,
-                          max_slow_groups=FIRST_SLOW_GROUPS if known else None)
+                          max_slow_groups=FIRST_SLOW_GROUPS if known else None,
+                          others=self._num_others(request))
         return True
 
     def _allocate_for_loads(self, num_blocks: int) -> list[KVCacheBlock] | None:
@@ -424,9 +425,10 @@ class Scheduler:
         rate = self.prefill_rate
         if restore.holds_first_claim(front, rate):  # a tier that answers delivers first
             return 0
-        num_new = restore.balanced_tokens(front, num_new, rate)
+        others = self._num_others(request)
+        num_new = restore.balanced_tokens(front, num_new, rate, others)
         if num_new == 0:  # the tiers deliver the rest sooner than a block is computed
-            restore.issue(front, rate)  # including the head, if it was left to the front
+            restore.issue(front, rate, others=others)  # the head too, if left to the front
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
         self._issue_after_launch[request.request_id] = \
@@ -440,7 +442,13 @@ class Scheduler:
         for request_id, floor in pending.items():
             restore = self._restores.get(request_id)
             if restore is not None:
-                restore.issue(floor, self.prefill_rate)
+                restore.issue(floor, self.prefill_rate,
+                              others=max(0, len(self.running) - 1))
+
+    def _num_others(self, request: Request) -> int:
+        """Requests running beside `request`: a restore's compute front holds each of them
+        up for as long as its steps take (`PrefillRate.head_pays`)."""
+        return len(self.running) - any(r is request for r in self.running)
 
     def _end_restore(self, request: Request) -> None:
         """Count what a restore restored, complete its loads given up; forget it."""

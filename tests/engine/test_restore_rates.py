@@ -11,7 +11,8 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from kvtier.engine.restore_rates import MIN_SAVING_S, TierRates, worth_reading
+from kvtier.engine.request import RequestStatus
+from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, worth_reading
 from restore_cases import (
     BS,
     LAYOUT,
@@ -223,6 +224,50 @@ def test_the_head_the_model_computes_while_the_disk_loads_the_tail_is_never_issu
         finish_idle(driver)
     assert hook.read == [hashes[7]]
     assert restored_blocks(request) == 1 and request.counters.computed == 7 * BS + 1
+
+
+def test_beside_a_running_request_the_disk_delivers_what_a_lone_request_would_compute(
+        disk_dir: Path) -> None:
+    """The rates of the test above, the disk twice as fast: alone, the model would compute
+    a third of the prefix. Beside a running request each token it computes holds that one
+    up as long as the disk takes to deliver two, so every block is loaded."""
+    hashes = warm(disk_dir, [PROMPT])
+    hook = ReadHook(gate_at=1)  # block 7's read is held: nothing lands, the rates stay put
+    with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(100, 1.0)
+        driver.scheduler.tier_rates.observe(Tier.DISK, 200, 1.0)
+        other = driver.add(prompt_of(17, start=2000), max_tokens=40)
+        for _ in range(3):  # its prompt is computed: it decodes a token a step from here
+            driver.step()
+        request = driver.add(PROMPT)
+        chunks = [(p.request.request_id, p.start) for _ in range(3)
+                  for p in driver.step().scheduled]
+        fronts = driver.scheduler.restore_fronts()[request.request_id]
+        assert fronts.load_block == 0  # every block issued: no head kept for the front
+        assert all(rid == other.request_id for rid, _ in chunks), chunks  # the front waits
+        hook.release()
+        finish_idle(driver)
+    assert hook.read == list(reversed(hashes[:8]))
+    assert restored_blocks(request) == 8 and request.counters.computed == 1
+    assert other.status is RequestStatus.FINISHED
+
+
+def test_a_head_pays_only_while_it_holds_the_others_up_less_than_it_spares_this_one() -> None:
+    rate = PrefillRate()
+    rate.observe(100, 1.0)  # 10 ms a token, no context term
+    assert rate.head_tokens(300, 0, 100.0) == 150  # alone: the fronts meet half way
+    assert rate.head_tokens(300, 0, 100.0, others=0) == 150
+    # One request beside it: a token computed costs it 10 ms, a token loaded this one 10 ms.
+    assert not rate.head_pays(300, 0, 100.0, others=1)
+    assert rate.head_tokens(300, 0, 100.0, others=1) == 0
+    # A disk four times slower than the model: with three others a token computed costs
+    # them 30 ms in all and spares this request 40 ms, so the head is sized as alone.
+    assert rate.head_pays(300, 0, 25.0, others=3)
+    assert rate.head_tokens(300, 0, 25.0, others=3) == rate.head_tokens(300, 0, 25.0) == 240
+    assert not rate.head_pays(300, 0, 25.0, others=4)
+    # Unknown speed: nothing to weigh, the head is whatever the caller does without one.
+    assert PrefillRate().head_pays(300, 0, 25.0, others=8)
 
 
 def test_restores_teach_the_scheduler_the_disks_rate(disk_dir: Path) -> None:
