@@ -358,7 +358,7 @@ class Scheduler:
             known = self.prefill_rate.tokens_per_s is not None
             restore.issue(num_leading, self.prefill_rate,
                           max_slow_groups=FIRST_SLOW_GROUPS if known else None,
-                          others=self._num_others(request))
+                          others=self._num_others(request.request_id))
         return True
 
     def _allocate_for_loads(self, num_blocks: int) -> list[KVCacheBlock] | None:
@@ -425,7 +425,7 @@ class Scheduler:
         rate = self.prefill_rate
         if restore.holds_first_claim(front, rate):  # a tier that answers delivers first
             return 0
-        others = self._num_others(request)
+        others = self._num_others(request.request_id)
         num_new = restore.balanced_tokens(front, num_new, rate, others)
         if num_new == 0:  # the tiers deliver the rest sooner than a block is computed
             restore.issue(front, rate, others=others)  # the head too, if left to the front
@@ -442,13 +442,13 @@ class Scheduler:
         for request_id, floor in pending.items():
             restore = self._restores.get(request_id)
             if restore is not None:
-                restore.issue(floor, self.prefill_rate,
-                              others=max(0, len(self.running) - 1))
+                restore.issue(floor, self.prefill_rate, others=self._num_others(request_id))
 
-    def _num_others(self, request: Request) -> int:
-        """Requests running beside `request`: a restore's compute front holds each of them
-        up for as long as its steps take (`PrefillRate.head_pays`)."""
-        return len(self.running) - any(r is request for r in self.running)
+    def _num_others(self, request_id: RequestId) -> int:
+        """Requests running beside `request_id` (running or about to be admitted): a
+        restore's compute front holds each of them up for as long as its steps take
+        (`PrefillRate.head_pays`)."""
+        return len(self.running) - any(r.request_id == request_id for r in self.running)
 
     def _end_restore(self, request: Request) -> None:
         """Count what a restore restored, complete its loads given up; forget it."""

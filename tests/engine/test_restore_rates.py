@@ -255,14 +255,17 @@ def test_beside_a_running_request_the_disk_delivers_what_a_lone_request_would_co
 
 def test_a_head_pays_only_while_it_holds_the_others_up_less_than_it_spares_this_one() -> None:
     rate = PrefillRate()
-    rate.observe(100, 1.0)  # 10 ms a token, no context term
-    assert rate.head_tokens(300, 0, 100.0) == 150  # alone: the fronts meet half way
+    rate.observe(100, 1.0)  # no context term
+    # Alone, with a disk as fast as the model: the fronts meet half way.
+    assert rate.head_tokens(300, 0, 100.0) == 150
     assert rate.head_tokens(300, 0, 100.0, others=0) == 150
-    # One request beside it: a token computed costs it 10 ms, a token loaded this one 10 ms.
+    # One request beside it: computing a token holds it up as long as loading the token
+    # would keep this one waiting.
     assert not rate.head_pays(300, 0, 100.0, others=1)
     assert rate.head_tokens(300, 0, 100.0, others=1) == 0
-    # A disk four times slower than the model: with three others a token computed costs
-    # them 30 ms in all and spares this request 40 ms, so the head is sized as alone.
+    # A disk four times slower than the model: computing a token holds three others up,
+    # together, for less time than loading it keeps this request waiting, so the head is
+    # sized as alone; with four others it no longer is.
     assert rate.head_pays(300, 0, 25.0, others=3)
     assert rate.head_tokens(300, 0, 25.0, others=3) == rate.head_tokens(300, 0, 25.0) == 240
     assert not rate.head_pays(300, 0, 25.0, others=4)
