@@ -21,7 +21,7 @@ read or write the bytes of slots the manager pinned for them.
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType
 
@@ -101,7 +101,8 @@ class HostTier:
     """Block-sized slots of one host slab, an index hash -> slot, pins and a policy.
 
     `pin_memory=True` needs CUDA (page-locked memory makes GPU copies asynchronous and
-    fast). The policy defaults to LRU. `role`: a cache, or a staging slab (see the module
+    fast). The policy (LRU by default) orders the clean cached blocks, the eviction
+    candidates. `role`: a cache, or a staging slab (see the module
     docstring). Raises as `allocate_slab` does.
     """
 
@@ -118,7 +119,8 @@ class HostTier:
         self._slots = [_Slot() for _ in range(num_slots)]
         self._free: deque[SlotId] = deque(SlotId(i) for i in range(num_slots))
         self._index: dict[BlockHash, SlotId] = {}
-        self._num_dirty = 0
+        # Dirty cached blocks, least recently used first: the write-back order.
+        self._dirty: OrderedDict[BlockHash, None] = OrderedDict()
         self.num_evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -139,12 +141,12 @@ class HostTier:
     @property
     def num_dirty(self) -> int:
         """Cached slots whose block is not yet written anywhere below the host."""
-        return self._num_dirty
+        return len(self._dirty)
 
     @property
     def num_clean(self) -> int:
         """Cached slots that may be evicted once unpinned."""
-        return len(self._index) - self._num_dirty
+        return len(self._index) - len(self._dirty)
 
     def contains(self, block_hash: BlockHash) -> bool:
         """Whether `block_hash` is cached here (does not count as a use)."""
@@ -157,7 +159,11 @@ class HostTier:
     def lookup(self, block_hash: BlockHash) -> SlotId | None:
         """The slot caching `block_hash`, marked as used for the policy; None on a miss."""
         slot = self._index.get(block_hash)
-        if slot is not None:
+        if slot is None:
+            return None
+        if block_hash in self._dirty:
+            self._dirty.move_to_end(block_hash)
+        else:
             self.policy.on_hit(block_hash)
         return slot
 
@@ -227,8 +233,10 @@ class HostTier:
             return False
         entry.state, entry.dirty = SlotState.CACHED, dirty
         self._index[block_hash] = slot
-        self._num_dirty += dirty
-        self.policy.on_put(block_hash)
+        if dirty:
+            self._dirty[block_hash] = None
+        else:
+            self.policy.on_put(block_hash)
         return True
 
     def free_slot(self, slot: SlotId) -> None:
@@ -267,7 +275,9 @@ class HostTier:
         assert entry.state is SlotState.CACHED, f"mark_clean of slot {slot} in {entry.state}"
         if entry.dirty:
             entry.dirty = False
-            self._num_dirty -= 1
+            assert entry.meta is not None
+            del self._dirty[entry.meta.block_hash]
+            self.policy.on_put(entry.meta.block_hash)  # an eviction candidate from now on
 
     def remove(self, block_hash: BlockHash) -> bool:
         """Forget a cached block and free its slot; False if it is not cached.
@@ -287,22 +297,23 @@ class HostTier:
     def writeback_candidates(self, num_slots: int) -> list[SlotId]:
         """Up to `num_slots` dirty, unpinned cached slots in eviction order (first to go
         first): the blocks to write back so that slots can be freed."""
-        victims = self.policy.victims(num_slots, self._needs_writeback)
-        return [self._index[h] for h in victims]
+        slots: list[SlotId] = []
+        for block_hash in self._dirty:
+            if len(slots) >= num_slots:
+                break
+            slot = self._index[block_hash]
+            if not self._slots[slot].num_pins:  # a pinned one is being written (or read)
+                slots.append(slot)
+        return slots
 
     def dirty_slots(self) -> list[SlotId]:
         """Every dirty cached slot, pinned or not (to flush at shutdown)."""
-        return [s for s in self._index.values() if self._slots[s].dirty]
+        return [self._index[block_hash] for block_hash in self._dirty]
 
     # ---- internals -----------------------------------------------------------------------
 
     def _is_evictable(self, block_hash: BlockHash) -> bool:
-        entry = self._slots[self._index[block_hash]]
-        return entry.num_pins == 0 and not entry.dirty
-
-    def _needs_writeback(self, block_hash: BlockHash) -> bool:
-        entry = self._slots[self._index[block_hash]]
-        return entry.num_pins == 0 and entry.dirty
+        return self._slots[self._index[block_hash]].num_pins == 0  # the policy's are clean
 
     def _drop_cached(self, slot: SlotId) -> None:
         """Un-index a cached slot and reset it to FREE (the caller reuses or queues it)."""
@@ -310,8 +321,10 @@ class HostTier:
         assert entry.state is SlotState.CACHED and entry.meta is not None
         block_hash = entry.meta.block_hash
         del self._index[block_hash]
-        self.policy.on_remove(block_hash)
-        self._num_dirty -= entry.dirty
+        if entry.dirty:
+            del self._dirty[block_hash]
+        else:
+            self.policy.on_remove(block_hash)
         entry.state, entry.meta, entry.num_pins, entry.dirty = SlotState.FREE, None, 0, False
 
     def check_invariants(self, idle: bool = False) -> None:
@@ -334,5 +347,7 @@ class HostTier:
                 f"slot {slot} is pinned or reserved while no transfer is in flight: {entry}"
         for slot in self._index.values():
             assert self._slots[slot].state is SlotState.CACHED, f"index points at {slot}"
-        assert num_dirty == self._num_dirty, f"dirty count {self._num_dirty} != {num_dirty}"
-        assert len(self.policy) == len(self._index), "policy tracks other keys than the index"
+        assert num_dirty == len(self._dirty), f"dirty count {len(self._dirty)} != {num_dirty}"
+        assert all(self._slots[self._index[h]].dirty for h in self._dirty), "a clean one dirty"
+        assert len(self.policy) + len(self._dirty) == len(self._index), \
+            "the policy tracks other keys than the clean cached ones"

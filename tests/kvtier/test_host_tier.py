@@ -95,6 +95,24 @@ def test_dirty_blocks_leave_only_after_mark_clean(host):
     host.check_invariants()
 
 
+def test_dirty_blocks_are_written_back_least_recently_used_first(host):
+    slots = [cached(host, i, dirty=True) for i in range(3)]
+    assert host.lookup(meta(0).block_hash) == slots[0]  # a read makes block 0 the newest
+    assert host.writeback_candidates(3) == [slots[1], slots[2], slots[0]]
+    assert host.dirty_slots() == [slots[1], slots[2], slots[0]]
+    host.check_invariants(idle=True)
+
+
+def test_a_block_written_back_is_evicted_after_the_blocks_clean_before_it(host):
+    dirty = cached(host, 0, dirty=True)
+    clean = [cached(host, i) for i in (1, 2)]
+    host.mark_clean(dirty)  # its write committed: it joins the eviction order as its newest
+    host.check_invariants(idle=True)
+    assert host.allocate_slot(meta(3)) == clean[0]
+    assert host.allocate_slot(meta(4)) == clean[1]
+    assert host.allocate_slot(meta(5)) == dirty
+
+
 def test_duplicate_commit_leaves_the_slot_reserved_for_release(host):
     first = cached(host, 0)
     second = host.allocate_slot(meta(0))
