@@ -13,6 +13,7 @@ prefix would compute).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.free_queue import KVCacheBlock
@@ -29,60 +30,41 @@ def find_prefix(block_hashes: Sequence[BlockHash], tiers: TierStack,
     fastest tier holding it; counts each looked-up block in `tiers.counters`. `read_slow(i)`,
     asked once at the first block `i` that neither the GPU nor the host holds, says whether
     to ask the tiers below the host at all. `gaps`: blocks no tier holds do not end the
-    prefix (their location is None), only the last held block does."""
+    prefix (their location is None), only the last held block does.
+
+    Each step runs over the whole prefix at once (a lookup of a long prompt's hundreds of
+    blocks runs on the engine thread, and a waiting request is looked up at every step)."""
     pool, host, counters = tiers.pool, tiers.caching_host, tiers.counters
     gpu_run = pool.lookup_prefix(block_hashes)  # the common case; counts pool stats
-    locations: list[Tier | None] = [Tier.GPU] * len(gpu_run)
-    gpu_blocks: list[KVCacheBlock | None] = list(gpu_run)
     counters[Tier.GPU].hits += len(gpu_run)
+    rest = block_hashes[len(gpu_run):]
+    gpu_blocks: list[KVCacheBlock | None] = [pool.get_cached_block(h) for h in rest]
+    on_host = host.contains if host is not None else (lambda _: False)
+    locations: list[Tier | None] = [
+        Tier.GPU if block is not None else Tier.HOST if on_host(block_hash) else None
+        for block, block_hash in zip(gpu_blocks, rest)]
+    first_slow = next((i for i, tier in enumerate(locations) if tier is None), len(rest))
+    slow = first_slow < len(rest) and (read_slow is None
+                                       or read_slow(len(gpu_run) + first_slow))
+    if slow:  # each lower tier asked once, for the blocks no faster tier holds
+        missing = [i for i in range(first_slow, len(rest)) if locations[i] is None]
+        for lower in tiers.lower:
+            if not missing:
+                break
+            held = lower.contains([rest[i] for i in missing])
+            for i, hit in zip(missing, held):
+                if hit:
+                    locations[i] = lower.kind
+            missing = [i for i in missing if locations[i] is None]
+    # Counted up to the end of the prefix: the first block no tier holds, without gaps.
+    end = len(rest) if gaps else next(
+        (i + 1 for i in range(first_slow, len(rest)) if locations[i] is None), len(rest))
     order = tiers.lookup_order()
-    fast_order = order[:len(order) - len(tiers.lower)]
-    # Per lower tier, once asked: per hash, whether it holds it (False where not asked).
-    below: list[list[bool] | None] = [None] * len(tiers.lower)
-    slow: bool | None = None  # whether the tiers below the host are asked
-    for i in range(len(gpu_run), len(block_hashes)):
-        block = pool.get_cached_block(block_hashes[i])
-        tier = Tier.GPU if block is not None else None
-        if tier is None and host is not None and host.contains(block_hashes[i]):
-            tier = Tier.HOST
-        if tier is None and slow is None:
-            slow = read_slow is None or read_slow(i)
-        if tier is None and not slow:
-            count_lookup(counters, fast_order, None)
-            if gaps:
-                locations.append(None)
-                gpu_blocks.append(None)
-                continue
-            break
-        if tier is None:
-            for k, lower in enumerate(tiers.lower):
-                if below[k] is None:
-                    below[k] = _ask(lower.contains, block_hashes, i, tiers, below[:k])
-                if below[k][i]:
-                    tier = lower.kind
-                    break
-        count_lookup(counters, order, tier)
-        if tier is None and not gaps:
-            break
-        locations.append(tier)
-        gpu_blocks.append(block)
+    miss_order = order if slow else order[:len(order) - len(tiers.lower)]
+    for tier, num in Counter(locations[:end]).items():
+        count_lookup(counters, miss_order if tier is None else order, tier, num)
+    locations, gpu_blocks = locations[:end], gpu_blocks[:end]
     while locations and locations[-1] is None:  # a prefix ends at a held block
         locations.pop()
         gpu_blocks.pop()
-    return PrefixHit(locations, gpu_blocks)
-
-
-def _ask(contains: Callable[[list[BlockHash]], list[bool]], block_hashes: Sequence[BlockHash],
-         start: int, tiers: TierStack, faster: list[list[bool] | None]) -> list[bool]:
-    """Per hash, whether a lower tier holds it (its `contains`, one batched call), asked
-    only for the hashes from `start` on that no faster tier holds (`faster`: the answers of
-    the lower tiers above it)."""
-    host = tiers.caching_host
-    missing = [i for i in range(start, len(block_hashes))
-               if tiers.pool.get_cached_block(block_hashes[i]) is None
-               and not (host is not None and host.contains(block_hashes[i]))
-               and not any(found is not None and found[i] for found in faster)]
-    held = [False] * len(block_hashes)
-    for i, hit in zip(missing, contains([block_hashes[i] for i in missing])):
-        held[i] = hit
-    return held
+    return PrefixHit([Tier.GPU] * len(gpu_run) + locations, [*gpu_run, *gpu_blocks])

@@ -146,14 +146,14 @@ class ManagerStats:
 
 
 def count_lookup(counters: dict[Tier, TierCounters], search_order: list[Tier],
-                 found: Tier | None) -> None:
-    """Count one looked-up block: a miss in every tier searched before `found`, a hit there
-    (`found` None: a miss everywhere)."""
+                 found: Tier | None, num_blocks: int = 1) -> None:
+    """Count `num_blocks` looked-up blocks found in `found`: a miss each in every tier
+    searched before it, a hit there (`found` None: a miss everywhere)."""
     for tier in search_order:
         if tier is found:
-            counters[tier].hits += 1
+            counters[tier].hits += num_blocks
             return
-        counters[tier].misses += 1
+        counters[tier].misses += num_blocks
 
 
 def new_tier_counters() -> dict[Tier, TierCounters]:
