@@ -97,7 +97,10 @@ class StorePath:
         # an entry leaves when the GPU reuses its block (`drop_evicted`).
         self._deferred_tail: OrderedDict[BlockHash, _Store] = OrderedDict()
         self._deferred_head: OrderedDict[BlockHash, _Store] = OrderedDict()
-        self._held: set[int] = set()  # ids of deferred blocks still holding a pool reference
+        # Deferred blocks still holding a pool reference, by block id, oldest first: those
+        # a restore would compute, and those it would load (released in that order).
+        self._held_head: dict[int, KVCacheBlock] = {}
+        self._held_tail: dict[int, KVCacheBlock] = {}
         self._num_writing_back = 0
         self._write_depth = write_depth
         #: Where the offered blocks went (kept only with a write-back tier).
@@ -235,29 +238,28 @@ class StorePath:
         alone holds are released: one a request also holds (a prefix hit) would not come
         free, and releasing it instead of another left allocations short. Returns how many
         were released."""
-        if not self._held:
-            return 0
         released: list[KVCacheBlock] = []
-        for deferred in (self._deferred_head, self._deferred_tail):
-            for block, _, _ in deferred.values():
-                if len(released) >= num_blocks:
+        for held in (self._held_head, self._held_tail):
+            picked = []
+            for block_id, block in held.items():
+                if len(released) + len(picked) >= num_blocks:
                     break
-                if block.block_id in self._held and (block.ref_cnt == 1 or not freeing_only):
-                    self._held.discard(block.block_id)
-                    released.append(block)
+                if block.ref_cnt == 1 or not freeing_only:
+                    picked.append(block_id)
+            released += [held.pop(block_id) for block_id in picked]
         self.pool.free(released)
         return len(released)
 
     @property
     def num_held(self) -> int:
         """Deferred write-throughs that still hold their GPU block."""
-        return len(self._held)
+        return len(self._held_head) + len(self._held_tail)
 
     def abandon_backlog(self) -> int:
         """Give up what is still deferred or dirty and not being written (closing ran out of
         time): counted skipped (`SkipReason.FLUSH_TIMEOUT`), dirty slots marked clean. The
         writes under way end as they end. Returns how many blocks were given up."""
-        self.release_deferred(len(self._held), freeing_only=False)
+        self.release_deferred(self.num_held, freeing_only=False)
         num = self.num_deferred
         self._deferred_tail.clear()
         self._deferred_head.clear()
@@ -306,7 +308,7 @@ class StorePath:
         self._counters[Tier.HOST].rejected += 1
         deferred = self._deferred_tail if store[2] else self._deferred_head
         deferred[store[1].block_hash] = store
-        self._held.add(store[0].block_id)
+        (self._held_tail if store[2] else self._held_head)[store[0].block_id] = store[0]
 
     def _retry_deferred(self) -> None:
         """Write through the deferred blocks the GPU still caches, those a restore will load
@@ -324,9 +326,9 @@ class StorePath:
         no_slot = self._copy_to_host(stores, held=False)
         waiting = {store[0].block_id for store in no_slot}
         # The copies took references of their own; the deferred ones are dropped.
-        done = [s[0] for s in stores if s[0].block_id in self._held
-                and s[0].block_id not in waiting]
-        self._held.difference_update(block.block_id for block in done)
+        done = [s[0] for s in stores if s[0].block_id not in waiting
+                and (self._held_head.pop(s[0].block_id, None) is not None
+                     or self._held_tail.pop(s[0].block_id, None) is not None)]
         self.pool.free(done)
         for store in reversed(no_slot):  # back in front
             deferred = self._deferred_tail if store[2] else self._deferred_head
