@@ -169,6 +169,7 @@ class LLM:
         # the step.
         self._failures = RequestFailures()
         self._step_requests: list[Request] = []  # the running step's, for `_abort_step`
+        self._planning_s = 0.0  # see `planning_seconds`
         self._request_counter = itertools.count()
         self._closed = False
 
@@ -389,7 +390,9 @@ class LLM:
         return finished
 
     def _step(self) -> tuple[list[Request], list[Request]]:
+        began = time.perf_counter()
         plan = self.scheduler.schedule()
+        self._planning_s += time.perf_counter() - began
         self._step_requests = [s.request for s in plan.scheduled]
         # The restores' further loads and the stores the last update queued start while the
         # GPU runs this step (right after it when the step samples nothing, so that nothing
@@ -548,6 +551,13 @@ class LLM:
         `kvtier.engine.restore_gate.RestoreCounts`): restores started, hits given up for lack
         of GPU blocks, prefixes the measured rates sent to compute, probes."""
         return dataclasses.replace(self.scheduler.restore_counts)
+
+    @property
+    def planning_seconds(self) -> float:
+        """Seconds this engine's thread has spent planning steps (`Scheduler.schedule`:
+        polling transfers, lookups, allocations, issuing loads) since it started: time in
+        which the GPU runs only what earlier steps queued, and then waits."""
+        return self._planning_s
 
     def restore_rates(self) -> dict[str, Any]:
         """The speeds this engine's restores are sized by now (`kvtier.engine.restore_rates`):

@@ -241,13 +241,13 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         histories[conversation] += questions[conversation][rounds[conversation]]
         owner[llm.add_request(list(histories[conversation]), params)] = conversation
 
-    start = time.perf_counter()
+    start, planned_before = time.perf_counter(), llm.planning_seconds
     for conversation in range(config.num_conversations):
         send(conversation)
     finished: list[RequestOutput] = []
     answered: list[int] = []  # with lockstep: conversations waiting for the round to end
     by_round: list[dict[str, Any]] = []  # with lockstep: one record per round
-    round_began, round_first = start, 0
+    round_began, round_first, round_planned = start, 0, planned_before
     while owner:
         for output in llm.step():
             conversation = owner.pop(output.request_id)
@@ -258,13 +258,16 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
                 answered.append(conversation)
             if config.lockstep and not owner:
                 now = time.perf_counter()
-                by_round.append(_round_record(llm, finished[round_first:], now - round_began))
+                by_round.append(_round_record(llm, finished[round_first:], now - round_began,
+                                              llm.planning_seconds - round_planned))
                 round_began, round_first = now, len(finished)
+                round_planned = llm.planning_seconds
             if not config.lockstep or not owner:
                 for waiting in sorted(answered):
                     send(waiting)
                 answered = []
     elapsed = time.perf_counter() - start
+    planning_s = llm.planning_seconds - planned_before
     llm.manager.drain()  # bytes moved count the writes the run started, landed or not yet
     ttft = [o.metrics.ttft_s for o in finished]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time)
@@ -275,6 +278,8 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
     return {
         "disk_writes": disk_writes(stats, raw_write),
         "elapsed_s": elapsed,
+        # Of it, the engine thread planning steps (`LLM.planning_seconds`).
+        "planning_s": planning_s,
         "num_requests": len(finished),
         "generated_tokens": num_generated,
         "throughput_tok_s": num_generated / elapsed,
@@ -304,14 +309,16 @@ def _prompt_tokens(outputs: list[RequestOutput]) -> dict[str, int]:
             "computed": sum(o.metrics.computed_tokens for o in outputs)}
 
 
-def _round_record(llm: LLM, outputs: list[RequestOutput], seconds: float) -> dict[str, Any]:
-    """One lockstep round: its seconds, where its prompts' tokens came from, its TTFT p50;
+def _round_record(llm: LLM, outputs: list[RequestOutput], seconds: float,
+                  planning_s: float) -> dict[str, Any]:
+    """One lockstep round: its seconds and those of them the engine spent planning steps
+    (`planning_s`), where its prompts' tokens came from, its TTFT p50;
     when its last answer came, the restores so far and the rates that size them
     (`LLM.restore_rates`), and where the disk tier's ledger stood (blocks written so far,
     still pending, reused by the GPU before their write): what the next round's lookups
     could find on disk."""
     ledger = llm.stats().stores
-    return {"seconds": seconds, "tokens": _prompt_tokens(outputs),
+    return {"seconds": seconds, "planning_s": planning_s, "tokens": _prompt_tokens(outputs),
             "ttft_p50_s": statistics.median(o.metrics.ttft_s for o in outputs),
             "restores": asdict(llm.restore_counts()), "rates": llm.restore_rates(),
             "disk_ledger": None if ledger is None else

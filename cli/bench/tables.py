@@ -184,7 +184,8 @@ def print_serve(result: dict[str, Any]) -> None:
                 [(name, *(m["restores"].get(k, 0) for k in ("started", "no_room", "room_waits",
                                                             "turned_away", "probes")))
                  for name, m in modes.items() if "restores" in m])
-    round_rows = [(name, index + 1, f"{r['seconds']:.2f}", ms(r["ttft_p50_s"]),
+    round_rows = [(name, index + 1, f"{r['seconds']:.2f}", f"{r['planning_s']:.2f}",
+                   ms(r["ttft_p50_s"]),
                    r["tokens"]["host"], r["tokens"]["disk"], r["tokens"]["computed"],
                    "-" if r["disk_ledger"] is None else
                    "{written} / {pending} / {gpu_reused}".format(**r["disk_ledger"]))
@@ -192,7 +193,8 @@ def print_serve(result: dict[str, Any]) -> None:
     if round_rows:
         print_table("Rounds (lockstep): prompt tokens per source; the disk ledger at the "
                     "round's end",
-                    ("mode", "round", "seconds", "TTFT p50", "host", "disk", "computed",
+                    ("mode", "round", "seconds", "planning", "TTFT p50", "host", "disk",
+                     "computed",
                      "written / pending / reused"), round_rows)
     verdict = "identical" if result["outputs_identical"] else "DIFFERENT"
     typer.echo(f"conversations across modes: {verdict}")

@@ -475,6 +475,9 @@ def test_serve_host_small_disk_with_documents_in_lockstep(runner):
         for source in ("host", "disk", "computed"):
             assert sum(r["tokens"][source] for r in rounds) == mode["tokens"][source]
         assert sum(r["seconds"] for r in rounds) <= mode["elapsed_s"]
+        # The engine planned steps in every round, within the round's time.
+        assert all(0 < r["planning_s"] <= r["seconds"] for r in rounds)
+        assert sum(r["planning_s"] for r in rounds) <= mode["planning_s"] <= mode["elapsed_s"]
     ledgers = [r["disk_ledger"] for r in report["modes"]["host_small_disk"]["rounds"]]
     assert [ledger["written"] for ledger in ledgers] == sorted(ledger["written"]
                                                                for ledger in ledgers)
