@@ -135,6 +135,9 @@ class Scheduler:
         # Tokens of a looked-up, not yet running request's prefix shared from the GPU pool
         # (those from below count as their restore lands them).
         self._gpu_hit_tokens: dict[RequestId, int] = {}
+        #: Waiting requests that found no room for their next chunk while others ran, and
+        #: the pool's free blocks then (`_no_room_since`).
+        self._no_room_at: dict[RequestId, int] = {}
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
         self._taps = BlockTaps(manager)
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
@@ -230,6 +233,8 @@ class Scheduler:
         for position, request in enumerate(waiting):
             if out.preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self._no_room_since(request):
+                break  # as last time: FCFS as below
             # One lookup per admission: a failing tier cannot keep a request waiting.
             if request.request_id not in self._gpu_hit_tokens \
                     and not self._lookup(request):
@@ -238,12 +243,28 @@ class Scheduler:
                                   self._prefill_cap(budget, position + 1 < len(waiting)))
             if not self._grow(request, num_new, out):
                 self._release(request)
+                if self.running:
+                    self._no_room_at[request.request_id] = self.manager.pool.num_free_blocks
                 break  # FCFS: later requests do not jump ahead of one that does not fit
             self._admit(request)
             if num_new:
                 out.scheduled.append(self._plan(request, num_new))
                 budget -= num_new
         return out
+
+    def _no_room_since(self, request: Request) -> bool:
+        """Whether `request` found no room for its next chunk at its last admission, and no
+        block came free since while others run: it would find none again. Its lookup is
+        then not made (a long prompt's lookup walks hundreds of blocks and asks the disk;
+        behind a full pool, waiting requests were looked up at every step in vain). Once
+        nothing runs, or blocks came free, it is looked up again."""
+        free_then = self._no_room_at.get(request.request_id)
+        if free_then is None:
+            return False
+        if self.running and self.manager.pool.num_free_blocks <= free_then:
+            return True
+        del self._no_room_at[request.request_id]
+        return False
 
     def launched(self, batch_stores: bool = True) -> None:
         """The step is queued on the GPU: issue the restores' groups its claims left to the
@@ -466,6 +487,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         request.counters.cached_gpu += self._gpu_hit_tokens.pop(request.request_id, 0)
+        self._no_room_at.pop(request.request_id, None)
 
     def _release(self, request: Request) -> None:
         """Undo a waiting request's blocks (cached ones stay cached in the pool)."""
@@ -542,6 +564,7 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         self._gpu_hit_tokens.pop(request.request_id, None)
+        self._no_room_at.pop(request.request_id, None)
         self.gate.left_waiting(request.request_id)
         self._finish(request, reason)
 

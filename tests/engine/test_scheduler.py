@@ -20,6 +20,7 @@ from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.manager import TierManager
+from kvtier.stats import Tier
 from kvtier.tiers.record import BlockMeta
 
 BS = 4
@@ -390,5 +391,27 @@ def test_a_request_that_does_not_fit_waits_without_taking_from_running_ones(
     assert [p.request for p in plan.scheduled] == [a]
     assert b.status is RequestStatus.WAITING and b.block_table == []
     assert a.counters.num_preemptions == 0
+    driver.run_until_done()
+    assert b.finish_reason == "length" and b.counters.num_preemptions == 0
+
+
+def test_a_request_without_room_is_looked_up_again_only_once_blocks_came_free(
+        host_manager: TierManager) -> None:
+    driver = Driver(host_manager)
+    a = driver.add(prompt_of(24), max_tokens=6)  # 6 of the 8 blocks, growing to 8
+    driver.step()
+    b = driver.add(prompt_of(12, 400), max_tokens=1)  # needs 3 blocks: never fits beside a
+
+    def blocks_looked_up() -> int:
+        gpu = host_manager.stats().tiers[Tier.GPU]
+        return gpu.hits + gpu.misses
+
+    before = blocks_looked_up()
+    while a.status is not RequestStatus.FINISHED:
+        driver.step()
+        assert b.status is RequestStatus.WAITING or a.status is RequestStatus.FINISHED
+    # a's five decode steps took blocks and freed none: b's 2-block prefix was looked up
+    # at the first of them alone.
+    assert blocks_looked_up() - before == 2
     driver.run_until_done()
     assert b.finish_reason == "length" and b.counters.num_preemptions == 0
