@@ -96,6 +96,29 @@ def test_another_processes_writes_are_seen_and_the_copy_reloads(tmp_path):
         assert tier.contains(hashes) == expected == _truth(tier, metas)
 
 
+def test_lookups_soon_after_a_current_one_answer_from_memory(tmp_path):
+    """Within `keys_fresh_s` of a lookup that found the copy current, lookups answer from it
+    without reading LMDB: this process's commits show at once, another process's only once
+    the window has passed; a stale answer costs a miss at read, never a wrong block."""
+    metas, payloads = make_blocks(SMALL, seed=3, num_blocks=12)
+    hashes = [m.block_hash for m in metas]
+    with DiskTier(tmp_path, SMALL, 1 << 30, keys_fresh_s=3600) as tier:
+        assert sum(tier.put(metas[:6], payloads[:6])) == 6
+        assert tier.keys_in_memory(wait=10)
+        assert tier.contains(hashes) == [True] * 6 + [False] * 6  # found the copy current
+        assert sum(tier.put(metas[6:8], payloads[6:8])) == 2
+        assert tier.contains(hashes) == [True] * 8 + [False] * 4
+        here = Path(__file__).parent
+        paths = [str(here), str(here.parent.parent)]
+        subprocess.run([sys.executable, "-c", _CHILD.format(paths=paths, path=str(tmp_path))],
+                       check=True, timeout=120, env={**os.environ, "PYTHONPATH": ""})
+        # The child deleted block 0 and stored 8..11: still the copy's answer.
+        assert tier.contains(hashes) == [True] * 8 + [False] * 4
+        assert read_back(tier, metas[0]) is None
+        tier.keys_fresh_s = 0.0
+        assert tier.contains(hashes) == [False] + [True] * 11 == _truth(tier, metas)
+
+
 def test_commits_while_the_copy_loads_are_replayed(tmp_path):
     """Enough inline blocks that the load takes many transactions, with this process putting
     and deleting blocks from two threads meanwhile."""

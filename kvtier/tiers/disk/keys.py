@@ -7,7 +7,12 @@ set of its stored hashes in memory, tagged with the directory's key generation, 
 LMDB that every commit adding or removing a block bumps, whichever process makes it
 (`LmdbIndex.key_generation`). A lookup reads the generation (one small page) and, when it
 equals the copy's, answers from the copy. When another process has written since, or the
-copy is still loading, LMDB answers and the copy is loaded again in the background.
+copy is still loading, LMDB answers and the copy is loaded again in the background. For a
+short while after a lookup found the copy current (`DiskTier`'s `keys_fresh_s`) lookups
+skip even that read and answer on the caller's thread: an engine looks up every step, and
+each read of the generation is a hop to the tier's lookup thread (the deadline guards the
+engine against a stalled disk), two GIL handoffs behind busy I/O threads. Another
+process's commits are then seen that much later.
 
 The copy is a hint like every lookup: a read validates the value it finds, so a stale answer
 costs a block computed instead of read, never a wrong block.
@@ -58,6 +63,8 @@ class DiskKeySet:
         self._keys: dict[BlockHash, int] = {}  # hash -> packed spot of its value (0: unknown)
         self._generation: int | None = None
         self._replay: list[tuple[int, int, KeyChanges]] | None = None  # while loading
+        # When a lookup last found the copy at the stored generation (monotonic seconds).
+        self._confirmed_at: float | None = None
 
     @property
     def generation(self) -> int | None:
@@ -70,6 +77,20 @@ class DiskKeySet:
         by the caller); None otherwise."""
         with self._lock:
             if self._generation != generation:
+                return None
+            self._confirmed_at = time.monotonic()
+            keys = self._keys
+            return [h in keys for h in block_hashes]
+
+    def lookup_recent(self, block_hashes: Sequence[BlockHash],
+                      max_age_s: float) -> list[bool] | None:
+        """Whether each hash is stored, if a `lookup` found the copy current at most
+        `max_age_s` ago and it is still loaded (this process's commits keep it current);
+        None otherwise. Reads nothing of LMDB."""
+        with self._lock:
+            confirmed = self._confirmed_at
+            if self._generation is None or confirmed is None \
+                    or time.monotonic() - confirmed > max_age_s:
                 return None
             keys = self._keys
             return [h in keys for h in block_hashes]
@@ -122,7 +143,7 @@ class DiskKeySet:
                     return False
                 changes.apply_to(loaded)
                 generation = after
-            self._keys, self._generation = loaded, generation
+            self._keys, self._generation, self._confirmed_at = loaded, generation, None
             return True
 
     def abandon_load(self) -> None:
@@ -131,7 +152,7 @@ class DiskKeySet:
             self._replay = None
 
     def _drop(self) -> None:
-        self._keys, self._generation = {}, None
+        self._keys, self._generation, self._confirmed_at = {}, None, None
 
 
 class StoredKeys:
@@ -166,6 +187,12 @@ class StoredKeys:
         if not self._write_lock.locked():
             self.start_load()
         return found
+
+    def contains_recent(self, block_hashes: Sequence[BlockHash],
+                        max_age_s: float) -> list[bool] | None:
+        """`contains` from the copy alone, without a transaction, while a lookup found it
+        current within `max_age_s` (`DiskKeySet.lookup_recent`); None otherwise."""
+        return self._keys.lookup_recent(block_hashes, max_age_s)
 
     def in_memory(self, wait: float = 0.0) -> bool:
         """Whether the copy is at the stored key generation, waiting up to `wait` seconds for

@@ -69,6 +69,10 @@ _MiB = 1 << 20
 _INITIAL_MAP_BYTES = 64 * _MiB
 #: Seconds a lookup (or a stats read) may take before the disk counts as stalled.
 LOOKUP_DEADLINE_S = 0.5
+#: Seconds after a lookup found the copy of the stored hashes current during which lookups
+#: answer from it on the caller's thread (`kvtier.tiers.disk.keys`): another process's
+#: writes are seen up to this much later.
+KEYS_FRESH_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +132,9 @@ class DiskTier(LowerTier):
     server call, each run on a thread of the tier's own and are answered within
     `lookup_deadline_s`; past it a lookup makes the disk count as unavailable (every
     lookup a miss, at once) until the stalled call returns, and a stats read answers
-    with the figures last read. `write_hook`, like `read_hook`, is for tests: it
+    with the figures last read. Within `keys_fresh_s` of a lookup that found the copy of
+    the stored hashes current, lookups answer from it on the caller's thread: they read
+    nothing of the disk. `write_hook`, like `read_hook`, is for tests: it
     is called with the metas of each write transaction, inside it, before its puts.
 
     Raises ValueError for a bad budget or `sync_every_bytes`, the errors of
@@ -151,7 +157,8 @@ class DiskTier(LowerTier):
                  sync_every_bytes: int = 1 << 30, touch_flush_every: int = 1024,
                  read_hook: Callable[[BlockMeta], None] | None = None,
                  write_hook: Callable[[Sequence[BlockMeta]], None] | None = None,
-                 lookup_deadline_s: float = LOOKUP_DEADLINE_S) -> None:
+                 lookup_deadline_s: float = LOOKUP_DEADLINE_S,
+                 keys_fresh_s: float = KEYS_FRESH_S) -> None:
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
@@ -185,6 +192,7 @@ class DiskTier(LowerTier):
         self._touches = PendingTouches(touch_flush_every)
         self._read_hook = read_hook
         self.lookup_deadline_s = lookup_deadline_s
+        self.keys_fresh_s = keys_fresh_s
         # Lookups and stats each on a thread of their own: a slow stats read (a metrics
         # scrape) must not hold up the engine's lookups behind it.
         self._lookups = BoundedCalls("kvtier-disk-lookup")
@@ -297,9 +305,15 @@ class DiskTier(LowerTier):
 
         Answered from this process's copy of the stored hashes when it is current, else from
         LMDB's tree (and the copy is loaded again in the background); within
-        `lookup_deadline_s`, else every hash is a miss (see the class docstring)."""
+        `lookup_deadline_s`, else every hash is a miss (see the class docstring). Within
+        `keys_fresh_s` of a lookup that found the copy current, from the copy on the
+        caller's thread."""
         if self._stale or self._map.gone is not None:
             return [False] * len(block_hashes)
+        if not (self._lookups.stalled or self._map.closed):
+            found = self._keys.contains_recent(block_hashes, self.keys_fresh_s)
+            if found is not None:
+                return found
         return self._bounded(self._lookups, self._contains_now, [False] * len(block_hashes),
                              list(block_hashes))
 
