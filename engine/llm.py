@@ -394,12 +394,13 @@ class LLM:
         plan = self.scheduler.schedule()
         self._planning_s += time.perf_counter() - began
         self._step_requests = [s.request for s in plan.scheduled]
-        # The restores' further loads and the stores the last update queued start while the
-        # GPU runs this step (right after it when the step samples nothing, so that nothing
-        # waits); stores once enough are queued.
-        sampled = self.runner.execute(plan.scheduled, self.scheduler.launched) \
-            if plan.scheduled else []
-        self.scheduler.launched()
+        # The restores' further loads, the stores the last update queued and the transfers'
+        # host work run while the GPU computes this step.
+        if plan.scheduled:
+            sampled = self.runner.execute(plan.scheduled, self.scheduler.launched)
+        else:
+            sampled = []
+            self.scheduler.launched()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)

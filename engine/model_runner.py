@@ -157,7 +157,7 @@ class ModelRunner:
         """Run one step; return the sampled token per scheduled request (None: no sample).
 
         while_waiting: host work to do once the step is queued on the GPU, before waiting
-        for its sampled ids (it runs only when the step samples)."""
+        for its sampled ids; it runs once per call, also when the step samples nothing."""
         self._apply_mode()
         if self._zero_started:
             self._zero_started_blocks(scheduled)
@@ -175,6 +175,8 @@ class ModelRunner:
                                     inputs.attn_metadata)  # [num_tokens, hidden_size]
         self.step_timer.end()
         if not inputs.sampling_rows:
+            if while_waiting is not None:
+                while_waiting()
             return [None] * len(scheduled)
         return self._sample(scheduled, hidden[inputs.logits_indices], inputs.sampling_rows,
                             while_waiting)
@@ -186,6 +188,8 @@ class ModelRunner:
         at the last token of each scheduled request in `sampling_rows`."""
         sampled: list[int | None] = [None] * len(scheduled)
         if not sampling_rows:
+            if while_waiting is not None:
+                while_waiting()
             return sampled
         logits = self.model.compute_logits(hidden)  # [n, vocab]
         requests = [scheduled[row].request for row in sampling_rows]

@@ -103,7 +103,7 @@ class Scheduler:
 
         plan = scheduler.schedule()        # before the step: poll, lookups, allocations
         ... launch the model step ...
-        scheduler.launched()               # issue further loads, start queued stores
+        scheduler.launched()               # loads, stores, polls: while the GPU computes
         finished = scheduler.update(plan, sampled_token_ids)
         if scheduler.idle(ran=...): wait a little   # only transfers can make progress
 
@@ -138,6 +138,7 @@ class Scheduler:
         #: Waiting requests that found no room for their next chunk while others ran, and
         #: the pool's free blocks then (`_no_room_since`).
         self._no_room_at: dict[RequestId, int] = {}
+        self._jobs_completed_at_plan = 0  # `TierManager.num_jobs_completed` at `schedule`
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
         self._taps = BlockTaps(manager)
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
@@ -202,6 +203,7 @@ class Scheduler:
         when the host copies in flight will free the blocks a request is short of."""
         out = SchedulerOutput()
         self._finish_loads()
+        self._jobs_completed_at_plan = self.manager.num_jobs_completed
         budget = self.max_num_batched_tokens
 
         # Running requests, oldest first; a preempted one leaves `self.running`.
@@ -268,11 +270,17 @@ class Scheduler:
 
     def launched(self, batch_stores: bool = True) -> None:
         """The step is queued on the GPU: issue the restores' groups its claims left to the
-        tiers and start the host copies the last `update` queued, host work that the step's
-        compute then hides. `batch_stores`: start them only once enough are queued (see
-        `TierManager.submit_stores`). Called at least once per step, also when the plan is
-        empty (then right after `schedule`)."""
+        tiers, start the host copies the last `update` queued and advance the transfers,
+        host work that the step's compute then hides. `batch_stores`: start the copies only
+        once enough are queued (see `TierManager.submit_stores`). Called once per step, also
+        when the plan is empty (then right after `schedule`).
+
+        The transfers are advanced here as well as in `schedule`: behind a small host tier
+        the engine thread's share of a step went mostly to polling and landing loads, with
+        the GPU idle behind it (docs/BENCHMARKS.md, "24 conversations behind a 3 GB host
+        tier"); done here, most of it overlaps the step, and `schedule` finds less."""
         self.issue_loads()
+        self._finish_loads()  # before the stores start: its offers go with them
         self.manager.submit_stores(batch=batch_stores)
 
     def idle(self, ran: bool) -> bool:
@@ -284,8 +292,8 @@ class Scheduler:
         if not self.has_unfinished():
             self.manager.submit_stores()
             return False
-        if ran:
-            return False
+        if ran or self.manager.num_jobs_completed != self._jobs_completed_at_plan:
+            return False  # transfers completed since the plan: the next one may run more
         if self.manager.num_stores_queued:  # held blocks come free as copies land
             self.manager.submit_stores()
         elif not (self.num_loading

@@ -130,6 +130,8 @@ class TierManager:
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
         # Finished jobs whose completion has not run yet (one before them raised).
         self._unhandled: list[tuple[JobId, bool]] = []
+        #: Transfer jobs whose completion `poll` has run, since construction.
+        self.num_jobs_completed = 0
         self._loads: dict[LoadId, Load] = {}
         self._load_ids = itertools.count()
         self._counters = new_tier_counters()  # per `Tier` kind, in blocks
@@ -462,6 +464,7 @@ class TierManager:
                     # in the next poll, or `drain` and `close` would wait for them forever.
                     self._unhandled = finished[index + 1:]
                     raise
+                self.num_jobs_completed += 1
             self.load_path.copy_landed_reads()
         if self.stores is not None:
             self.stores.send_offers()  # this step's newly cached blocks, in batches

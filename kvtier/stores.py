@@ -56,12 +56,12 @@ from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import JobId, SwapJob, chunks, timed_job
 
 #: A batched `submit_pending` starts the queued write-throughs once this many blocks wait,
-#: or once they were offered `STORE_MAX_OFFERS` times (the engine offers twice a step), or
+#: or once they were offered `STORE_MAX_OFFERS` times (the engine offers once a step), or
 #: when the GPU pool runs low. Each copy job costs host time whatever its size, enough to
 #: slow the decode steps of a small model when every step started one for the block or two
 #: it filled (docs/ARCHITECTURE.md).
 STORE_BATCH_BLOCKS = 8
-STORE_MAX_OFFERS = 16
+STORE_MAX_OFFERS = 8
 #: Write-back batches kept in flight while dirty host blocks wait, unless the caller says
 #: otherwise: LMDB runs one write transaction at a time, so two keep the next batch queued
 #: while one commits.
