@@ -79,23 +79,30 @@ class RestoreGate:
         host holds some of their blocks further on (they come at once). A probe when the
         measured rates say no but the tiers are due to be measured again (`take_probe`).
 
-        `busy`: other requests run or wait. Then, once the tiers' rates are measured (their
-        first read's latency included), a saving of `BUSY_MIN_SAVING_S` is enough, not
-        only one of `min_saving_s`: the GPU time a read saves goes to the other requests.
-        A request alone keeps the margin, as do all while the rates are unknown: there a
-        read that lands later than measured makes its own prompt slower. (Serving many
-        conversations behind a small host tier, the margin turned most reads away;
-        docs/BENCHMARKS.md, "The disk tier behind a small host tier".)"""
+        `busy`: other requests run or wait. Then, once the tiers' rates are measured, a
+        read is worth it when the tokens it covers take `BUSY_MIN_SAVING_S` to compute,
+        whenever its first read lands: the GPU time it saves goes to the other requests,
+        and the request's wait for it overlaps their steps (beside others a restore's head
+        shrinks to what pays for their wait, `PrefillRate.head_pays`). A request alone keeps
+        the margin over the fronts' meeting, first read's latency included, as do all
+        while the rates are unknown: there a read that lands later than measured makes its
+        own prompt slower. (Serving many conversations behind a small host tier, the margin
+        turned most reads away, and later the latency turned the short ones away while the
+        disk asked for every prefix served more; docs/BENCHMARKS.md, "The disk tier behind
+        a small host tier".)"""
         if not slow:
             return False  # nothing below the host to read from
         seconds = self.prefill_rate.seconds(num_tokens, context)
         prefill = None if not seconds else num_tokens / seconds
         load_rate = self.tier_rates.expected(slow)
-        margin = min(self.min_saving_s, BUSY_MIN_SAVING_S) if busy and load_rate is not None \
-            else self.min_saving_s
-        if worth_reading(num_tokens, prefill, load_rate, margin,
-                         self.tier_rates.expected_latency(slow),
-                         fast_blocks_behind=fast_blocks_behind):
+        if busy and load_rate is not None:
+            worth = worth_reading(num_tokens, prefill, None,
+                                  min(self.min_saving_s, BUSY_MIN_SAVING_S))
+        else:
+            worth = worth_reading(num_tokens, prefill, load_rate, self.min_saving_s,
+                                  self.tier_rates.expected_latency(slow),
+                                  fast_blocks_behind=fast_blocks_behind)
+        if worth:
             if load_rate is not None:
                 self.tier_rates.opened(slow)
             return True

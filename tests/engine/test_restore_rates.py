@@ -402,7 +402,8 @@ def test_under_load_a_measured_tier_is_read_for_any_saving() -> None:
     """A prefix whose read saves less than the lone request's margin at the measured rates
     (more than the busy one): a request alone computes it (the margin guards its own
     latency); with others running or waiting the read is taken, the GPU time it saves going
-    to them. While the tier's rate is unknown the margin holds either way."""
+    to them, even when its first read lands after the prefix would be computed. While the
+    tier's rate is unknown the margin holds either way."""
     from kvtier.engine.request import RequestId
     from kvtier.engine.restore_gate import RestoreGate
 
@@ -418,6 +419,10 @@ def test_under_load_a_measured_tier_is_read_for_any_saving() -> None:
     assert not gate.worth_reading(RequestId("alone"), num_tokens, 0, slow, False, busy=False)
     assert gate.worth_reading(RequestId("busy"), num_tokens, 0, slow, False, busy=True)
     assert not gate.take_probe(RequestId("busy"))  # read on the rates, not as a probe
-    # A first read that lands after the prefix would be computed saves nothing at all.
+    # A first read that lands after the prefix would be computed: a request alone computes
+    # it; beside others it still spares them the GPU time of its tokens.
     gate.tier_rates.observe(Tier.DISK, 10_000, 1.0, latency_s=0.1, replace=True)
-    assert not gate.worth_reading(RequestId("late"), num_tokens, 0, slow, False, busy=True)
+    assert not gate.worth_reading(RequestId("late"), num_tokens, 0, slow, False, busy=False)
+    assert gate.worth_reading(RequestId("late"), num_tokens, 0, slow, False, busy=True)
+    # Too few tokens to take the busy margin's time to compute: computed either way.
+    assert not gate.worth_reading(RequestId("tiny"), 5, 0, slow, False, busy=True)
