@@ -286,7 +286,8 @@ class Scheduler:
     def idle(self, ran: bool) -> bool:
         """After `update`: whether the caller should wait a little before the next step,
         because only transfers in flight can make progress (`ran`: the step computed or
-        finished something). With nothing left to run, the queued stores start now (no
+        finished something; transfers that completed since `schedule`, in `launched`,
+        count as progress too). With nothing left to run, the queued stores start now (no
         next step to overlap them with). Raises RuntimeError if no request can make
         progress and nothing is in flight (a scheduling bug; never expected)."""
         if not self.has_unfinished():
