@@ -70,6 +70,7 @@ class RestoreGate:
         self._probes: set[RequestId] = set()  # their lookups read to measure the rates
         #: When each waiting request first found no GPU blocks to load into.
         self._room_wait_began: dict[RequestId, float] = {}
+        self._room_wait_ends: dict[RequestId, float] = {}  # monotonic seconds
 
     def worth_reading(self, request_id: RequestId, num_tokens: int, context: int,
                       slow: Sequence[Tier], fast_blocks_behind: bool,
@@ -132,16 +133,23 @@ class RestoreGate:
         if others_run:
             now = time.monotonic()
             began = self._room_wait_began.setdefault(request_id, now)
-            if began == now or now - began < (self.prefill_rate.seconds(num_tokens, context)
-                                              or 0.0):
+            ends = began + (self.prefill_rate.seconds(num_tokens, context) or 0.0)
+            if began == now or now < ends:
+                self._room_wait_ends[request_id] = ends
                 self.counts.room_waits += 1
                 return True
         self.counts.no_room += 1
         return False
 
+    def room_wait_ends(self, request_id: RequestId) -> float:
+        """When (`time.monotonic()`) the wait for blocks that `waits_for_room` last granted
+        `request_id` runs out; 0 when it waits for none."""
+        return self._room_wait_ends.get(request_id, 0.0)
+
     def left_waiting(self, request_id: RequestId) -> None:
         """`request_id` was admitted or stopped: its wait for blocks, if any, is over."""
         self._room_wait_began.pop(request_id, None)
+        self._room_wait_ends.pop(request_id, None)
 
     def take_probe(self, request_id: RequestId) -> bool:
         """Whether the lookup of `request_id` that just ran was a probe (asked once)."""

@@ -28,6 +28,7 @@ block of the pool and still needs one more ends with "length".
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -135,9 +136,10 @@ class Scheduler:
         # Tokens of a looked-up, not yet running request's prefix shared from the GPU pool
         # (those from below count as their restore lands them).
         self._gpu_hit_tokens: dict[RequestId, int] = {}
-        #: Waiting requests that found no room for their next chunk while others ran, and
-        #: the pool's free blocks then (`_no_room_since`).
-        self._no_room_at: dict[RequestId, int] = {}
+        #: Waiting requests that found no room (for a chunk or their loads) while others
+        #: ran: the pool's free blocks then, and when their wait for room runs out
+        #: (`_no_room_since`).
+        self._no_room_at: dict[RequestId, tuple[int, float]] = {}
         self._jobs_completed_at_plan = 0  # `TierManager.num_jobs_completed` at `schedule`
         # Per request, who is given its prompt blocks as they become ready (`tap_blocks`).
         self._taps = BlockTaps(manager)
@@ -240,13 +242,14 @@ class Scheduler:
             # One lookup per admission: a failing tier cannot keep a request waiting.
             if request.request_id not in self._gpu_hit_tokens \
                     and not self._lookup(request):
-                break  # it waits for GPU blocks to restore into; FCFS as below
+                # It waits for GPU blocks to restore into; FCFS as below.
+                self._note_no_room(request, self.gate.room_wait_ends(request.request_id))
+                break
             num_new = self._chunk(request,
                                   self._prefill_cap(budget, position + 1 < len(waiting)))
             if not self._grow(request, num_new, out):
                 self._release(request)
-                if self.running:
-                    self._no_room_at[request.request_id] = self.manager.pool.num_free_blocks
+                self._note_no_room(request, math.inf)
                 break  # FCFS: later requests do not jump ahead of one that does not fit
             self._admit(request)
             if num_new:
@@ -254,16 +257,26 @@ class Scheduler:
                 budget -= num_new
         return out
 
+    def _note_no_room(self, request: Request, until: float) -> None:
+        """`request` found no room at its admission while others run: for a chunk (`until`
+        infinite), or for its restore's loads, whose wait for blocks runs out at `until`
+        (`RestoreGate.room_wait_ends`, monotonic seconds)."""
+        if self.running:
+            self._no_room_at[request.request_id] = (self.manager.pool.num_free_blocks, until)
+
     def _no_room_since(self, request: Request) -> bool:
-        """Whether `request` found no room for its next chunk at its last admission, and no
-        block came free since while others run: it would find none again. Its lookup is
-        then not made (a long prompt's lookup walks hundreds of blocks and asks the disk;
-        behind a full pool, waiting requests were looked up at every step in vain). Once
-        nothing runs, or blocks came free, it is looked up again."""
-        free_then = self._no_room_at.get(request.request_id)
-        if free_then is None:
+        """Whether `request` found no room at its last admission, and no block came free
+        since while others run (nor did its wait for room run out): it would find none
+        again. Its lookup is then not made (a long prompt's lookup walks hundreds of blocks,
+        asks the disk and waits for store copies to reclaim their blocks; behind a full
+        pool, waiting requests were looked up at every step in vain). Once nothing runs,
+        blocks came free or the wait ran out, it is looked up again."""
+        noted = self._no_room_at.get(request.request_id)
+        if noted is None:
             return False
-        if self.running and self.manager.pool.num_free_blocks <= free_then:
+        free_then, until = noted
+        if self.running and self.manager.pool.num_free_blocks <= free_then \
+                and time.monotonic() < until:
             return True
         del self._no_room_at[request.request_id]
         return False

@@ -304,17 +304,22 @@ def test_a_restore_short_of_blocks_waits_for_running_requests(
     assert driver.scheduler.restore_counts.room_waits == 1
     assert driver.scheduler.restore_counts.no_room == 0
     host_manager.pool.check_invariants()
+    steps_waiting = 0
     for _ in range(500):  # until its last prompt token is computed (it then samples)
         plan, _ = driver.step()
         if any(p.request is again and p.samples for p in plan.scheduled):
             break
+        steps_waiting += again.status is RequestStatus.WAITING
         time.sleep(0 if not driver.scheduler.num_loading else 0.001)
     assert_kv_matches_tokens(host_manager, again, 25)
     driver.run_until_done()
     counts = driver.scheduler.restore_counts
     if seconds_per_token is not None:  # computing 24 tokens takes 24 s: it waits
         assert again.counters.cached_host == 24 and again.counters.computed == 2
-        assert counts.no_room == 0 and counts.room_waits > 1 and counts.started == 1
+        assert counts.no_room == 0 and counts.started == 1
+        # Looked up once: while no block came free it was not looked up again, however
+        # many steps it waited.
+        assert steps_waiting > 1 and counts.room_waits == 1
     else:  # the rate is unknown: one step, then it computes its prefix, a chunk at a time
         assert counts.no_room >= 1 and again.counters.computed > 2
 
