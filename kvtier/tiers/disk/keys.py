@@ -79,8 +79,7 @@ class DiskKeySet:
             if self._generation != generation:
                 return None
             self._confirmed_at = time.monotonic()
-            keys = self._keys
-            return [h in keys for h in block_hashes]
+            return self._stored(block_hashes)
 
     def lookup_recent(self, block_hashes: Sequence[BlockHash],
                       max_age_s: float) -> list[bool] | None:
@@ -92,8 +91,11 @@ class DiskKeySet:
             if self._generation is None or confirmed is None \
                     or time.monotonic() - confirmed > max_age_s:
                 return None
-            keys = self._keys
-            return [h in keys for h in block_hashes]
+            return self._stored(block_hashes)
+
+    def _stored(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        keys = self._keys  # the caller holds the lock
+        return [h in keys for h in block_hashes]
 
     def spots(self, block_hashes: Sequence[BlockHash]) -> list[ValueSpot | None]:
         """Where each block's value lay when last seen (None: not known), at any generation:
