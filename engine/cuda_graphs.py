@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from kvtier.engine.attention import AttentionMetadata
-from kvtier.engine.scheduler import ScheduledRequest
+from kvtier.engine.step_plan import ScheduledRequest
 
 #: Row counts a graph is recorded for; a step's rows are padded to the next one.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -21,7 +21,7 @@ import torch
 from kvtier.engine.attention import GRAPH_BACKENDS, AttentionMetadata, steps_through_cudnn
 from kvtier.engine.cuda_graphs import DecodeGraphs
 from kvtier.engine.restore_rates import prefill_keys
-from kvtier.engine.scheduler import ScheduledRequest
+from kvtier.engine.step_plan import ScheduledRequest
 from kvtier.engine.step_timer import StepTimer
 from kvtier.kernels import store_to_host
 

@@ -32,10 +32,8 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 from kvtier.engine.block_taps import BlockTap, BlockTaps
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import (
@@ -46,53 +44,13 @@ from kvtier.engine.restore import (
 )
 from kvtier.engine.restore_gate import RestoreCounts, RestoreGate
 from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, expected_head_tokens
+from kvtier.engine.step_plan import ScheduledRequest, SchedulerOutput
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.stats import Tier
 
 if TYPE_CHECKING:
     from kvtier.manager import TierManager
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """`num_new_tokens` tokens of `request`, starting at position `start`, run this step.
-
-    `samples` is true when the chunk reaches the end of the known tokens, so a token is
-    sampled from its last position.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    samples: bool
-
-    def placement(self, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Where the chunk's tokens go in the paged cache: block_ids [blocks up to its end],
-        positions [num_new_tokens] and slot_mapping [num_new_tokens], all int64."""
-        request = self.request
-        end = self.start + self.num_new_tokens
-        num_blocks = -(-end // block_size)
-        assert len(request.block_table) >= num_blocks, \
-            f"{request.request_id}: {len(request.block_table)} blocks for {end} tokens"
-        block_ids = np.fromiter((b.block_id for b in request.block_table[:num_blocks]),
-                                dtype=np.int64, count=num_blocks)
-        positions = np.arange(self.start, end, dtype=np.int64)
-        slots = block_ids[positions // block_size] * block_size + positions % block_size
-        return block_ids, positions, slots
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan: the batch, and requests that changed state while planning."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 class Scheduler:

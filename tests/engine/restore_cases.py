@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 from kvtier.engine.request import Request, RequestId
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.step_plan import SchedulerOutput
 
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHash, BlockHasher, namespace_hash

@@ -29,7 +29,7 @@ from kvtier.engine.cuda_graphs import (
 from kvtier.engine.engine_config import EngineConfig
 from kvtier.engine.loader import LoadedModel, load_model
 from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.scheduler import ScheduledRequest
+from kvtier.engine.step_plan import ScheduledRequest
 from kvtier.kernels import AttentionConfig, paged_attention, reference
 
 from kvtier.device_cache import allocate_kv_cache

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from kvtier.engine.loader import load_model
 from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.scheduler import ScheduledRequest
+from kvtier.engine.step_plan import ScheduledRequest
 
 from kvtier.device_cache import allocate_kv_cache
 from kvtier.free_queue import KVCacheBlock

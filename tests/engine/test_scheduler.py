@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from kvtier.engine.request import Request, RequestId, RequestStatus
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.step_plan import SchedulerOutput
 
 from kvtier.config import TierConfig
 from kvtier.hashing import BlockHasher, namespace_hash
