@@ -581,12 +581,14 @@ class Scheduler:
             return
         metas = [request.block_meta(i) for i in range(start, num_full)]
         # Placement: the blocks past where a later restore's fronts are expected to meet go
-        # to the disk first (a restore loads those; it computes the head anyway).
+        # to the disk first, the deepest first (a restore loads those from the prompt's end
+        # backward, and computes the head anyway).
         slow = [tier.kind for tier in self.manager.lower_tiers]
         head = expected_head_tokens(request.num_tokens, self.prefill_rate,
                                     self.tier_rates.expected(slow)) // request.block_size
         self.manager.cache_full_blocks(request.block_table[start:num_full], metas,
-                                       [i >= head for i in range(start, num_full)])
+                                       [i if i >= head else None
+                                        for i in range(start, num_full)])
         request.num_cached_blocks = num_full
 
     def _plan(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -368,26 +368,31 @@ class TierManager:
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock],
                           metas: Sequence[BlockMeta],
-                          loaded_later: Sequence[bool] | None = None) -> list[KVCacheBlock]:
+                          load_ranks: Sequence[int | None] | None = None
+                          ) -> list[KVCacheBlock]:
         """Cache full blocks in the pool and queue the newly cached ones for the host
         (`kvtier.stores`: each held until `submit_stores` starts its copy); returns the newly
         cached blocks. A block already stored below is not copied; one for which no host
-        slot can be had then is copied later if the GPU still caches it. `loaded_later[i]`
-        is a placement hint: a later restore is expected to load `blocks[i]` rather than
-        compute it (such blocks get host slots, and so the disk, first). Raises ValueError
-        as `BlockPool.cache_full_blocks` does, or on a length mismatch."""
-        if len(blocks) != len(metas) or (loaded_later is not None
-                                         and len(loaded_later) != len(blocks)):
+        slot can be had then is copied later if the GPU still caches it. `load_ranks[i]` is
+        a placement hint: None when a later restore is expected to compute `blocks[i]`,
+        else how dear it is to compute (its index in its prompt, say; >= 0). Ranked blocks
+        get host slots, and so the disk, first, the higher rank first
+        (`kvtier.deferred_stores`). Raises ValueError as `BlockPool.cache_full_blocks`
+        does, on a length mismatch or a negative rank."""
+        if len(blocks) != len(metas) or (load_ranks is not None
+                                         and len(load_ranks) != len(blocks)):
             raise ValueError(f"{len(blocks)} blocks but {len(metas)} metas"
-                             + ("" if loaded_later is None else
-                                f" and {len(loaded_later)} placement hints"))
+                             + ("" if load_ranks is None else
+                                f" and {len(load_ranks)} load ranks"))
+        if load_ranks is not None and any(r is not None and r < 0 for r in load_ranks):
+            raise ValueError(f"load ranks must be None or >= 0, got {list(load_ranks)!r:.200}")
         newly = self.pool.cache_full_blocks(blocks, [meta.block_hash for meta in metas])
         if self.stores is not None and newly:
             index_of = {block.block_id: i for i, block in enumerate(blocks)}
             indexes = [index_of[block.block_id] for block in newly]
             self.stores.write_through(
                 newly, [metas[i] for i in indexes],
-                None if loaded_later is None else [loaded_later[i] for i in indexes])
+                None if load_ranks is None else [load_ranks[i] for i in indexes])
         return newly
 
     @property

@@ -18,10 +18,12 @@
     would compute first, the oldest first), so the GPU evicts what is stored below before
     them and is never held for the disk. A block the GPU reuses before its copy is counted
     skipped (`SkipReason.GPU_REUSED`), never dropped silently.
-  * Placement: a block may come with a hint that a later restore will load it rather than
-    compute it (the tail of a long prefix, past where the restore fronts are expected to
-    meet). Such blocks take the host slots first, queued or deferred: when blocks come
-    faster than the disk takes them, the disk gets what restores will read.
+  * Placement: a block may come with a load rank, saying that a later restore will load it
+    rather than compute it (the tail of a long prefix, past where the restore fronts are
+    expected to meet) and how dear it is to compute. Such blocks take the host slots first,
+    queued or deferred, the higher rank first (`kvtier.deferred_stores`): when blocks come
+    faster than the disk takes them, the disk gets what restores will read, from the end of
+    each prefix.
   * Write-back: dirty host blocks are written to the write-back tier (the disk) ahead of
     demand, least recently used first: as many as slots are needed, and while any are dirty
     at least `write_depth` batches in flight, so the disk writes at its own speed whenever
@@ -39,12 +41,12 @@ manager's `TransferEngine` through the `TierStack`'s `submit`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.config import DEFAULT_READ_RESERVE_SHARE
+from kvtier.deferred_stores import DeferredStores, Store, order_key
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
 from kvtier.stats import Direction, Tier, busy_seconds
@@ -67,10 +69,6 @@ STORE_MAX_OFFERS = 8
 #: while one commits.
 DEFAULT_WRITE_DEPTH = 2
 
-#: One queued or deferred write-through: the GPU block, its meta, and whether a later restore
-#: is expected to load it (written first).
-_Store = tuple[KVCacheBlock, BlockMeta, bool]
-
 
 class StorePath:
     """Write-through, deferred write-through, write-back and every-block writes over one
@@ -90,15 +88,15 @@ class StorePath:
         # Write-throughs not submitted yet: (blocks held with a reference, with their metas
         # and hints; the compute stream's event after the step that computed them, None on
         # a CPU).
-        self._pending: list[tuple[list[_Store], torch.cuda.Event | None]] = []
+        self._pending: list[tuple[list[Store], torch.cuda.Event | None]] = []
         self._num_offers = 0  # batched offers the queued write-throughs were held back from
-        # Write-throughs that found no host slot, oldest first (see `_defer`): those a
-        # restore is expected to load, then the others. Bounded by the GPU's cached blocks:
-        # an entry leaves when the GPU reuses its block (`drop_evicted`).
-        self._deferred_tail: OrderedDict[BlockHash, _Store] = OrderedDict()
-        self._deferred_head: OrderedDict[BlockHash, _Store] = OrderedDict()
+        # Write-throughs that found no host slot (see `_defer`), in placement order. Bounded
+        # by the GPU's cached blocks: an entry leaves when the GPU reuses its block
+        # (`drop_evicted`).
+        self._deferred = DeferredStores()
         # Deferred blocks still holding a pool reference, by block id, oldest first: those
-        # a restore would compute, and those it would load (released in that order).
+        # a restore would compute, and those it would load (released in that order; for one
+        # prefix the oldest of the latter are its shallowest, the last to be written).
         self._held_head: dict[int, KVCacheBlock] = {}
         self._held_tail: dict[int, KVCacheBlock] = {}
         self._num_writing_back = 0
@@ -125,13 +123,14 @@ class StorePath:
             if caches and self.write_back is not None else 0
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],
-                      loaded_later: Sequence[bool] | None = None) -> None:
+                      load_ranks: Sequence[int | None] | None = None) -> None:
         """Queue newly cached GPU blocks (`metas[i]` names `blocks[i]`) for copying to host
         slots: each is held with a pool reference until `submit_pending` copies or drops it,
         and the copy will follow the work queued on the current stream now (the step that
-        computed the blocks), not the steps launched meanwhile. `loaded_later[i]`: a later
-        restore is expected to load block i rather than compute it (it takes a host slot
-        before the others; default False)."""
+        computed the blocks), not the steps launched meanwhile. `load_ranks[i]`: None when
+        a later restore is expected to compute block i (the default), else how dear it is
+        to compute: ranked blocks take host slots before the others, the higher rank first
+        (`kvtier.deferred_stores`)."""
         if not blocks:
             return
         self.pool.touch(blocks)
@@ -139,8 +138,8 @@ class StorePath:
         if self.kv_cache.is_cuda:
             computed = torch.cuda.Event()
             computed.record(torch.cuda.current_stream(self.kv_cache.device))
-        hints = [False] * len(blocks) if loaded_later is None else list(loaded_later)
-        assert len(hints) == len(blocks), "one placement hint per block"
+        hints = [None] * len(blocks) if load_ranks is None else list(load_ranks)
+        assert len(hints) == len(blocks), "one load rank per block"
         if self.write_back is not None:
             self.ledger.offered += len(blocks)
         self._pending.append((list(zip(blocks, metas, hints)), computed))
@@ -153,7 +152,7 @@ class StorePath:
     @property
     def num_deferred(self) -> int:
         """Write-throughs waiting for a host slot (their blocks still cached on the GPU)."""
-        return len(self._deferred_tail) + len(self._deferred_head)
+        return len(self._deferred)
 
     def backlog(self) -> int:
         """Offered blocks not yet in the write-back tier nor accounted otherwise: queued,
@@ -188,10 +187,15 @@ class StorePath:
         self.schedule_writebacks(len(stores) + self.num_deferred)
         # The copy follows every step that computed its blocks.
         after = tuple(dict.fromkeys(event for _, event in pending if event is not None))
-        for store in self._copy_to_host(stores, held=True, after=after or None):
-            self._defer(store)  # keeping its reference
+        no_slot = {store[0].block_id for store in self._copy_to_host(stores, held=True,
+                                                                    after=after or None)}
+        # Deferred in the order they were offered (a prompt's, from its head on), so that a
+        # short pool takes back the shallowest of a tail first, the last it would write.
+        for store in stores:
+            if store[0].block_id in no_slot:
+                self._defer(store)  # keeping its reference
 
-    def _not_stored_below(self, stores: list[_Store]) -> list[_Store]:
+    def _not_stored_below(self, stores: list[Store]) -> list[Store]:
         """`stores` less the blocks the write-back tier holds already (a prompt computed
         though its blocks were stored, because reading them would not have been faster):
         copying those to the host would only make them dirty there, to be written back as
@@ -224,11 +228,10 @@ class StorePath:
         """The GPU pool reused these (hash, block id) blocks: deferred write-throughs of
         them can no longer be copied, and are counted skipped (`SkipReason.GPU_REUSED`)."""
         for block_hash, block_id in events:
-            for deferred in (self._deferred_tail, self._deferred_head):
-                store = deferred.get(block_hash)
-                if store is not None and store[0].block_id == block_id:
-                    del deferred[block_hash]
-                    self._skip(SkipReason.GPU_REUSED)
+            store = self._deferred.get(block_hash)
+            if store is not None and store[0].block_id == block_id:
+                self._deferred.remove(block_hash)
+                self._skip(SkipReason.GPU_REUSED)
 
     def release_deferred(self, num_blocks: int, freeing_only: bool = True) -> int:
         """Drop the pool references of up to `num_blocks` deferred write-throughs (the GPU
@@ -261,8 +264,7 @@ class StorePath:
         writes under way end as they end. Returns how many blocks were given up."""
         self.release_deferred(self.num_held, freeing_only=False)
         num = self.num_deferred
-        self._deferred_tail.clear()
-        self._deferred_head.clear()
+        self._deferred.clear()
         for slot in self.host.dirty_slots():
             if self.host.num_pins(slot):  # being written (or read): its write is counted
                 continue
@@ -300,29 +302,30 @@ class StorePath:
 
     # ---- write-through -------------------------------------------------------------------
 
-    def _defer(self, store: _Store) -> None:
+    def _defer(self, store: Store) -> None:
         """No host slot for this write-through now: count it under the host's rejections,
         and retry it when write-backs free slots, holding its pool reference until the pool
         runs short (`release_deferred`; then `drop_evicted` counts it skipped once the GPU
         reuses its block)."""
         self._counters[Tier.HOST].rejected += 1
-        deferred = self._deferred_tail if store[2] else self._deferred_head
-        deferred[store[1].block_hash] = store
-        (self._held_tail if store[2] else self._held_head)[store[0].block_id] = store[0]
+        self._deferred.push(store)
+        held = self._held_head if store[2] is None else self._held_tail
+        held[store[0].block_id] = store[0]
 
     def _retry_deferred(self) -> None:
-        """Write through the deferred blocks the GPU still caches, those a restore will load
-        first, each kind oldest first, while host slots can be had without waiting. Costs
-        O(slots to be had + stale entries dropped), not O(entries)."""
+        """Write through the deferred blocks the GPU still caches, in placement order
+        (`kvtier.deferred_stores`), while host slots can be had without waiting. Costs
+        O((slots to be had + stale entries dropped) log entries), not O(entries)."""
         num_room = self._store_room()  # at most: some clean slots are pinned
-        stores: list[_Store] = []
-        for deferred in (self._deferred_tail, self._deferred_head):
-            while deferred and len(stores) < num_room:
-                block_hash, store = deferred.popitem(last=False)
-                if self.pool.get_cached_block(block_hash) is store[0]:
-                    stores.append(store)
-                else:  # reused by the GPU (its eviction was not reported to us)
-                    self._skip(SkipReason.GPU_REUSED)
+        stores: list[Store] = []
+        orders: dict[int, int] = {}  # block id -> its place among the deferred
+        while len(stores) < num_room and (entry := self._deferred.pop()) is not None:
+            store, order = entry
+            if self.pool.get_cached_block(store[1].block_hash) is store[0]:
+                stores.append(store)
+                orders[store[0].block_id] = order
+            else:  # reused by the GPU (its eviction was not reported to us)
+                self._skip(SkipReason.GPU_REUSED)
         no_slot = self._copy_to_host(stores, held=False)
         waiting = {store[0].block_id for store in no_slot}
         # The copies took references of their own; the deferred ones are dropped.
@@ -330,27 +333,24 @@ class StorePath:
                 and (self._held_head.pop(s[0].block_id, None) is not None
                      or self._held_tail.pop(s[0].block_id, None) is not None)]
         self.pool.free(done)
-        for store in reversed(no_slot):  # back in front
-            deferred = self._deferred_tail if store[2] else self._deferred_head
-            deferred[store[1].block_hash] = store
-            deferred.move_to_end(store[1].block_hash, last=False)
+        for store in no_slot:  # back in the places they had
+            self._deferred.push(store, orders[store[0].block_id])
 
-    def _copy_to_host(self, stores: Sequence[_Store], held: bool,
-                      after: tuple[torch.cuda.Event, ...] | None = None) -> list[_Store]:
+    def _copy_to_host(self, stores: Sequence[Store], held: bool,
+                      after: tuple[torch.cuda.Event, ...] | None = None) -> list[Store]:
         """Copy cached GPU blocks to host slots, all in one job (`after`: as `SwapJob`'s),
-        those a restore will load taking slots first; a block already stored or being stored
+        in placement order (`kvtier.deferred_stores`); a block already stored or being stored
         is a duplicate. `held`: each block comes with a pool reference, kept for its copy or
         its deferral and dropped for a duplicate; else the copies take one. Returns, in
         order, the stores no slot could be had for (once one finds none, the later ones
         would not either), still holding their reference when `held`."""
         items: list[tuple[KVCacheBlock, BlockMeta, SlotId]] = []
-        no_slot: list[_Store] = []
+        no_slot: list[Store] = []
         room = self._store_room()
-        for store in sorted(stores, key=lambda s: not s[2]):  # stable: loaded ones first
+        for store in sorted(stores, key=lambda s: order_key(s[2])):  # stable
             block, meta, _ = store
             # (A staging slab caches nothing: the tiers' writes skip blocks they hold.)
-            if (meta.block_hash in self._storing or meta.block_hash in self._deferred_tail
-                    or meta.block_hash in self._deferred_head
+            if (meta.block_hash in self._storing or meta.block_hash in self._deferred
                     or self.host.contains(meta.block_hash)):
                 if self.write_back is not None:
                     self.ledger.duplicate += 1

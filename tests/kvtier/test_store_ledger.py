@@ -21,14 +21,14 @@ from kvtier.stats import Tier
 from kvtier.store_ledger import SkipReason
 
 
-def compute(m, metas, data, loaded_later=None):
+def compute(m, metas, data, load_ranks=None):
     """Blocks computed into fresh GPU blocks, cached with their hints, freed (as a finished
     request frees them); the stores start at once."""
     blocks = m.allocate(len(metas))
     assert blocks is not None
     for block, block_data in zip(blocks, data):
         m.kv_cache[block.block_id] = block_data
-    m.cache_full_blocks(blocks, metas, loaded_later)
+    m.cache_full_blocks(blocks, metas, load_ranks)
     m.submit_stores()
     m.free(blocks)
     m.poll()  # the copies landed (on the CPU at once)
@@ -61,7 +61,7 @@ def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     metas, data = chain(layout, "doc", 6), random_blocks(layout, 6, seed=1)
     # The last two blocks are past the expected meeting point of a later restore's fronts.
-    compute(m, metas, data, loaded_later=[False] * 4 + [True] * 2)
+    compute(m, metas, data, load_ranks=[None] * 4 + [4, 5])
     assert [m.host.contains(meta.block_hash) for meta in metas] == [False] * 4 + [True] * 2
     # The head waits, deferred, still held on the GPU (no silent drop).
     stores = m.stats().stores
@@ -77,6 +77,47 @@ def test_blocks_a_restore_will_load_take_the_host_slots_first(tmp_path, managers
 
 
 @pytest.mark.timeout(120)
+def test_the_deepest_blocks_of_a_tail_reach_the_disk_first(tmp_path, managers, release):
+    """A restore loads a stored tail from the prompt's end backward: when the disk cannot
+    take every block, the ones it gets are the deepest, not those right past the meeting
+    point that came first."""
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2,
+                      read_reserve_share=0)  # every slot the stores'
+    layout = m.layout
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
+    metas = chain(layout, "doc", 6)
+    # The whole prompt past the meeting point, ranked by position.
+    compute(m, metas, random_blocks(layout, 6, seed=4), load_ranks=list(range(6)))
+    # The two host slots went to the last two blocks; the four before wait on the GPU.
+    assert [m.host.contains(meta.block_hash) for meta in metas] == [False] * 4 + [True] * 2
+    assert m.stores.num_held == 4
+    # The GPU needs two of them back: the shallowest give theirs up.
+    taken = m.allocate(6)
+    assert taken is not None and m.stores.num_held == 2
+    assert m.stats().stores.skipped[SkipReason.GPU_REUSED.value] == 2
+    m.free(taken)
+    release.set()
+    m.flush()
+    assert m.disk.contains([meta.block_hash for meta in metas]) == [False] * 2 + [True] * 4
+    stores = m.stats().stores
+    assert stores.lost == 0 and stores.written == 4
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_load_ranks_must_name_each_block(tmp_path, managers):
+    m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2)
+    metas = chain(m.layout, "doc", 2)
+    blocks = m.allocate(2)
+    with pytest.raises(ValueError, match="load ranks"):
+        m.cache_full_blocks(blocks, metas, [0])
+    with pytest.raises(ValueError, match="None or >= 0"):
+        m.cache_full_blocks(blocks, metas, [0, -1])
+    m.free(blocks)
+    check_idle(m)
+
+
+@pytest.mark.timeout(120)
 def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, managers, release):
     m = small_manager(managers, tmp_path, gpu=8, host=2, io_threads=2,
                       read_reserve_share=0)  # every slot the stores'
@@ -86,7 +127,7 @@ def test_a_short_pool_evicts_stored_blocks_before_deferred_ones(tmp_path, manage
     m.flush()  # on disk and on the host; cached on the GPU, free
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
     new, new_data = chain(layout, "new", 4), random_blocks(layout, 4, seed=3)
-    compute(m, new, new_data, loaded_later=[False, False, True, True])
+    compute(m, new, new_data, load_ranks=[None, None, 2, 3])
     # Two of the new blocks wait for a slot; the pool has 8 - 2 held = 6 to give.
     assert m.stores.num_held == 2 and m.pool.num_free_blocks == 6
     # Taking all 6 evicts the stored blocks (and the copied ones): not one deferred.
