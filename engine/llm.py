@@ -44,7 +44,7 @@ from kvtier.engine.request import ParentRequest, Request, RequestId, check_token
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import Scheduler
+from kvtier.engine.scheduler import MAX_STEPS_AHEAD, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -390,6 +390,10 @@ class LLM:
         return finished
 
     def _step(self) -> tuple[list[Request], list[Request]]:
+        # Plan the next step once the GPU is down to MAX_STEPS_AHEAD queued steps, landing
+        # loads meanwhile (a restore's claims are then made on what has landed by then).
+        while self.runner.step_timer.num_queued() > MAX_STEPS_AHEAD:
+            self.scheduler.while_device_busy()
         began = time.perf_counter()
         plan = self.scheduler.schedule()
         self._planning_s += time.perf_counter() - began
@@ -397,7 +401,10 @@ class LLM:
         # The restores' further loads, the stores the last update queued and the transfers'
         # host work run while the GPU computes this step.
         if plan.scheduled:
-            sampled = self.runner.execute(plan.scheduled, self.scheduler.launched)
+            # While loads are under way they land as the GPU computes, not at the step's
+            # end; otherwise the sampled ids are simply waited for.
+            busy = self.scheduler.while_device_busy if self.scheduler.num_loading else None
+            sampled = self.runner.execute(plan.scheduled, self.scheduler.launched, busy)
         else:
             sampled = []
             self.scheduler.launched()

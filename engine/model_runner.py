@@ -153,11 +153,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest],
-                while_waiting: Callable[[], None] | None = None) -> list[int | None]:
+                while_waiting: Callable[[], None] | None = None,
+                while_blocked: Callable[[], None] | None = None) -> list[int | None]:
         """Run one step; return the sampled token per scheduled request (None: no sample).
 
         while_waiting: host work to do once the step is queued on the GPU, before waiting
-        for its sampled ids; it runs once per call, also when the step samples nothing."""
+        for its sampled ids; it runs once per call, also when the step samples nothing.
+        while_blocked: host work done in turns, again and again, while the GPU computes
+        the sampled ids (on CUDA; each turn should be short: the ids are read once one
+        ends after they are ready)."""
         self._apply_mode()
         if self._zero_started:
             self._zero_started_blocks(scheduled)
@@ -166,7 +170,7 @@ class ModelRunner:
             sampling_rows = tuple(row for row, s in enumerate(scheduled) if s.samples)
             if len(sampling_rows) < len(scheduled):
                 last = last[list(sampling_rows)]
-            return self._sample(scheduled, last, sampling_rows, while_waiting)
+            return self._sample(scheduled, last, sampling_rows, while_waiting, while_blocked)
         inputs = self.prepare_inputs(scheduled)
         prefill = [s for s in scheduled if s.num_new_tokens > 1]
         self.step_timer.begin(sum(s.num_new_tokens for s in prefill),
@@ -179,11 +183,12 @@ class ModelRunner:
                 while_waiting()
             return [None] * len(scheduled)
         return self._sample(scheduled, hidden[inputs.logits_indices], inputs.sampling_rows,
-                            while_waiting)
+                            while_waiting, while_blocked)
 
     def _sample(self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor,
                 sampling_rows: Sequence[int],
-                while_waiting: Callable[[], None] | None = None) -> list[int | None]:
+                while_waiting: Callable[[], None] | None = None,
+                while_blocked: Callable[[], None] | None = None) -> list[int | None]:
         """Sample one token per row of hidden [len(sampling_rows), hidden_size], the state
         at the last token of each scheduled request in `sampling_rows`."""
         sampled: list[int | None] = [None] * len(scheduled)
@@ -194,14 +199,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [n, vocab]
         requests = [scheduled[row].request for row in sampling_rows]
         token_ids = self.sample_fn(logits, requests)  # [n]
-        for row, token_id in zip(sampling_rows, self._read_back(token_ids, while_waiting)):
+        for row, token_id in zip(sampling_rows,
+                                 self._read_back(token_ids, while_waiting, while_blocked)):
             sampled[row] = int(token_id)
         return sampled
 
     def _read_back(self, token_ids: torch.Tensor,
-                   while_waiting: Callable[[], None] | None = None) -> list[int]:
+                   while_waiting: Callable[[], None] | None = None,
+                   while_blocked: Callable[[], None] | None = None) -> list[int]:
         """The sampled ids [n] as Python ints, `while_waiting` run first (on CUDA, while the
-        GPU computes them). On CUDA the SMs store them into pinned memory
+        GPU computes them), then `while_blocked` until they are ready. On CUDA the SMs store
+        them into pinned memory
         (`kernels.store_to_host`): a copy-engine read-back queues behind the write-through
         of the blocks the previous step filled (docs/KERNELS.md, "store_to_host")."""
         if token_ids.device.type != "cuda":
@@ -217,6 +225,9 @@ class ModelRunner:
         self._ids_stored.record()
         if while_waiting is not None:
             while_waiting()
+        if while_blocked is not None:
+            while not self._ids_stored.query():
+                while_blocked()
         self._ids_stored.synchronize()
         return self._host_ids[:num].tolist()
 

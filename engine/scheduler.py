@@ -52,6 +52,13 @@ from kvtier.stats import Tier
 if TYPE_CHECKING:
     from kvtier.manager import TierManager
 
+#: Seconds `Scheduler.while_device_busy` waits for a transfer at most per turn: a load that
+#: lands is copied on within this, and the turns leave the GIL to the I/O threads.
+DEVICE_BUSY_WAIT_S = 0.0005
+#: Prefill steps the engine queues on the GPU ahead of the one running (see `LLM`): enough to
+#: keep it busy while the next is planned; more would only fill CUDA's launch queue, where
+#: the engine thread then blocks, unable to land loads, and commit claims earlier than needed.
+MAX_STEPS_AHEAD = 1
 
 class Scheduler:
     """FCFS scheduling with chunked prefill, restores and preemption over a `TierManager`.
@@ -60,9 +67,12 @@ class Scheduler:
     lookup, allocate, reclaim, loads, stores) is made here or by the restores it drives, in
     the order one step takes. The caller runs, per step and from one thread:
 
+        while more than MAX_STEPS_AHEAD steps are queued on the GPU:
+            scheduler.while_device_busy()  # polls, landings
         plan = scheduler.schedule()        # before the step: poll, lookups, allocations
         ... launch the model step ...
         scheduler.launched()               # loads, stores, polls: while the GPU computes
+        ... while the sampled ids are computed: scheduler.while_device_busy() ...
         finished = scheduler.update(plan, sampled_token_ids)
         if scheduler.idle(ran=...): wait a little   # only transfers can make progress
 
@@ -253,6 +263,16 @@ class Scheduler:
         self.issue_loads()
         self._finish_loads()  # before the stores start: its offers go with them
         self.manager.submit_stores(batch=batch_stores)
+
+    def while_device_busy(self) -> None:
+        """One turn of host work while the GPU runs steps already queued (the engine calls
+        it in a loop until the step it waits for is done): advance the transfers and land
+        the restores' groups, then wait at most `DEVICE_BUSY_WAIT_S` for a transfer to
+        finish. Without it, loads that landed during a long prefill step waited for the
+        step's end to be copied to the GPU and to hand their host slots on (behind a 1 GB
+        host tier, a restore's reads then stalled for whole steps)."""
+        self._finish_loads()
+        self.manager.wait_for_transfers(DEVICE_BUSY_WAIT_S)
 
     def idle(self, ran: bool) -> bool:
         """After `update`: whether the caller should wait a little before the next step,

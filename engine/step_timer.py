@@ -64,12 +64,20 @@ class StepTimer:
     def finished(self) -> list[tuple[int, int, float]]:
         """(prefill tokens, keys, seconds) of each timed step the device has finished since
         the last call, oldest first."""
+        self._take_finished()
+        done, self._done = self._done, []
+        return done
+
+    def num_queued(self) -> int:
+        """Timed steps queued on the device and not finished now (0 on the CPU)."""
+        self._take_finished()
+        return len(self._pending)
+
+    def _take_finished(self) -> None:
         while self._pending and self._pending[0].end.query():
             step = self._pending.popleft()
             self._done.append((step.num_tokens, step.num_keys,
                                step.start.elapsed_time(step.end) / 1e3))
-        done, self._done = self._done, []
-        return done
 
     def unfinished(self) -> list[tuple[int, int]]:
         """(prefill tokens, keys) of the timed steps queued on the device and not finished

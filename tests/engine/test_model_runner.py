@@ -3,8 +3,10 @@ request's last block rely on), on the CPU with the torch backend."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from kvtier.engine.loader import load_model
 from kvtier.engine.model_runner import ModelRunner
@@ -49,3 +51,26 @@ def test_by_default_only_the_cudnn_backend_zeroes_blocks() -> None:
     assert not ModelRunner(loaded.model, cache, 16, sample_fn=None)._zero_started
     loaded.model.attn_backend = "cudnn"
     assert ModelRunner(loaded.model, cache, 16, sample_fn=None)._zero_started
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_work_runs_in_turns_while_the_gpu_computes_the_sampled_ids() -> None:
+    loaded = load_model("random:tiny-llama", "cuda", "float32", seed=1)
+    cache = allocate_kv_cache(loaded.config.kv_layout(16, torch.float32), 8, "cuda")
+    runner = ModelRunner(loaded.model, cache, 16, sample_fn=lambda logits, reqs:
+                         logits.argmax(-1))
+    tokens = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    [expected] = runner.execute([scheduled([1, 2, 3], tokens, 0, 40)])
+    calls = {"waiting": 0, "blocked": 0}
+
+    def blocked() -> None:
+        assert calls["waiting"] == 1, "the one-off host work comes first"
+        calls["blocked"] += 1
+        time.sleep(0.001)
+
+    torch.cuda._sleep(1_000_000_000)  # the GPU is busy for a while before the step
+    [token] = runner.execute([scheduled([4, 5, 6], tokens, 0, 40)],
+                             lambda: calls.__setitem__("waiting", calls["waiting"] + 1),
+                             blocked)
+    assert token == expected and calls["waiting"] == 1 and calls["blocked"] > 1

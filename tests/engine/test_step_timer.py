@@ -21,6 +21,7 @@ def test_cpu_steps_are_timed_by_the_wall_clock_and_short_ones_not_at_all() -> No
     [(num_tokens, num_keys, seconds)] = timer.finished()
     assert num_tokens == MIN_TIMED_TOKENS and num_keys == 5000 and 0.02 <= seconds < 5
     assert timer.unfinished() == []  # a CPU step has ended when it returns
+    assert timer.num_queued() == 0
     assert timer.finished() == []  # each step is reported once
 
 
@@ -36,8 +37,25 @@ def test_cuda_steps_are_reported_once_the_gpu_has_run_them() -> None:
     timer.finished()  # the GPU is still busy with the step here, or has just finished it
     assert timer.unfinished() in ([(1000, 7)], [])
     torch.cuda.synchronize()
+    assert timer.num_queued() == 0  # counting them keeps their times for `finished`
     [(num_tokens, num_keys, seconds)] = timer.finished()
     assert num_tokens == 1000 and num_keys == 7 and seconds > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_steps_queued_on_the_gpu_are_counted_until_it_ran_them() -> None:
+    timer = StepTimer(torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time ahead of both steps
+    for num_tokens in (100, 200):
+        timer.begin(num_tokens)
+        a = a @ a / 64
+        timer.end()
+    assert timer.num_queued() == 2
+    torch.cuda.synchronize()
+    assert timer.num_queued() == 0
+    assert [step[0] for step in timer.finished()] == [100, 200]
 
 
 def test_steps_at_one_context_give_a_rate_per_token() -> None:
