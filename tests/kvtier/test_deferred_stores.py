@@ -6,8 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.deferred_stores import DeferredStores
-from kvtier.free_queue import KVCacheBlock
-from kvtier.free_queue import BlockId
+from kvtier.free_queue import BlockId, KVCacheBlock
 from kvtier.tiers.record import BlockMeta
 
 
