@@ -60,6 +60,7 @@ DEVICE_BUSY_WAIT_S = 0.0005
 #: the engine thread then blocks, unable to land loads, and commit claims earlier than needed.
 MAX_STEPS_AHEAD = 1
 
+
 class Scheduler:
     """FCFS scheduling with chunked prefill, restores and preemption over a `TierManager`.
 

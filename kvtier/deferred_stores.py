@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash
@@ -50,10 +49,6 @@ class DeferredStores:
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._stores
 
-    def __iter__(self) -> Iterator[Store]:
-        """The stores, in no particular order."""
-        return (store for store, _ in self._stores.values())
-
     def push(self, store: Store, order: int | None = None) -> None:
         """Defer `store`; `order` puts back one `pop` returned in the place it had."""
         block_hash = store[1].block_hash
@@ -74,6 +69,7 @@ class DeferredStores:
         return None
 
     def get(self, block_hash: BlockHash) -> Store | None:
+        """The store deferred for `block_hash`, or None."""
         entry = self._stores.get(block_hash)
         return None if entry is None else entry[0]
 
