@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk.tier import LOOKUP_DEADLINE_S
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
@@ -46,6 +47,8 @@ class TierConfig(CheckedModel):
     disk_durable: fsync every write transaction of the disk tier. Off (the default): the OS
         writes blocks back, the tier syncs every GiB written and on flush and close; an OS
         crash or power loss may lose recent blocks, which then miss (see `DiskTier`).
+    disk_lookup_deadline_s: seconds a disk lookup may take; past it the disk counts as
+        unavailable (every lookup a miss) until that lookup returns (see `DiskTier`).
     swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
         gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
         addressing) or "auto" (the kernels' choice).
@@ -76,6 +79,9 @@ class TierConfig(CheckedModel):
     disk_durable: bool = Field(
         False, description="fsync every disk tier write transaction; off: the OS writes "
         "back, an OS crash or power loss may lose recent blocks (they then miss)")
+    disk_lookup_deadline_s: Annotated[float, Field(gt=0)] = Field(
+        LOOKUP_DEADLINE_S, description="seconds a disk lookup may take before the disk "
+        "counts as unavailable until it returns")
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")

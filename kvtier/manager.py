@@ -84,7 +84,8 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
         assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
                                         tier_class=DiskTier, read_hook=disk_read_hook,
-                                        durable=config.disk_durable)
+                                        durable=config.disk_durable,
+                                        lookup_deadline_s=config.disk_lookup_deadline_s)
         tiers.append(disk)
     tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
     if config.remote is not None:

@@ -64,9 +64,11 @@ def kv_value(token_id: int, position: int) -> float:
 
 
 def config(disk_dir: Path, num_gpu_blocks: int = 16) -> TierConfig:
+    # A lookup may wait its turn for a core on a loaded test machine: these scenarios are
+    # not about the deadline, so they do not let a slow one turn the disk off.
     return TierConfig.from_slots(LAYOUT, num_gpu_blocks=num_gpu_blocks, num_host_slots=32,
                                  disk_path=disk_dir, num_disk_blocks=256,
-                                 io_threads=1)
+                                 io_threads=1, disk_lookup_deadline_s=10.0)
 
 
 class Driver:

@@ -21,7 +21,7 @@ from manager_cases import (
 from kvtier.config import TierConfig
 from kvtier.manager import TierManager
 from kvtier.stats import Tier
-from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.tier import LOOKUP_DEADLINE_S, DiskTier
 
 # ---- tier combinations ---------------------------------------------------------------------
 
@@ -149,3 +149,19 @@ def test_roundtrip_bench_smoke_run(tmp_path):
     assert result["num_blocks"] == 1024 and result["bytes_each_way"] == 1 << 20
     assert result["manager"]["verified"] and result["disk"]["verified"]
     assert result["manager"]["roundtrip_vs_ceiling"] > 0 and result["disk"]["restore_gbps"] > 0
+
+
+def test_the_disk_lookup_deadline_is_a_setting(tmp_path):
+    layout = small_layout()
+    assert TierConfig(num_gpu_blocks=4).disk_lookup_deadline_s == LOOKUP_DEADLINE_S
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="disk_lookup_deadline_s"):
+            TierConfig(num_gpu_blocks=4, disk_lookup_deadline_s=bad)
+    config = TierConfig.from_slots(layout, 8, 2, disk_path=tmp_path / "kv", num_disk_blocks=16,
+                                   disk_lookup_deadline_s=7.5)
+    m = TierManager(layout, config)
+    try:
+        disk = m.lower_tiers.named("disk")
+        assert isinstance(disk, DiskTier) and disk.lookup_deadline_s == 7.5
+    finally:
+        m.close()
