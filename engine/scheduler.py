@@ -44,6 +44,7 @@ from kvtier.engine.restore import (
 )
 from kvtier.engine.restore_gate import RestoreCounts, RestoreGate
 from kvtier.engine.restore_rates import MIN_SAVING_S, PrefillRate, TierRates, expected_head_tokens
+from kvtier.engine.running_restores import RunningRestores
 from kvtier.engine.step_plan import ScheduledRequest, SchedulerOutput
 
 from kvtier.free_queue import KVCacheBlock
@@ -95,13 +96,6 @@ class Scheduler:
         self.restore_group_bytes = restore_group_bytes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._restores: dict[RequestId, Restore] = {}
-        #: Restores whose next groups are issued once the step is queued (`issue_loads`),
-        #: and the block each issues from.
-        self._issue_after_launch: dict[RequestId, int] = {}
-        #: Restores that ended with loads whose I/O has not ended (they hold host slots);
-        #: their rates are learnt once it has.
-        self._ending: list[Restore] = []
         # Tokens of a looked-up, not yet running request's prefix shared from the GPU pool
         # (those from below count as their restore lands them).
         self._gpu_hit_tokens: dict[RequestId, int] = {}
@@ -114,6 +108,7 @@ class Scheduler:
         self._taps = BlockTaps(manager)
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
         self.gate = RestoreGate(min_restore_saving_s)
+        self._restores = RunningRestores(self.gate)
 
     @property
     def prefill_rate(self) -> PrefillRate:
@@ -154,18 +149,16 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Requests to run, or loads given up whose I/O has not ended (they hold blocks)."""
-        return bool(self.waiting or self.running or self._ending)
+        return bool(self.waiting or self.running or self._restores.has_ending)
 
     @property
     def num_loading(self) -> int:
         """Loads not completed yet (of running restores, or of restores given up)."""
-        return sum(r.num_in_flight for r in [*self._ending, *self._restores.values()])
+        return self._restores.num_loading
 
     def restore_fronts(self) -> dict[RequestId, RestoreFronts]:
         """Where each restore in progress stands (for timelines)."""
-        return {r.request_id: self._restores[r.request_id].fronts(
-                    r.num_computed_tokens // r.block_size)
-                for r in [*self.running, *self.waiting] if r.request_id in self._restores}
+        return self._restores.fronts([*self.running, *self.waiting])
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -372,7 +365,7 @@ class Scheduler:
                               self.restore_group_bytes,
                               None if probe else self.tier_rates.expected(tiers),
                               lookup_began=began, probe=probe)
-            self._restores[request.request_id] = restore
+            self._restores.start(request.request_id, restore)
             self.restore_counts.started += 1
             # Before the compute front claims anything: a tier that lands at once wins. Of
             # the slow tiers' groups only a few once the model's speed is known: the rest
@@ -411,13 +404,7 @@ class Scheduler:
     def _finish_loads(self) -> None:
         """Advance transfers; land the restores' groups; complete loads given up."""
         self.manager.poll()
-        for restore in list(self._ending):
-            restore.collect()
-            if not restore.num_in_flight:
-                self._ending.remove(restore)
-                self.gate.learn(restore)
-        for restore in self._restores.values():
-            restore.collect()
+        self._restores.collect()
 
     def _prefill_cap(self, budget: int, others_wait: bool) -> int:
         """The tokens a request may compute this step out of `budget`: at most
@@ -453,18 +440,14 @@ class Scheduler:
             restore.issue(front, rate, others=others)  # the head too, if left to the front
             return 0
         num_new = restore.claim(request.num_computed_tokens, num_new)
-        self._issue_after_launch[request.request_id] = \
-            -(-(request.num_computed_tokens + num_new) // request.block_size)
+        self._restores.after_launch(
+            request.request_id, -(-(request.num_computed_tokens + num_new) // request.block_size))
         return num_new
 
     def issue_loads(self) -> None:
         """Issue the groups that this step's claims left to the tiers (`launched` does, once
         the step is queued on the GPU)."""
-        pending, self._issue_after_launch = self._issue_after_launch, {}
-        for request_id, floor in pending.items():
-            restore = self._restores.get(request_id)
-            if restore is not None:
-                restore.issue(floor, self.prefill_rate, others=self._num_others(request_id))
+        self._restores.issue_after_launch(self.prefill_rate, self._num_others)
 
     def _num_others(self, request_id: RequestId) -> int:
         """Requests running beside `request_id` (running or about to be admitted): a
@@ -474,10 +457,9 @@ class Scheduler:
 
     def _end_restore(self, request: Request) -> None:
         """Count what a restore restored, complete its loads given up; forget it."""
-        restore = self._restores.pop(request.request_id, None)
+        restore = self._restores.end(request.request_id)
         if restore is None:
             return
-        self._forget(restore)
         request.counters.cached_host += restore.restored[Tier.HOST] * request.block_size
         request.counters.cached_disk += restore.restored[Tier.DISK] * request.block_size
         request.counters.cached_remote += restore.restored[Tier.REMOTE] * request.block_size
@@ -492,7 +474,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Undo a waiting request's blocks (cached ones stay cached in the pool)."""
-        self._drop_restore(request)
+        self._restores.end(request.request_id)  # given up: nothing counted
         self.manager.free(request.reset_blocks())
         self._gpu_hit_tokens.pop(request.request_id, None)
 
@@ -569,26 +551,11 @@ class Scheduler:
         self.gate.left_waiting(request.request_id)
         self._finish(request, reason)
 
-    def _drop_restore(self, request: Request) -> None:
-        """Give up a restore whose request gives its blocks back (nothing is counted)."""
-        restore = self._restores.pop(request.request_id, None)
-        if restore is not None:
-            self._forget(restore)
-
-    def _forget(self, restore: Restore) -> None:
-        """A restore ends: cancel its loads in flight; learn the slow tiers' rates from it
-        once their I/O has ended (`_ending`), reads the compute front overtook included."""
-        restore.abandon()
-        if restore.num_in_flight:
-            self._ending.append(restore)
-        else:
-            self.gate.learn(restore)
-
     def _finish(self, request: Request, reason: str) -> None:
         self._taps.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
-        self._drop_restore(request)
+        self._restores.end(request.request_id)  # given up: nothing counted
         self.manager.free(request.reset_blocks())
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
