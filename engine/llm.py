@@ -44,7 +44,7 @@ from kvtier.engine.request import ParentRequest, Request, RequestId, check_token
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import MAX_STEPS_AHEAD, Scheduler
+from kvtier.engine.scheduler import MAX_STEPS_AHEAD, TRANSFER_WAIT_S, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
 from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
 
@@ -55,10 +55,6 @@ from kvtier.stats import ManagerStats
 from kvtier.tiers.remote.config import RemoteConfig
 
 log = logging.getLogger("kvtier.engine")
-
-#: While only transfers are in flight a step may have nothing to run; it then waits for one
-#: to finish, at most this long (seconds; CUDA copies are polled, not signalled).
-_IDLE_WAIT_S = 0.0005
 
 
 class LLM:
@@ -427,7 +423,7 @@ class LLM:
                 finished.append(request)
         self._failures.end_failed(self._requests, self.scheduler, finished)
         if self.scheduler.idle(ran=bool(plan.scheduled or finished)):
-            self.manager.wait_for_transfers(_IDLE_WAIT_S)
+            self.manager.wait_for_transfers(TRANSFER_WAIT_S)
         return stepped, finished
 
     def _complete(self, request: Request) -> RequestOutput | None:

@@ -53,9 +53,11 @@ from kvtier.stats import Tier
 if TYPE_CHECKING:
     from kvtier.manager import TierManager
 
-#: Seconds `Scheduler.while_device_busy` waits for a transfer at most per turn: a load that
-#: lands is copied on within this, and the turns leave the GIL to the I/O threads.
-DEVICE_BUSY_WAIT_S = 0.0005
+#: Seconds the engine waits at most for a transfer to finish when only transfers can make
+#: progress (`Scheduler.idle`) or the GPU is busy (`Scheduler.while_device_busy`): a disk
+#: read wakes it as it lands, CUDA copies are polled, and a load that lands is copied on
+#: within this; the wait leaves the GIL to the I/O threads.
+TRANSFER_WAIT_S = 0.0005
 #: Prefill steps the engine queues on the GPU ahead of the one running (see `LLM`): enough to
 #: keep it busy while the next is planned; more would only fill CUDA's launch queue, where
 #: the engine thread then blocks, unable to land loads, and commit claims earlier than needed.
@@ -261,12 +263,12 @@ class Scheduler:
     def while_device_busy(self) -> None:
         """One turn of host work while the GPU runs steps already queued (the engine calls
         it in a loop until the step it waits for is done): advance the transfers and land
-        the restores' groups, then wait at most `DEVICE_BUSY_WAIT_S` for a transfer to
+        the restores' groups, then wait at most `TRANSFER_WAIT_S` for a transfer to
         finish. Without it, loads that landed during a long prefill step waited for the
         step's end to be copied to the GPU and to hand their host slots on (behind a 1 GB
         host tier, a restore's reads then stalled for whole steps)."""
         self._finish_loads()
-        self.manager.wait_for_transfers(DEVICE_BUSY_WAIT_S)
+        self.manager.wait_for_transfers(TRANSFER_WAIT_S)
 
     def idle(self, ran: bool) -> bool:
         """After `update`: whether the caller should wait a little before the next step,
