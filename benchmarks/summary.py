@@ -2,9 +2,10 @@
 
     python3 benchmarks/summary.py OUT_DIR
 
-A file's name says which bench wrote it (`kernels.json`, `swap*.json`, `diskread.json`,
-`roundtrip.json`, `longctx*.json`, `serve*.json`, `invariance*.json`, `disagg*.json`, as
-the benchmarks/gpu_*.sh runners name them); each is printed with the table its bench
+A result's `bench` field says which bench wrote it, else the file's name does
+(`kernels.json`, `swap*.json`, `roundtrip.json`, `invariance*.json`, as the
+benchmarks/gpu_*.sh runners name them; `small_host.json` and `conversations.json` are
+`bench longctx` and `bench serve` results); each is printed with the table its bench
 prints without `--json`. A file that is missing, empty or not JSON (a stage that failed or
 timed out) is named on stderr and skipped. Exits 1 when no result was found.
 """
@@ -34,6 +35,15 @@ PRINTERS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 
+def _printer(path: Path, result: object) -> Callable[[dict[str, Any]], None] | None:
+    """The table for `result`: by its `bench` field (`longctx-sweep` is a longctx), else by
+    the prefix of its file's name; None for a file that is no bench result."""
+    bench = result.get("bench") if isinstance(result, dict) else None
+    if isinstance(bench, str) and bench.split("-")[0] in PRINTERS:
+        return PRINTERS[bench.split("-")[0]]
+    return next((p for prefix, p in PRINTERS.items() if path.stem.startswith(prefix)), None)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip(), file=sys.stderr if len(argv) != 1 else sys.stdout)
@@ -41,14 +51,13 @@ def main(argv: list[str]) -> int:
     directory = Path(argv[0])
     printed = 0
     for path in sorted(directory.glob("*.json")):
-        printer = next((p for prefix, p in PRINTERS.items() if path.stem.startswith(prefix)),
-                       None)
-        if printer is None:
-            continue
         try:
             result = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             print(f"{path.name}: no result ({exc})", file=sys.stderr)
+            continue
+        printer = _printer(path, result)
+        if printer is None:
             continue
         print(f"== {path.name}")
         printer(result)

@@ -128,6 +128,23 @@ def test_summary_prints_a_real_result_and_names_a_failed_stage(tmp_path):
     assert json.loads(result.stdout)["num_blocks"] == 2
 
 
+def test_summary_finds_the_bench_by_the_results_own_name(tmp_path):
+    """The runners name some results by their stage (`small_host.json` is a `bench longctx`
+    result, `conversations.json` a `bench serve` one): the result's `bench` field picks the
+    table, whatever the file is called."""
+    result = CliRunner().invoke(app, ["bench", "diskread", "--gib", "0.01", "--threads", "1",
+                                      "--dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "small_host.json").write_text(result.stdout)
+    summary = subprocess.run([sys.executable, str(SUMMARY), str(out)], capture_output=True,
+                             text=True, timeout=120, env=os.environ | {"COLUMNS": "120"})
+    assert summary.returncode == 0, summary.stderr
+    assert "== small_host.json" in summary.stdout
+    assert json.loads(result.stdout)["bench"] == "diskread"
+
+
 def test_summary_of_an_empty_directory_fails(tmp_path):
     summary = subprocess.run([sys.executable, str(SUMMARY), str(tmp_path)], capture_output=True,
                              text=True, timeout=120)
