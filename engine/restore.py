@@ -39,6 +39,7 @@ on measured rates is probed now and then, so that it follows what the tiers deli
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,12 +72,20 @@ FIRST_LANDING_WAIT_S = 0.05
 #: group can land after a good share of a short prefix's compute time (docs/BENCHMARKS.md,
 #: "Figures behind the engine's constants").
 FIRST_LANDING_WAIT_SHARE = 0.02
-#: Disk or remote groups issued while the request is admitted, at most; the rest are issued
+#: Disk or remote groups issued while the request is admitted, at least; the rest are issued
 #: once the step that computes the head is queued on the GPU (`Scheduler.launched`).
 #: Issuing is host work on the engine thread that would otherwise keep the GPU idle before
 #: the first step (docs/BENCHMARKS.md, "Figures behind the engine's constants"); these few
 #: keep the disk busy and tell when it answers.
 FIRST_SLOW_GROUPS = 4
+#: ... and, with the model's speed and the slow tiers' rate known, as many as those tiers
+#: are expected to read while this many steps of the request compute
+#: (`Restore.slow_groups_at_admission`). The engine thread issues the rest only once the
+#: first step's launch returns, and a large model's launch takes about as long as the step
+#: computes (an 8B model's 2,048-token step: 26 of 31 ms), so reads issued then start a
+#: step late and land after the claim of the second step was sized without them
+#: (docs/BENCHMARKS.md, "Short prompts: restores against recompute").
+ADMISSION_STEPS = 2
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
 PROBE_TOKENS = 64
@@ -239,6 +248,25 @@ class Restore:
                                          is not None else time.monotonic())
             if self.manager.is_load_ready(load_id, advance=False):
                 self._land(self._in_flight.pop())
+
+    def slow_groups_at_admission(self, compute_block: int, prefill: PrefillRate,
+                                 step_tokens: int) -> int | None:
+        """How many disk or remote groups to issue while the request is admitted: those the
+        slow tiers are expected to read (at their rate in recent restores) while
+        `ADMISSION_STEPS` steps of `step_tokens` prompt tokens from `compute_block` on
+        compute, at least `FIRST_SLOW_GROUPS` (just those while the tiers' rate is not
+        known). None (no cap) while the model's speed is unknown: its first claim then only
+        measures it (`PROBE_TOKENS`), and the reads are the restore."""
+        if prefill.tokens_per_s is None:
+            return None
+        load_rate = self._expected_load_rate
+        pending = self._pending_tokens(compute_block)
+        step_s = prefill.seconds(min(step_tokens, pending), compute_block * self.block_size)
+        if load_rate is None or not step_s:
+            return FIRST_SLOW_GROUPS
+        group_tokens = self._group_blocks[Tier.DISK] * self.block_size
+        return max(FIRST_SLOW_GROUPS,
+                   math.ceil(load_rate * ADMISSION_STEPS * step_s / group_tokens))
 
     def reserved_head(self, floor: int, prefill: PrefillRate | None, others: int = 0) -> int:
         """The first block from `floor` on that the slow tiers should load: above the head

@@ -38,7 +38,6 @@ from kvtier.engine.block_taps import BlockTap, BlockTaps
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import (
     DISK_GROUP_BYTES,
-    FIRST_SLOW_GROUPS,
     Restore,
     RestoreFronts,
 )
@@ -370,11 +369,12 @@ class Scheduler:
             self._restores.start(request.request_id, restore)
             self.restore_counts.started += 1
             # Before the compute front claims anything: a tier that lands at once wins. Of
-            # the slow tiers' groups only a few once the model's speed is known: the rest
-            # are issued once the step with the front's first claim is launched.
-            known = self.prefill_rate.tokens_per_s is not None
+            # the slow tiers' groups, once the model's speed is known, those they read
+            # while the first steps compute: the rest are issued once the step with the
+            # front's first claim is launched.
             restore.issue(num_leading, self.prefill_rate,
-                          max_slow_groups=FIRST_SLOW_GROUPS if known else None,
+                          max_slow_groups=restore.slow_groups_at_admission(
+                              num_leading, self.prefill_rate, self.max_num_batched_tokens),
                           others=self._num_others(request.request_id))
         return True
 

@@ -111,9 +111,10 @@ def test_the_first_landing_wait_is_a_small_share_of_computing_the_prefix(
 def test_with_the_models_speed_known_the_reads_are_issued_around_the_first_launch(
         disk_dir: Path) -> None:
     """Issuing a read is host work on the engine thread (0.5 ms a group on an H100), and
-    before the request's first step nothing hides it: the admitting step issues only
-    FIRST_SLOW_GROUPS groups, the rest go once the step with the front's first claim is
-    queued (`Scheduler.launched`, where `LLM` calls it), and the fronts still meet."""
+    before the request's first step nothing hides it: while the tiers' rate is unknown the
+    admitting step issues only FIRST_SLOW_GROUPS groups, the rest go once the step with the
+    front's first claim is queued (`Scheduler.launched`, where `LLM` calls it), and the
+    fronts still meet."""
     hashes = warm(disk_dir, [PROMPT])
     hook = ReadHook(gate_at=1)  # nothing lands: the front claims once its wait is over
     with closing(TierManager(LAYOUT, config(disk_dir), disk_read_hook=hook)) as manager:
@@ -138,6 +139,41 @@ def test_with_the_models_speed_known_the_reads_are_issued_around_the_first_launc
         finish_idle(driver)
     assert request.status is RequestStatus.FINISHED
     assert set(hook.read) <= set(hashes[2:8])  # the claimed head was never read
+
+
+@pytest.mark.parametrize(("tokens_per_s", "load_block"), [
+    (400.0, 2),   # reads 20 groups in two steps: every group above the 2-block head
+    (100.0, 11),  # reads 5 in two steps: the rest wait for the first launch
+])
+def test_with_both_rates_known_admission_issues_what_the_tiers_read_in_two_steps(
+        disk_dir: Path, tokens_per_s: float, load_block: int) -> None:
+    """With the tiers' rate known too, the admitting step issues the groups they are
+    expected to read while ADMISSION_STEPS steps compute (here 2 x 0.1 s at L tokens/s,
+    4 tokens a group), at least FIRST_SLOW_GROUPS and none inside the head the compute
+    front takes: the engine thread issues more only once the first step's launch returns,
+    which for a large model is about when that step ends."""
+    prompt = prompt_of(65)  # 16 full blocks
+    hashes = warm(disk_dir, [prompt])
+    hook = ReadHook(gate_at=1)  # nothing lands while the fronts are looked at
+    with closing(TierManager(LAYOUT, config(disk_dir, num_gpu_blocks=32),
+                             disk_read_hook=hook)) as manager:
+        driver = Driver(manager)
+        driver.scheduler.prefill_rate.observe(8, 0.1)  # 8 tokens (a step) take 0.1 s
+        driver.scheduler.tier_rates.observe(Tier.DISK, int(tokens_per_s), 1.0)
+        request = driver.add(prompt)
+        rid = request.request_id
+        try:
+            plan = driver.scheduler.schedule()  # admitted; the rates size the first claim
+            assert driver.scheduler.restore_fronts()[rid].load_block == load_block
+            assert load_block == 2 or 16 - load_block > FIRST_SLOW_GROUPS
+            driver.compute(plan)
+            driver.scheduler.launched(batch_stores=False)
+            driver.scheduler.update(plan, [None] * len(plan.scheduled))
+        finally:
+            hook.release()
+        finish_idle(driver)
+    assert request.status is RequestStatus.FINISHED
+    assert set(hook.read) <= set(hashes[2:16])  # the claimed head was never read
 
 
 def test_a_broken_tier_meets_at_the_end(disk_dir: Path) -> None:
