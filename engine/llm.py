@@ -27,6 +27,7 @@ import torch
 from kvtier.engine import sizing
 from kvtier.engine.attention import select_backend
 from kvtier.engine.block_taps import BlockTap
+from kvtier.engine.completions import Completions, completion_request_ids
 from kvtier.engine.config_sources import load_engine_config
 from kvtier.engine.cpu_threads import leave_a_core_to_io
 from kvtier.engine.flush_progress import FlushProgressLine
@@ -38,9 +39,9 @@ from kvtier.engine.loader import (
     resolve_device_dtype,
 )
 from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput, combine_metrics
+from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
-from kvtier.engine.request import ParentRequest, Request, RequestId, check_token_ids
+from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
@@ -156,8 +157,7 @@ class LLM:
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self._logprobs: dict[RequestId, list[dict[int, Logprob]]] = {}
-        self._parents: dict[str, ParentRequest] = {}
-        self._child_parent: dict[RequestId, tuple[str, int]] = {}
+        self._completions = Completions()  # the caller's requests behind the engine's
         self._unclaimed: list[RequestOutput] = []
         self._tracker = OutputTracker(self.tokenizer)
         self._stopped: list[Request] = []  # aborted, reported by the next step
@@ -226,8 +226,7 @@ class LLM:
     def completion_ids(self, request_id: str) -> list[str]:
         """The engine requests of a queued request: itself when n = 1, else `<i>_<id>`
         for each of its n completions (as `stream_step` reports them)."""
-        parent = self._parents[request_id]
-        return [request_id] if parent.n == 1 else [f"{i}_{request_id}" for i in range(parent.n)]
+        return self._completions.ids(request_id)
 
     def _enqueue(self, token_ids: tuple[int, ...], params: SamplingParams | None,
                  request_id: str | None, cache_salt: str | None, text: str | None) -> str:
@@ -239,14 +238,13 @@ class LLM:
         index = next(self._request_counter)
         parent_id = request_id if request_id is not None else f"req-{index}"
         # n > 1: one engine request per completion; they share the prompt's cached blocks.
-        child_ids = [RequestId(parent_id)] if params.n == 1 else \
-            [RequestId(f"{i}_{parent_id}") for i in range(params.n)]
-        if parent_id in self._parents or any(c in self._requests for c in child_ids):
+        if parent_id in self._completions or any(
+                c in self._requests for c in completion_request_ids(parent_id, params.n)):
             raise ValueError(f"request id {parent_id!r} is already in use")
         salt = cache_salt if cache_salt is not None else self.config.cache_salt
         namespace = namespace_hash(self.model_fingerprint, self.layout,
                                    self.config.hash_algorithm, salt)
-        self._parents[parent_id] = ParentRequest(text, token_ids, params.n)
+        child_ids = self._completions.add(parent_id, text, token_ids, params.n)
         for completion, rid in enumerate(child_ids):
             request = Request(
                 request_id=rid, prompt_token_ids=token_ids, params=params,
@@ -257,7 +255,6 @@ class LLM:
                 ignore_eos=params.ignore_eos, stop_token_ids=frozenset(params.stop_token_ids),
                 prompt=text)
             self._requests[rid] = request
-            self._child_parent[rid] = (parent_id, completion)
             self._generators[rid] = make_generator(params, self.device, self.config.seed, index,
                                                    completion)
             if params.logprobs is not None:
@@ -323,7 +320,7 @@ class LLM:
         for request in finished:
             rid = request.request_id
             delta = self._delta(request) or RequestDelta(
-                rid, (), "", "error", index=self._child_parent[rid][1])
+                rid, (), "", "error", index=self._completions.index_of(rid))
             error = self._failures.message(rid)
             output = self._complete(request)
             deltas.append(dataclasses.replace(
@@ -338,7 +335,7 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 (a tokenizer that fails on these ids)
             self._failures.fail(request, "detokenizing its output", exc)
             return None
-        completion = self._child_parent[request.request_id][1]
+        completion = self._completions.index_of(request.request_id)
         if completion:
             delta = dataclasses.replace(delta, index=completion)
         logprobs = self._logprobs.get(request.request_id)
@@ -353,7 +350,7 @@ class LLM:
         its blocks are freed at once (its full blocks stay cached). The next step reports it
         with finish reason "abort". Returns False when no unfinished request has that id."""
         targets = [request for rid, request in self._requests.items()
-                   if self._child_parent[rid][0] == request_id and not request.is_finished
+                   if self._completions.request_of(rid) == request_id and not request.is_finished
                    and request not in self._stopped]
         for request in targets:
             self.scheduler.stop(request, "abort")
@@ -432,8 +429,6 @@ class LLM:
         rid = request.request_id
         del self._requests[rid]
         self._generators.pop(rid, None)
-        parent_id, completion = self._child_parent.pop(rid)
-        parent = self._parents[parent_id]
         output_ids = tuple(request.output_token_ids)
         try:
             text = self._tracker.final_text(request)  # stop strings cut, stop token's left out
@@ -445,16 +440,10 @@ class LLM:
         logprobs = self._logprobs.pop(rid, None)
         cumulative = None if logprobs is None or error is not None else \
             sum(entry[token].logprob for entry, token in zip(logprobs, output_ids))
-        parent.completions[completion] = CompletionOutput(
+        completion = self._completions.index_of(rid)
+        return self._completions.finish(rid, CompletionOutput(
             completion, text, output_ids, cumulative, logprobs,
-            "error" if error is not None else request.finish_reason, error)
-        parent.metrics.append(request.metrics())
-        if len(parent.completions) < parent.n:
-            return None
-        del self._parents[parent_id]
-        return RequestOutput(parent_id, parent.prompt, parent.prompt_token_ids,
-                             [parent.completions[i] for i in range(parent.n)], True,
-                             combine_metrics(parent.metrics))
+            "error" if error is not None else request.finish_reason, error), request.metrics())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -539,7 +528,7 @@ class LLM:
             self.abort(parent_id)
         stopped, self._stopped = self._stopped, []
         for request in stopped:
-            if self._child_parent[request.request_id][0] in parent_ids:
+            if self._completions.request_of(request.request_id) in parent_ids:
                 self._complete(request)
             else:
                 self._stopped.append(request)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from kvtier.engine.outputs import CompletionOutput, RequestMetrics
+from kvtier.engine.outputs import RequestMetrics
 
 from kvtier.free_queue import KVCacheBlock
 from kvtier.hashing import BlockHash, BlockHasher
@@ -208,15 +208,3 @@ class OutputTokenIds(Sequence):
 
     def __getitem__(self, index):  # type: ignore[override]
         return self._requests[index].output_token_ids
-
-
-@dataclass(slots=True)
-class ParentRequest:
-    """A request as the caller sees it: its prompt and its `n` completions so far (each
-    completion runs as an engine `Request` of its own)."""
-
-    prompt: str | None
-    prompt_token_ids: tuple[int, ...]
-    n: int
-    completions: dict[int, CompletionOutput] = field(default_factory=dict)
-    metrics: list = field(default_factory=list)
