@@ -78,7 +78,9 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp("handoff")
     cache_dir = seed_model_cache(tmp / "cache", smollm2_conversion)
     nccl = f"tcp://127.0.0.1:{free_port()}"
-    decode_args = ["--role", "decode", "--handoff-timeout", "3", "--handoff-nccl", nccl,
+    # A reservation expires 10 s after its last commit: a fresh prefill instance's first
+    # commit took over 3 s on the loaded 2-core CI machine once, and its handoff failed.
+    decode_args = ["--role", "decode", "--handoff-timeout", "10", "--handoff-nccl", nccl,
                    "--handoff-nccl-backend", "gloo"]
     try:
         redis = request.getfixturevalue("redis_server")
@@ -246,7 +248,7 @@ def test_a_prefill_instance_killed_mid_handoff(pair: Pair, colocated: LLM) -> No
         doomed.kill()  # mid-handoff: blocks have landed, the prompt is not done
         thread.join(60)
         assert outcome and isinstance(outcome[0], httpx.HTTPError), outcome
-        # The reservation expires (--handoff-timeout 3); the decode instance never waits.
+        # The reservation expires (--handoff-timeout 10); the decode instance never waits.
         deadline = time.monotonic() + 60
         while _metrics(pair.decode).get(timeout_sample, 0) <= before.get(timeout_sample, 0):
             assert time.monotonic() < deadline, "the reservation did not expire"
