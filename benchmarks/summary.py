@@ -39,8 +39,9 @@ def _printer(path: Path, result: object) -> Callable[[dict[str, Any]], None] | N
     """The table for `result`: by its `bench` field (`longctx-sweep` is a longctx), else by
     the prefix of its file's name; None for a file that is no bench result."""
     bench = result.get("bench") if isinstance(result, dict) else None
-    if isinstance(bench, str) and bench.split("-")[0] in PRINTERS:
-        return PRINTERS[bench.split("-")[0]]
+    kind = bench.split("-")[0] if isinstance(bench, str) else None
+    if kind is not None and kind in PRINTERS:
+        return PRINTERS[kind]
     return next((p for prefix, p in PRINTERS.items() if path.stem.startswith(prefix)), None)
 
 

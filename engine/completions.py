@@ -54,9 +54,9 @@ class Completions:
             self._child_parent[rid] = (request_id, completion)
         return child_ids
 
-    def ids(self, request_id: str) -> list[str]:
+    def ids(self, request_id: str) -> list[RequestId]:
         """The engine requests of the unfinished request `request_id` (KeyError if none)."""
-        return list(completion_request_ids(request_id, self._parents[request_id].n))
+        return completion_request_ids(request_id, self._parents[request_id].n)
 
     def request_of(self, engine_request_id: RequestId) -> str:
         """The caller's request that the engine request `engine_request_id` serves."""

@@ -82,9 +82,9 @@ FIRST_SLOW_GROUPS = 4
 #: are expected to read while this many steps of the request compute
 #: (`Restore.slow_groups_at_admission`). The engine thread issues the rest only once the
 #: first step's launch returns, and a large model's launch takes about as long as the step
-#: computes (an 8B model's 2,048-token step: 26 of 31 ms), so reads issued then start a
-#: step late and land after the claim of the second step was sized without them
-#: (docs/BENCHMARKS.md, "Short prompts: restores against recompute").
+#: computes, so reads issued then start a step late and land after the claim of the second
+#: step was sized without them (docs/BENCHMARKS.md, "Short prompts: restores against
+#: recompute", has the timeline).
 ADMISSION_STEPS = 2
 #: Tokens the compute front claims first while the model's prefill rate is not known yet (no
 #: prefill step timed since start: `engine.step_timer`): enough to measure it.
