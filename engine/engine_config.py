@@ -77,7 +77,8 @@ class EngineConfig(CheckedModel):
     cuda_graphs: replay recorded CUDA graphs for small steps: decodes, and short prefill
         chunks as decode rows (used only on CUDA with the triton or cudnn attention backend;
         ignored elsewhere).
-    warmup: compile every kernel and time one prefill at start (CUDA).
+    warmup: at start, compile every kernel and time one prefill (CUDA); on the CPU, with a
+        disk or remote tier, time one short prefill (what the first restore is weighed with).
     deterministic: every token's logits the same bits whatever its batch, its prompt's
         chunking and the tier its prefix came from (batch-invariant matrix products and
         attention; see docs/DETERMINISM.md for what it costs); off: the fastest kernels,
@@ -132,7 +133,8 @@ class EngineConfig(CheckedModel):
     seed: Annotated[int, Field(ge=0)] | None = Field(
         0, description="default sampling seed, >= 0; None: nondeterministic")
     cuda_graphs: bool = Field(True, description="replay CUDA graphs for small steps")
-    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA)")
+    warmup: bool = Field(True, description="compile and capture every kernel at start (CUDA); "
+                         "time one prefill at start (CUDA, and the CPU with a slow tier)")
     deterministic: bool = Field(
         False, description="batch- and chunk-invariant kernels: bit-identical logits across "
         "batches, chunk sizes and tiers, in bf16 too")

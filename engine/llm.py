@@ -47,7 +47,12 @@ from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import MAX_STEPS_AHEAD, TRANSFER_WAIT_S, Scheduler
 from kvtier.engine.streaming import OutputTracker, RequestDelta
-from kvtier.engine.warmup import WarmupReport, prepare_gpu, use_user_triton_cache
+from kvtier.engine.warmup import (
+    WarmupReport,
+    prepare_gpu,
+    time_cpu_prefill,
+    use_user_triton_cache,
+)
 
 from kvtier.cuda_device import bind_thread
 from kvtier.hashing import BlockHasher, namespace_hash
@@ -150,9 +155,13 @@ class LLM:
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
             self.max_model_len)
+        # The first restore after start is weighed and sized with the model's rate, as
+        # later ones; only restores from the slow tiers use it.
         if self.warmup_report is not None:
-            # The first restore after start is sized with the model's rate, as later ones.
             self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)
+        elif cfg.warmup and self.device.type == "cpu" and self.manager.lower_tiers:
+            self.scheduler.prefill_rate.observe_steps(time_cpu_prefill(
+                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens))
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}

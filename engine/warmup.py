@@ -64,6 +64,9 @@ LONG_CONTEXT = 2048
 SHORT_CHUNK = 48
 #: Query tokens of the warm-up's mid-sized prefill chunk.
 MID_CHUNK = 512
+#: Prompt tokens of the prefill timed at start on the CPU (`time_cpu_prefill`): enough that
+#: the per-step costs do not make the rate, few enough to add little to a start.
+CPU_TIMED_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,14 +299,34 @@ def prepare_gpu(runner: ModelRunner, config: EngineConfig, graph_max_len: int,
 @torch.inference_mode()
 def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                  step: WarmupStep) -> tuple[int, int, float]:
-    """(tokens, keys attended to, seconds) of `step` (prompt chunks, already compiled) run
-    once more on `kv_cache`'s device, timed by CUDA events; stores nothing."""
+    """(tokens, keys attended to, seconds) of `step` (prompt chunks, already run once) run
+    once more on `kv_cache`'s device, timed by CUDA events there and by the wall clock on
+    the CPU; stores nothing."""
     input_ids, positions, metadata = _step_inputs(step, block_size, kv_cache.device)
+    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
+    if kv_cache.device.type != "cuda":
+        start = time.perf_counter()
+        model.forward(input_ids, positions, kv_cache, metadata)
+        return sum(step.q_lens), num_keys, time.perf_counter() - start
     begin = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     begin.record()
     model.forward(input_ids, positions, kv_cache, metadata)
     end.record()
     end.synchronize()
-    num_keys = sum(prefill_keys(q, s - q) for q, s in zip(step.q_lens, step.seq_lens))
     return sum(step.q_lens), num_keys, begin.elapsed_time(end) / 1e3
+
+
+@torch.inference_mode()
+def time_cpu_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                     max_num_batched_tokens: int) -> tuple[tuple[int, int, float], ...]:
+    """On the CPU, where nothing is compiled at start: one fresh prompt chunk of
+    `CPU_TIMED_TOKENS` (at most the step's budget) run once, then timed (the first forward
+    also pays for torch's first allocations). Its (tokens, keys, seconds) seed the
+    scheduler's prefill rate, so a fresh engine's first restore is weighed against
+    computing like the later ones: without it the gate reads every prefix, however short,
+    until a step of `step_timer.MIN_TIMED_TOKENS` has run. Stores nothing."""
+    num_tokens = min(max_num_batched_tokens, CPU_TIMED_TOKENS)
+    step = WarmupStep("prefill", (num_tokens,), (num_tokens,))
+    run_steps(model, kv_cache, block_size, [step, WarmupStep("decode", (1,), (17,))])
+    return (time_prefill(model, kv_cache, block_size, step),)

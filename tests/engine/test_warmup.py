@@ -1,7 +1,8 @@
 """Warm-up at engine start (engine.warmup).
 
 CPU: the warm-up steps fit the engine's limits and write nothing into the KV cache; the Triton
-cache directory goes under the user cache directory unless TRITON_CACHE_DIR is set.
+cache directory goes under the user cache directory unless TRITON_CACHE_DIR is set; an engine
+with a disk tier times one prefill at start, which its first restore is weighed with.
 GPU: after warm-up, serving prompts of every shape class compiles no new kernel variant, and
 the engine's tokens equal those of an engine that skipped warm-up.
 """
@@ -86,6 +87,31 @@ def test_cpu_engine_skips_warmup() -> None:
     with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
              disk_cache=False) as llm:
         assert llm.warmup_report is None
+        assert llm.scheduler.prefill_rate.tokens_per_s is None  # no slow tier to weigh
+
+
+def test_a_fresh_cpu_engine_weighs_its_first_disk_restore_with_a_timed_prefill(
+        tmp_path: Path) -> None:
+    """Nothing is compiled on the CPU, but with a disk tier the engine times one short
+    prefill at start: a fresh engine over a disk that holds a short prompt computes it, as
+    reading would save less than the gate's margin, and gives the same tokens. Without the
+    timing (warm-up off) the rate is unknown and the same engine reads the prompt."""
+    prompt = [3 + i % 250 for i in range(96)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    options = {"device": "cpu", "gpu_blocks": 16, "disk_cache_dir": tmp_path}
+    with LLM("random:tiny-llama", **options) as llm:
+        first = llm.generate([prompt], params)[0]
+    with LLM("random:tiny-llama", **options) as llm:
+        assert llm.warmup_report is None and llm.scheduler.prefill_rate.tokens_per_s > 0
+        computed = llm.generate([prompt], params)[0]
+        assert llm.restore_counts().turned_away == 1
+    with LLM("random:tiny-llama", warmup=False, **options) as llm:
+        assert llm.scheduler.prefill_rate.tokens_per_s is None
+        read = llm.generate([prompt], params)[0]
+    assert computed.metrics.cached_tokens_disk == 0
+    assert read.metrics.cached_tokens_disk > 0
+    assert computed.outputs[0].token_ids == read.outputs[0].token_ids \
+        == first.outputs[0].token_ids
 
 
 # --- GPU ----------------------------------------------------------------------------------
