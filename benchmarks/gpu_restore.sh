@@ -9,12 +9,14 @@
 # cache dropped; `conversations` serves 24 conversations over 6K-token documents in lockstep
 # through a 40K-token GPU pool: tiers off, a host tier holding everything, 3 GB host + disk
 # (and that asking the disk for every prefix); CONVERSATION_MODES picks the modes.
+# `short`: prompts of 272, 1,040 and 4,112 tokens restored from the host and the disk against
+# recompute, for the 8B and the 1B shapes (the "never slower than recompute" case).
 # STAGES picks stages (default: all): diskread longctx_cold longctx_warm serve small_host
-# conversations. Together they
+# conversations short. Together they
 # take longer than one 10-minute device call: split them, e.g. STAGES=longctx_cold, then
 # STAGES=serve, then the rest.
 set -u
-STAGES=${STAGES:-"diskread longctx_cold longctx_warm serve small_host conversations"}
+STAGES=${STAGES:-"diskread longctx_cold longctx_warm serve small_host conversations short"}
 source "$(dirname "$0")/gpu_env.sh" "$@"
 MODEL=(--model random:llama3-8b --device cuda --dtype bfloat16)
 LONG=(--num-docs 3 --max-batched-tokens 8192 --disk-dir /tmp --json)
@@ -48,5 +50,12 @@ if stage conversations; then
         --gpu-blocks 2500 --max-batched-tokens 4096 --host-cache-gb 3 \
         --modes "${CONVERSATION_MODES:-off,host,host_small_disk,host_small_disk_all}" \
         --json > "$OUT_DIR/conversations.json" 2> "$OUT_DIR/conversations.log"
+fi
+if stage short; then
+    for shape in llama3-8b llama3-1b; do
+        limit 240 $KV bench longctx --model "random:$shape" --device cuda --dtype bfloat16 \
+            --doc-tokens 256,1024,4096 --num-docs 6 --strategies recompute,host,disk \
+            --disk-dir /tmp --json > "$OUT_DIR/short_$shape.json" 2> "$OUT_DIR/short_$shape.log"
+    done
 fi
 limit 60 $PY benchmarks/summary.py "$OUT_DIR"
