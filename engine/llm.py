@@ -155,12 +155,12 @@ class LLM:
         self.warmup_report: WarmupReport | None = prepare_gpu(
             self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
             self.max_model_len)
-        # The first restore after start is weighed and sized with the model's rate, as
-        # later ones; only restores from the slow tiers use it.
         if self.warmup_report is not None:
+            # The first restore after start is sized with the model's rate, as later ones.
             self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)
         elif cfg.warmup and self.device.type == "cpu" and self.manager.lower_tiers:
-            self.scheduler.prefill_rate.observe_steps(time_cpu_prefill(
+            # Whether the first restore reads the slow tiers at all (only they are gated).
+            self.scheduler.gate.start_rate.observe_steps(time_cpu_prefill(
                 self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens))
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}

@@ -56,7 +56,11 @@ class RestoreCounts:
 class RestoreGate:
     """The read-or-compute decision of one scheduler (see the module docstring).
 
-    prefill_rate: the model's measured speed (the engine feeds it). tier_rates: what the
+    prefill_rate: the model's measured speed (the engine feeds it). start_rate: a rough
+    one, timed at start from one short prefill where nothing else is (the CPU, which has no
+    warm-up): it only answers whether a prefix is worth looking for at all while
+    `prefill_rate` has seen no step, and never sizes a restore's fronts (from one fresh
+    step, it knows nothing of attention's cost over a context). tier_rates: what the
     disk and remote tiers delivered to recent restores (`learn`). min_saving_s: seconds
     reading must be expected to save before those tiers are asked; 0 asks them for every
     prefix. counts: how lookups went (the scheduler counts restores started and given up).
@@ -64,6 +68,7 @@ class RestoreGate:
 
     def __init__(self, min_saving_s: float = MIN_SAVING_S) -> None:
         self.prefill_rate = PrefillRate()
+        self.start_rate = PrefillRate()
         self.tier_rates = TierRates()
         self.min_saving_s = min_saving_s
         self.counts = RestoreCounts()
@@ -93,7 +98,9 @@ class RestoreGate:
         a small host tier".)"""
         if not slow:
             return False  # nothing below the host to read from
-        seconds = self.prefill_rate.seconds(num_tokens, context)
+        rate = self.prefill_rate if self.prefill_rate.tokens_per_s is not None \
+            else self.start_rate
+        seconds = rate.seconds(num_tokens, context)
         prefill = None if not seconds else num_tokens / seconds
         load_rate = self.tier_rates.expected(slow)
         if busy and load_rate is not None:

@@ -322,9 +322,9 @@ def time_cpu_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size:
                      max_num_batched_tokens: int) -> tuple[tuple[int, int, float], ...]:
     """On the CPU, where nothing is compiled at start: one fresh prompt chunk of
     `CPU_TIMED_TOKENS` (at most the step's budget) run once, then timed (the first forward
-    also pays for torch's first allocations). Its (tokens, keys, seconds) seed the
-    scheduler's prefill rate, so a fresh engine's first restore is weighed against
-    computing like the later ones: without it the gate reads every prefix, however short,
+    also pays for torch's first allocations). Its (tokens, keys, seconds) seed the restore
+    gate's start rate (`RestoreGate.start_rate`), so a fresh engine's first restore is
+    weighed against computing: without it the gate reads every prefix, however short,
     until a step of `step_timer.MIN_TIMED_TOKENS` has run. Stores nothing."""
     num_tokens = min(max_num_batched_tokens, CPU_TIMED_TOKENS)
     step = WarmupStep("prefill", (num_tokens,), (num_tokens,))

@@ -55,6 +55,7 @@ def run(args: dict) -> dict:
             "cached_gpu_host_disk": metrics.cached_tokens_gpu + metrics.cached_tokens_host
             + metrics.cached_tokens_disk,
             "computed": metrics.computed_tokens,
+            "ttft_s": metrics.ttft_s,
             "remote_read_bytes": stats.transfers[Direction.REMOTE_TO_HOST].num_bytes,
             "remote_written_bytes": stats.transfers[Direction.HOST_TO_REMOTE].num_bytes,
             "remote_stored": stats.remote.stored if stats.remote else 0,

@@ -87,7 +87,7 @@ def test_cpu_engine_skips_warmup() -> None:
     with LLM("random:tiny-llama", device="cpu", gpu_blocks=8, host_cache=False,
              disk_cache=False) as llm:
         assert llm.warmup_report is None
-        assert llm.scheduler.prefill_rate.tokens_per_s is None  # no slow tier to weigh
+        assert llm.scheduler.gate.start_rate.tokens_per_s is None  # no slow tier to weigh
 
 
 def test_a_fresh_cpu_engine_weighs_its_first_disk_restore_with_a_timed_prefill(
@@ -102,11 +102,14 @@ def test_a_fresh_cpu_engine_weighs_its_first_disk_restore_with_a_timed_prefill(
     with LLM("random:tiny-llama", **options) as llm:
         first = llm.generate([prompt], params)[0]
     with LLM("random:tiny-llama", **options) as llm:
-        assert llm.warmup_report is None and llm.scheduler.prefill_rate.tokens_per_s > 0
+        assert llm.warmup_report is None and llm.scheduler.gate.start_rate.tokens_per_s > 0
+        # ... which sizes no restore: the first restore's compute front still measures
+        # the model with a probe-sized first claim (`restore.PROBE_TOKENS`).
+        assert llm.scheduler.prefill_rate.tokens_per_s is None
         computed = llm.generate([prompt], params)[0]
         assert llm.restore_counts().turned_away == 1
     with LLM("random:tiny-llama", warmup=False, **options) as llm:
-        assert llm.scheduler.prefill_rate.tokens_per_s is None
+        assert llm.scheduler.gate.start_rate.tokens_per_s is None
         read = llm.generate([prompt], params)[0]
     assert computed.metrics.cached_tokens_disk == 0
     assert read.metrics.cached_tokens_disk > 0
