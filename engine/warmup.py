@@ -321,8 +321,9 @@ def time_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int
 def time_cpu_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
                      max_num_batched_tokens: int) -> tuple[tuple[int, int, float], ...]:
     """On the CPU, where nothing is compiled at start: one fresh prompt chunk of
-    `CPU_TIMED_TOKENS` (at most the step's budget) run once, then timed (the first forward
-    also pays for torch's first allocations). Its (tokens, keys, seconds) seed the restore
+    `CPU_TIMED_TOKENS` (at most the step's budget) run once with a decode and both sampler
+    paths (the first forward also pays for torch's first allocations), then timed. Its
+    (tokens, keys, seconds) seed the restore
     gate's start rate (`RestoreGate.start_rate`), so a fresh engine's first restore is
     weighed against computing: without it the gate reads every prefix, however short,
     until a step of `step_timer.MIN_TIMED_TOKENS` has run. Stores nothing."""

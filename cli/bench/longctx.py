@@ -78,7 +78,7 @@ EXTRA_STRATEGIES = ("host_small_disk",)
 DISK_STRATEGIES = ("disk", "host_small_disk")
 #: Strategies whose round two runs on a fresh engine: the disk ones (their host tier starts
 #: empty) and recompute, their baseline, so that both pay what an engine's first requests
-#: pay (on the CPU 5-25% of a short prompt's TTFT) and the ratio weighs the restore alone.
+#: pay (docs/BENCHMARKS.md, "Short prompts") and the ratio weighs the restore alone.
 FRESH_ROUND_TWO = ("recompute", *DISK_STRATEGIES)
 GIB = 1 << 30
 #: The goal the engine issue sets for a 32K-token prompt on the GPU: restoring its KV from the

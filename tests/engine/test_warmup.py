@@ -103,8 +103,7 @@ def test_a_fresh_cpu_engine_weighs_its_first_disk_restore_with_a_timed_prefill(
         first = llm.generate([prompt], params)[0]
     with LLM("random:tiny-llama", **options) as llm:
         assert llm.warmup_report is None and llm.scheduler.gate.start_rate.tokens_per_s > 0
-        # ... which sizes no restore: the first restore's compute front still measures
-        # the model with a probe-sized first claim (`restore.PROBE_TOKENS`).
+        # ... which sizes no restore: the prefill rate waits for a step of the engine's.
         assert llm.scheduler.prefill_rate.tokens_per_s is None
         computed = llm.generate([prompt], params)[0]
         assert llm.restore_counts().turned_away == 1
