@@ -161,7 +161,8 @@ class LLM:
         elif cfg.warmup and self.device.type == "cpu" and self.manager.lower_tiers:
             # Whether the first restore reads the slow tiers at all (only they are gated).
             self.scheduler.gate.start_rate.observe_steps(time_cpu_prefill(
-                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens))
+                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens,
+                self.max_model_len))
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}

@@ -21,7 +21,12 @@ from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.config import named_config
 from kvtier.engine.loader import LoadedModel, build_model, init_random_weights, load_model
 from kvtier.engine.restore_rates import PrefillRate
-from kvtier.engine.warmup import run_steps, use_user_triton_cache, warmup_steps
+from kvtier.engine.warmup import (
+    run_steps,
+    time_cpu_prefill,
+    use_user_triton_cache,
+    warmup_steps,
+)
 from kvtier.kernels import cudnn_backend
 from kvtier.kernels.cudnn_backend import cudnn_available
 
@@ -88,6 +93,19 @@ def test_cpu_engine_skips_warmup() -> None:
              disk_cache=False) as llm:
         assert llm.warmup_report is None
         assert llm.scheduler.gate.start_rate.tokens_per_s is None  # no slow tier to weigh
+
+
+@pytest.mark.parametrize(("budget", "max_model_len", "timed"),
+                         [(2048, 4096, 128), (64, 4096, 64), (2048, 40, 39)])
+def test_the_cpu_start_up_prefill_fits_the_engine_limits(budget: int, max_model_len: int,
+                                                         timed: int) -> None:
+    loaded = load_model("random:tiny-llama", "cpu", "float32")
+    kv_cache = allocate_kv_cache(loaded.config.kv_layout(16, torch.float32), 4, "cpu")
+    before = kv_cache.clone()
+    [(num_tokens, num_keys, seconds)] = time_cpu_prefill(loaded.model, kv_cache, 16, budget,
+                                                         max_model_len)
+    assert num_tokens == timed and num_keys == timed * (timed + 1) // 2 and seconds > 0
+    assert torch.equal(kv_cache, before)  # it stores nothing
 
 
 def test_a_fresh_cpu_engine_weighs_its_first_disk_restore_with_a_timed_prefill(
