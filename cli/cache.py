@@ -18,6 +18,7 @@ from kvtier.cli.common import print_json, print_table
 from kvtier.engine.engine_config import default_disk_cache_dir
 
 from kvtier.tiers.disk import admin as disk_admin
+from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
 
 GIB = 1 << 30
 
@@ -53,6 +54,7 @@ def stats(
         return
     rows = [
         ("path", result["path"]),
+        ("shards", result["shards"]),
         ("blocks", f"{result['num_blocks']:,}"),
         ("record bytes", _mib(result["bytes_used"])),
         ("budget", _mib(result["budget_bytes"])),
@@ -195,13 +197,16 @@ def export(
 def import_(
     file: Path = typer.Argument(..., help="Export file made by `kvtier cache export`."),
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
+    shards: int = typer.Option(DEFAULT_SHARDS, "--shards", min=1, max=MAX_SHARDS,
+                               help="LMDB environments a new directory is split over (an "
+                                    "existing one keeps its own)."),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """Add the blocks of an export file (verified first; blocks already present are kept)."""
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist or is not a file; pass the path of a "
                                 "file made by `kvtier cache export`")
-    num_new = disk_admin.import_cache(_resolve_dir(directory), file)
+    num_new = disk_admin.import_cache(_resolve_dir(directory), file, shards=shards)
     if json_output:
         print_json({"num_new": num_new, "file": str(file)})
     else:

@@ -27,6 +27,7 @@ from kvtier.engine import paths
 from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
+from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
@@ -69,6 +70,8 @@ class EngineConfig(CheckedModel):
         writes blocks back (the tier syncs every GiB and when the engine closes), so writes
         run at the disk's speed; an OS crash or power loss may lose recent blocks, which
         then miss (a process crash loses none).
+    disk_shards: LMDB environments a new disk tier directory is split over, each written by
+        a thread of its own (an existing directory keeps its count; 1: one environment).
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
     cache_salt: default salt of every request's cache namespace (a request's own salt wins);
         None: no salt.
@@ -125,6 +128,9 @@ class EngineConfig(CheckedModel):
     disk_durable: bool = Field(
         False, description="fsync every disk tier write transaction; off: the OS writes "
         "back, an OS crash or power loss may lose recent blocks (they then miss)")
+    disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = Field(
+        DEFAULT_SHARDS, description="LMDB environments a new disk tier directory is split "
+        "over, written side by side; an existing directory keeps its own count")
     hash_algorithm: HashAlgorithm = Field(
         "xxh3_128", description="block hash; sha256 where tenants do not trust each other")
     cache_salt: str | None = Field(

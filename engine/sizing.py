@@ -71,5 +71,5 @@ def tier_config(config: EngineConfig, gpu_blocks: int, layout: KVLayout) -> Tier
     return TierConfig(num_gpu_blocks=gpu_blocks, host_capacity_bytes=host_bytes,
                       disk_path=disk_path,
                       disk_budget_bytes=config.disk_cache_bytes if disk_path else None,
-                      disk_durable=config.disk_durable,
+                      disk_durable=config.disk_durable, disk_shards=config.disk_shards,
                       remote=config.remote_config)

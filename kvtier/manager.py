@@ -43,6 +43,7 @@ from kvtier.tier_stack import LowerTiers, TierStack
 from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.directory.tier import DirectoryTier
 from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
+from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.host import HostRole, HostTier
 from kvtier.tiers.record import BlockMeta
@@ -83,7 +84,8 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
     if config.disk_path is not None:
         assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
-                                        tier_class=DiskTier, read_hook=disk_read_hook,
+                                        shards=config.disk_shards, tier_class=DiskTier,
+                                        read_hook=disk_read_hook,
                                         durable=config.disk_durable,
                                         lookup_deadline_s=config.disk_lookup_deadline_s)
         tiers.append(disk)
@@ -149,10 +151,10 @@ class TierManager:
         self._closed = False
 
     @property
-    def disk(self) -> DiskTier | None:
-        """The disk tier, or None when it is off."""
+    def disk(self) -> DiskTier | ShardedDiskTier | None:
+        """The disk tier (one LMDB environment, or several), or None when it is off."""
         disk = self.lower_tiers.named("disk")
-        assert disk is None or isinstance(disk, DiskTier)
+        assert disk is None or isinstance(disk, (DiskTier, ShardedDiskTier))
         return disk
 
     @property

@@ -1,7 +1,8 @@
 """`kvtier bench tiers`: host <-> disk throughput of the LMDB tier against a plain file.
 
 Each repeat writes the same `num_blocks` blocks (random bytes, fixed seed) from a host slab
-twice, through the tier's write jobs (`DiskTier.write_job`) in batches and to one plain
+twice, through the tier's write jobs (`DiskTier.write_job`, or with `shards` above one a
+`ShardedDiskTier`'s, whose shards commit side by side) in batches and to one plain
 file, then reads them back into the slab, through `DiskTier.get_many_into` and with
 `readinto` from the file. The plain file gets the durability the tier is opened with.
 Non-durable (the default, as the engine opens its tier): the tier syncs in the background
@@ -42,7 +43,8 @@ from kvtier.cli.common import print_json, print_table
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout, parse_dtype
-from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
 from kvtier.tiers.record import BlockMeta, metas_for
 
 _MB = 1e6
@@ -92,10 +94,13 @@ def _measured(times: dict[str, list[float]], op: str) -> Iterator[None]:
 
 
 def _lmdb_pass(root: Path, layout: KVLayout, metas: list[BlockMeta], slab: torch.Tensor,
-               batches: list[slice], durable: bool, writers: int) -> dict[str, list[float]]:
+               batches: list[slice], durable: bool, writers: int,
+               shards: int) -> dict[str, list[float]]:
     budget = len(metas) * (layout.bytes_per_block + 4096) * 2
     times = _new_times()
-    with DiskTier(root, layout, budget, durable=durable) as tier:
+    tier, _ = open_disk_tier(root, layout, budget, shards=shards, durable=durable)
+    assert tier is not None, f"no disk tier could be opened in {root}"
+    with tier:
         def write(batch: slice) -> None:
             job, stored = tier.write_job(metas[batch], list(slab[batch]))
             job.run()
@@ -180,7 +185,7 @@ def _file_pass(root: Path, slab: torch.Tensor, batches: list[slice],
 
 
 def _warm_up(root: Path, layout: KVLayout, metas: list[BlockMeta], slab: torch.Tensor,
-             batches: list[slice], durable: bool, writers: int) -> None:
+             batches: list[slice], durable: bool, writers: int, shards: int) -> None:
     """One untimed pass of each path: on the CPU machine (a VM) the first GiB a process
     wrote took seconds more than the next ones, whichever path wrote it (memory touched for
     the first time), and repeat 0 always starts with LMDB. The figures are then the paths'
@@ -188,7 +193,7 @@ def _warm_up(root: Path, layout: KVLayout, metas: list[BlockMeta], slab: torch.T
     for path in ("lmdb", "file"):
         (root / path).mkdir(mode=0o700, parents=True)
         if path == "lmdb":
-            _lmdb_pass(root / path, layout, metas, slab, batches, durable, writers)
+            _lmdb_pass(root / path, layout, metas, slab, batches, durable, writers, shards)
         else:
             _file_pass(root / path, slab, batches, durable)
         shutil.rmtree(root / path)
@@ -210,17 +215,18 @@ def _summary(seconds_per_repeat: list[float], batch_seconds: list[float],
 
 def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike[str], *,
                     batch_size: int = 16, repeats: int = 5, durable: bool = False,
-                    seed: int = 0, writers: int = 1) -> dict:
+                    seed: int = 0, writers: int = 1, shards: int = 1) -> dict:
     """Time LMDB and plain-file writes and reads of the same blocks; a JSON-ready dict.
 
     `write_ratio` / `read_ratio` are LMDB MB/s over plain-file MB/s (goals: >= 0.8 and
     >= 0.9; reported, not asserted); a write's time ends with one sync of its file (see the
     module docstring for `durable`). `writers`: threads running the tier's write jobs (then
-    the LMDB write batch latencies are the whole pass's). Work happens in a fresh directory
+    the LMDB write batch latencies are the whole pass's). `shards`: LMDB environments the
+    tier is split over (`kvtier.tiers.disk.shards`). Work happens in a fresh directory
     under `tmpdir`, removed afterwards. Raises ValueError for non-positive sizes.
     """
     for name, value in (("num_blocks", num_blocks), ("batch_size", batch_size),
-                        ("repeats", repeats), ("writers", writers)):
+                        ("repeats", repeats), ("writers", writers), ("shards", shards)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     metas, slab = _make_blocks(layout, num_blocks, seed)
@@ -232,7 +238,7 @@ def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike
     pooled = {path: _new_times() for path in ("lmdb", "file")}
     base = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=tmpdir))
     try:
-        _warm_up(base / "warm-up", layout, metas, slab, batches, durable, writers)
+        _warm_up(base / "warm-up", layout, metas, slab, batches, durable, writers, shards)
         for repeat in range(repeats):
             order = ("lmdb", "file") if repeat % 2 == 0 else ("file", "lmdb")
             for path in order:
@@ -240,7 +246,8 @@ def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike
                 root.mkdir(mode=0o700)
                 slab.copy_(expected)
                 if path == "lmdb":
-                    times = _lmdb_pass(root, layout, metas, slab, batches, durable, writers)
+                    times = _lmdb_pass(root, layout, metas, slab, batches, durable, writers,
+                                       shards)
                 else:
                     times = _file_pass(root, slab, batches, durable)
                 assert torch.equal(slab, expected), f"{path}: bytes read back differ"
@@ -254,6 +261,7 @@ def run_tiers_bench(num_blocks: int, layout: KVLayout, tmpdir: str | os.PathLike
     result: dict = {"layout": layout.describe(), "bytes_per_block": layout.bytes_per_block,
                     "num_blocks": num_blocks, "batch_size": batch_size, "repeats": repeats,
                     "durable": durable, "mode": _mode(durable), "writers": writers,
+                    "shards": shards,
                     "tmpdir": str(tmpdir)}
     for path in ("lmdb", "file"):
         result[path] = {
@@ -290,6 +298,9 @@ def tiers(
         show_default=False),
     writers: int = typer.Option(1, help="Threads running the tier's write jobs (the store "
                                         "path keeps 2 batches in flight)."),
+    shards: int = typer.Option(1, min=1, max=MAX_SHARDS,
+                               help="LMDB environments the tier is split over (the engine's "
+                                    f"default: {DEFAULT_SHARDS})."),
     tmpdir: Path | None = typer.Option(None, help="Where the files go (default: the "
                                                    "system temporary directory)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -298,7 +309,7 @@ def tiers(
     layout = KVLayout(num_layers, num_kv_heads, head_dim, block_size, parse_dtype(dtype))
     result = run_tiers_bench(num_blocks, layout, tmpdir or tempfile.gettempdir(),
                              batch_size=batch_size, repeats=repeats, durable=durable,
-                             writers=writers)
+                             writers=writers, shards=shards)
     if json_output:
         print_json(result)
         return
@@ -312,7 +323,8 @@ def tiers(
                      (f"{lmdb_figures['minor_faults_per_batch']:,.0f} / "
                       f"{file_figures['minor_faults_per_batch']:,.0f}")))
     print_table(f"bench tiers: {num_blocks} x {layout.bytes_per_block / 2**20:.2f} MiB blocks, "
-                f"{writers} LMDB writer(s), median of {repeats}; {result['mode']}; minor page "
+                f"{writers} writer thread(s), {shards} shard(s), median of {repeats}; "
+                f"{result['mode']}; minor page "
                 "faults LMDB / file",
                 ("op", "LMDB MB/s", "file MB/s", "ratio (goal)", "LMDB ms p50/99",
                  "faults/batch"), rows)

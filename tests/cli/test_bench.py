@@ -321,6 +321,14 @@ def test_tiers_bench_is_wired(runner, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["writers"] == 2 and report["lmdb"]["write"]["mb_per_s"] > 0
+    # Over four shards: the same bytes read back (the bench checks them), one sync each.
+    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "8", "--num-layers", "2",
+                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "1",
+                                 "--batch-size", "4", "--shards", "4", "--no-durable",
+                                 "--tmpdir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["shards"] == 4 and report["lmdb"]["syncs"] == 4
 
 
 def test_tiers_bench_ends_each_write_with_one_sync_in_either_mode(runner, tmp_path):

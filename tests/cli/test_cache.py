@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk.recovery import open_disk_tier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, metas_for
 
@@ -166,17 +167,26 @@ def test_export_then_import_into_another_directory(runner, written, tmp_path):
     assert exported["num_blocks"] == NUM_BLOCKS
 
     other = tmp_path / "other-kv"
-    imported = _invoke_json(runner, "cache", "import", str(export_file), "--dir", str(other))
+    imported = _invoke_json(runner, "cache", "import", str(export_file), "--dir", str(other),
+                            "--shards", "4")
     assert imported["num_new"] == NUM_BLOCKS
     again = runner.invoke(app, ["cache", "import", str(export_file), "--dir", str(other)])
     assert again.exit_code == 0, again.output
     assert "imported 0 new blocks" in again.stdout
 
-    with DiskTier(other, LAYOUT, budget_bytes=1 << 20) as tier:
+    assert _invoke_json(runner, "cache", "stats", "--dir", str(other))["shards"] == 4
+    tier, recovery = open_disk_tier(other, LAYOUT, 1 << 20)
+    assert recovery is None
+    with tier:
         dest = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.dtype)
         for meta, payload in zip(metas, payloads):
             assert tier.get_into(meta, dest)
             assert np.array_equal(dest.numpy().reshape(-1), payload)
+    # Into one environment by default: data.mdb at the directory's root.
+    single = tmp_path / "single-kv"
+    assert _invoke_json(runner, "cache", "import", str(export_file), "--dir",
+                        str(single))["num_new"] == NUM_BLOCKS
+    assert (single / "data.mdb").is_file()
 
 
 def test_import_of_a_damaged_file_is_one_line_and_imports_nothing(runner, written, tmp_path):

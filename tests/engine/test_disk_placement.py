@@ -184,3 +184,23 @@ def test_flush_progress_speaks_only_for_a_long_flush_and_reports_what_is_left() 
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and "9 KV blocks" in lines[0] and "3 written" in lines[0]
     assert "9 KV blocks not written" in lines[1] and "flush_timeout_s" in lines[1]
+
+
+def test_a_sharded_disk_serves_a_restart_with_the_tokens_of_tiers_off(
+        tmp_path: Path, references: dict[int, list[int]]) -> None:
+    """Blocks written over four LMDB environments by one engine restore in a fresh engine
+    that asks for one (a directory keeps the count it was written with), with float32
+    tokens equal to tiers off."""
+    disk_dir = tmp_path / "kv"
+    prompts = [prompt(seed, 320) for seed in range(4)]
+    with engine(disk_dir, disk_shards=4) as llm:
+        assert llm.config.disk_shards == 4
+        llm.generate(prompts, greedy())
+    assert sorted(p.name for p in disk_dir.iterdir()) == [f"shard-{i}-of-4" for i in range(4)]
+    with engine(disk_dir, disk_shards=1, host_cache=False) as fresh:
+        outputs = fresh.generate(prompts, greedy())
+        stats = fresh.stats()
+        assert [list(o.outputs[0].token_ids) for o in outputs] == \
+            [references[seed] for seed in range(4)]
+        assert stats.disk is not None and stats.disk.hits >= 4 * (320 // BS) - 4
+        assert stats.disk.num_blocks >= 4 * (320 // BS)

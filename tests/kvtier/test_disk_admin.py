@@ -14,6 +14,7 @@ from disk_cases import SMALL, make_blocks, read_back
 
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk import admin as disk_admin
+from kvtier.tiers.disk.recovery import open_disk_tier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, encode_header
 
@@ -149,14 +150,24 @@ def test_export_import_round_trip(filled, tmp_path):
     assert disk_admin.export_cache(path, export) == 6
     assert export.stat().st_mode & 0o777 == 0o600
     target = tmp_path / "elsewhere" / "cache"
-    assert disk_admin.import_cache(target, export) == 6
-    assert disk_admin.import_cache(target, export) == 0  # already there
-    # The access order came along: newest first is the same list.
+    assert disk_admin.import_cache(target, export, shards=4) == 6
+    assert disk_admin.import_cache(target, export) == 0  # already there (still four shards)
+    assert disk_admin.cache_stats(target)["shards"] == 4
+    # The access order came along, across the shards: newest first is the same list.
     assert [row["hash"] for row in disk_admin.inspect(target, 10)] == \
         [row["hash"] for row in disk_admin.inspect(path, 10)]
     assert disk_admin.cache_stats(target)["layouts"] == disk_admin.cache_stats(path)["layouts"]
+    # Exported from the shards, imported into one environment: the same blocks and order.
+    single = tmp_path / "single"
+    assert disk_admin.export_cache(target, tmp_path / "again.kvtx") == 6
+    assert disk_admin.import_cache(single, tmp_path / "again.kvtx") == 6
+    assert (single / "data.mdb").exists()
+    assert [row["hash"] for row in disk_admin.inspect(single, 10)] == \
+        [row["hash"] for row in disk_admin.inspect(path, 10)]
     for layout, key in ((SMALL, "small"), (WIDE, "wide")):
-        with DiskTier(target, layout, BUDGET) as tier:
+        tier, recovery = open_disk_tier(target, layout, BUDGET)
+        assert recovery is None
+        with tier:
             for meta, payload in zip(*blocks[key]):
                 assert same_bytes(read_back(tier, meta), payload)
     # Only one layout's blocks exported and imported for that layout.

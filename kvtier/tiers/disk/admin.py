@@ -2,7 +2,9 @@
 
 They open the LMDB environment themselves and coordinate with running DiskTiers of other
 processes through LMDB's locks. Do not call them on a directory that a DiskTier of *this*
-process has open: LMDB forbids opening one environment twice in a process.
+process has open: LMDB forbids opening one environment twice in a process. A sharded
+directory (`kvtier.tiers.disk.shards`) is handled shard by shard, and the answers added up;
+`prune` keeps each shard within its share of the bytes (blocks spread evenly over shards).
 
 The portable export file:
 
@@ -17,9 +19,12 @@ keys and the framing, so a truncated or edited file is refused before anything i
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import json
 import os
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,12 @@ from kvtier.fsutil import PRIVATE_FILE_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk.index import DISK_FORMAT_VERSION, LmdbIndex, access_time
 from kvtier.tiers.disk.recovery import move_aside
+from kvtier.tiers.disk.shard_layout import (
+    DEFAULT_SHARDS,
+    existing_shards,
+    shard_dirs,
+    shard_of,
+)
 from kvtier.tiers.record import RECORD_VERSION, CorruptRecord, decode_header, decode_record
 
 EXPORT_MAGIC = b"KVTX"
@@ -84,11 +95,45 @@ def _check_format(index: LmdbIndex, txn: lmdb.Transaction, path: object) -> None
                          "kvtier to start it afresh")
 
 
+def _shard_roots(path: str | os.PathLike[str]) -> list[Path]:
+    """The LMDB directories of the disk tier in `path` (one, or its shards'). Raises
+    FileNotFoundError when it holds no cache, ValueError for mixed or incomplete shards,
+    and the errors of `ensure_private_dir`."""
+    root = ensure_private_dir(path, create=False)
+    count = existing_shards(root)
+    if count is None:
+        raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
+    return shard_dirs(root, count)
+
+
 def cache_stats(path: str | os.PathLike[str]) -> dict:
-    """Blocks, bytes, budget and the layouts present (with counts) of a disk tier directory.
+    """Blocks, bytes, budget and the layouts present (with counts) of a disk tier directory,
+    and its number of shards.
 
     Raises FileNotFoundError when there is no cache, and the errors of `ensure_private_dir`.
     """
+    parts = [_shard_stats(root) for root in _shard_roots(path)]
+    layouts: dict[str, dict] = {}
+    for part in parts:
+        for entry in part["layouts"]:
+            total = layouts.setdefault(entry["fingerprint"], {**entry, "num_blocks": 0,
+                                                              "bytes": 0})
+            total["num_blocks"] += entry["num_blocks"]
+            total["bytes"] += entry["bytes"]
+    budgets = [part["budget_bytes"] for part in parts if part["budget_bytes"] is not None]
+    return {
+        "path": str(Path(path).absolute()),
+        "shards": len(parts),
+        "format_version": parts[0]["format_version"],
+        "num_blocks": sum(part["num_blocks"] for part in parts),
+        "bytes_used": sum(part["bytes_used"] for part in parts),
+        "budget_bytes": sum(budgets) if budgets else None,
+        "file_bytes": sum(part["file_bytes"] for part in parts),
+        "layouts": sorted(layouts.values(), key=lambda e: -e["num_blocks"]),
+    }
+
+
+def _shard_stats(path: Path) -> dict:
     index = _open(path, write=False)
     try:
         with index.env.begin(buffers=True) as txn:
@@ -125,6 +170,11 @@ def inspect(path: str | os.PathLike[str], limit: int = 20) -> list[dict]:
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    rows = [row for root in _shard_roots(path) for row in _shard_inspect(root, limit)]
+    return sorted(rows, key=lambda row: -row["last_access"])[:limit]
+
+
+def _shard_inspect(path: Path, limit: int) -> list[dict]:
     index = _open(path, write=False)
     try:
         with index.env.begin(buffers=True) as txn:
@@ -163,11 +213,28 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     (`kvtier.tiers.disk.recovery.move_aside`; nothing is deleted). Raises like
     `cache_stats` otherwise (no cache there, an unsafe directory).
     """
-    root = ensure_private_dir(path, create=False)
-    if not os.path.lexists(root / "data.mdb"):
-        raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
+    reports = [_shard_verify(root, repair) for root in _shard_roots(path)]
+    if len(reports) == 1:
+        return reports[0]
+    problems = [f"{name}: {r.files_problem}" for name, r in _named(path, reports)
+                if r.files_problem is not None]
+    moved = [r.moved_to for r in reports if r.moved_to is not None]
+    return VerifyReport(sum(r.num_checked for r in reports),
+                        tuple(item for r in reports for item in r.bad),
+                        sum(r.index_errors for r in reports),
+                        sum(r.num_removed for r in reports), repair,
+                        files_problem="; ".join(problems) or None,
+                        moved_to=", ".join(moved) or None)
+
+
+def _named(path: str | os.PathLike[str], reports: list[VerifyReport]
+           ) -> list[tuple[str, VerifyReport]]:
+    return [(root.name, report) for root, report in zip(_shard_roots(path), reports)]
+
+
+def _shard_verify(root: Path, repair: bool) -> VerifyReport:
     try:
-        index = _open(path, write=repair)
+        index = _open(root, write=repair)
     except (OSError, lmdb.Error) as exc:
         moved_to = str(move_aside(root)) if repair else None
         return VerifyReport(0, (), 0, 0, repair, files_problem=str(exc), moved_to=moved_to)
@@ -231,6 +298,11 @@ def prune(path: str | os.PathLike[str], max_bytes: int) -> int:
     how many were removed. Raises ValueError for a negative `max_bytes`."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    roots = _shard_roots(path)
+    return sum(_shard_prune(root, max_bytes // len(roots)) for root in roots)
+
+
+def _shard_prune(path: Path, max_bytes: int) -> int:
     index = _open(path, write=True)
     try:
         with index.env.begin(write=True, buffers=True) as txn:
@@ -242,6 +314,10 @@ def prune(path: str | os.PathLike[str], max_bytes: int) -> int:
 
 def clear(path: str | os.PathLike[str]) -> int:
     """Delete every block (whatever its format); how many there were."""
+    return sum(_shard_clear(root) for root in _shard_roots(path))
+
+
+def _shard_clear(path: Path) -> int:
     index = _open(path, write=True)
     try:
         with index.env.begin(write=True, buffers=True) as txn:
@@ -266,22 +342,32 @@ def export_cache(path: str | os.PathLike[str], file: str | os.PathLike[str]) -> 
 
 
 def _export(path: str | os.PathLike[str], file: Path) -> int:
-    index = _open(path, write=False)
     partial = file.with_name(file.name + ".partial")
-    try:
-        with index.env.begin(buffers=True) as txn:
-            _check_format(index, txn, path)
+    with contextlib.ExitStack() as stack:
+        indexes = []
+        for root in _shard_roots(path):
+            indexes.append(_open(root, write=False))
+            stack.callback(indexes[-1].env.close)
+        txns = [stack.enter_context(index.env.begin(buffers=True)) for index in indexes]
+        try:
+            layouts: dict[str, str] = {}
+            for index, txn in zip(indexes, txns):
+                _check_format(index, txn, path)
+                layouts.update((fp.hex(), name) for fp, name in index.layout_names(txn).items())
             meta = {"disk_format": DISK_FORMAT_VERSION, "record_version": RECORD_VERSION,
-                    "layouts": {fp.hex(): name for fp, name in index.layout_names(txn).items()}}
+                    "layouts": layouts}
             meta_bytes = json.dumps(meta, sort_keys=True).encode()
             hasher = xxhash.xxh3_64()
             num_blocks = 0
+            # Oldest access first over every shard (access sequence numbers are times).
+            order = heapq.merge(*[_tagged(index.lru_order(txn), k)
+                                  for k, (index, txn) in enumerate(zip(indexes, txns))])
             with open(partial, "wb", opener=_private_opener) as out:
                 out.write(_FILE_HEADER.pack(EXPORT_MAGIC, EXPORT_VERSION, len(meta_bytes))
-                                + meta_bytes)
+                          + meta_bytes)
                 chunk = bytearray()
-                for _, block_hash in index.lru_order(txn):
-                    value = index.get(txn, block_hash)
+                for _, k, block_hash in order:
+                    value = indexes[k].get(txns[k], block_hash)
                     if value is None:
                         continue
                     frame = _FRAME.pack(len(block_hash), len(value)) + block_hash
@@ -297,13 +383,17 @@ def _export(path: str | os.PathLike[str], file: Path) -> int:
                 out.write(chunk + trailer)
                 out.flush()
                 os.fsync(out.fileno())
-        os.replace(partial, file)
-        return num_blocks
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    finally:
-        index.env.close()
+            os.replace(partial, file)
+            return num_blocks
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+
+
+def _tagged(order: Iterator[tuple[int, bytes]], shard: int) -> Iterator[tuple[int, int, bytes]]:
+    """(access sequence, shard, block hash) of one shard's access order."""
+    for seq, block_hash in order:
+        yield seq, shard, block_hash
 
 
 def _private_opener(name: str, flags: int) -> int:
@@ -311,46 +401,68 @@ def _private_opener(name: str, flags: int) -> int:
 
 
 def import_cache(path: str | os.PathLike[str], file: str | os.PathLike[str],
-                 layout: KVLayout | None = None) -> int:
-    """Add the blocks of an export file to the tier in `path` (created if missing); how
-    many were new. Blocks already present are kept. The whole file is verified first.
+                 layout: KVLayout | None = None, shards: int = DEFAULT_SHARDS) -> int:
+    """Add the blocks of an export file to the tier in `path` (created if missing, with
+    `shards` shards; an existing tier keeps its own); how many were new. Blocks already
+    present are kept. The whole file is verified first.
 
     Raises ValueError (nothing imported) for a file of an unknown format version, a file
     with blocks of another layout than `layout` (when given), or a damaged or truncated file.
     """
-    return _import(path, Path(file), layout)
+    return _import(path, Path(file), layout, shards)
 
 
-def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | None) -> int:
+def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | None,
+            shards: int) -> int:
     for _ in _read_export(file, layout):  # pass 1: verify everything
         pass
     root = ensure_private_dir(path)
-    if not (root / "data.mdb").exists():
-        LmdbIndex.open(root, readonly=False, durable=True, map_size=_MAP_SLACK,
-                       mode=PRIVATE_FILE_MODE).env.close()
-    index = _open(root, write=True, extra_bytes=file.stat().st_size * 5 // 4)
-    try:
-        with index.env.begin(write=True) as txn:
-            if index.format_version(txn) is None and not index.num_blocks(txn):
-                index.set_format_version(txn, DISK_FORMAT_VERSION)
-            _check_format(index, txn, root)
-        num_new, batch, batch_bytes = 0, [], 0
-        for item in _read_export(file, layout):  # pass 2: insert
-            batch.append(item)
-            batch_bytes += len(item[1])
-            if batch_bytes >= _IMPORT_TXN_BYTES:
-                num_new += _insert(index, batch)
-                batch, batch_bytes = [], 0
-        return num_new + _insert(index, batch)
-    finally:
-        index.env.close()
+    roots = shard_dirs(root, existing_shards(root) or shards)
+    with contextlib.ExitStack() as stack:
+        indexes = []
+        for shard_root in roots:
+            ensure_private_dir(shard_root)
+            if not (shard_root / "data.mdb").exists():
+                LmdbIndex.open(shard_root, readonly=False, durable=True, map_size=_MAP_SLACK,
+                               mode=PRIVATE_FILE_MODE).env.close()
+            index = _open(shard_root, write=True,
+                          extra_bytes=file.stat().st_size * 5 // 4 // len(roots))
+            stack.callback(index.env.close)
+            with index.env.begin(write=True) as txn:
+                if index.format_version(txn) is None and not index.num_blocks(txn):
+                    index.set_format_version(txn, DISK_FORMAT_VERSION)
+                _check_format(index, txn, shard_root)
+            indexes.append(index)
+        # The file's order (oldest first) becomes the access order, one sequence over all
+        # shards: from past every shard's counter and the clock.
+        next_seq = max([time.time_ns() // 1000]
+                       + [_next_seq(index) for index in indexes])
+        num_new = 0
+        batches: list[list[tuple[bytes, bytes, dict[str, str], int]]] = [[] for _ in roots]
+        batch_bytes = [0] * len(roots)
+        for position, (key, value, names) in enumerate(_read_export(file, layout)):  # pass 2
+            k = shard_of(key, len(roots))
+            batches[k].append((key, value, names, next_seq + position))
+            batch_bytes[k] += len(value)
+            if batch_bytes[k] >= _IMPORT_TXN_BYTES:
+                num_new += _insert(indexes[k], batches[k])
+                batches[k], batch_bytes[k] = [], 0
+        return num_new + sum(_insert(index, batch) for index, batch in zip(indexes, batches))
 
 
-def _insert(index: LmdbIndex, items: list[tuple[bytes, bytes, dict[str, str]]]) -> int:
+def _next_seq(index: LmdbIndex) -> int:
+    with index.env.begin() as txn:
+        return index.counter(txn, "next_seq")
+
+
+def _insert(index: LmdbIndex, items: list[tuple[bytes, bytes, dict[str, str], int]]) -> int:
+    """Insert (key, record, layout names, access sequence) items in one transaction; how
+    many were new."""
     with index.env.begin(write=True) as txn:
         for fingerprint_hex, name in (items[0][2].items() if items else ()):
             index.set_layout_name(txn, bytes.fromhex(fingerprint_hex), name)
-        return sum(index.insert(txn, key, value) for key, value, _ in items)
+        return sum(index.insert_many(txn, [(key, value) for key, value, _, _ in items],
+                                     seqs=[seq for _, _, _, seq in items]))
 
 
 def _read_export(file: Path, layout: KVLayout | None

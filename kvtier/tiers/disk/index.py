@@ -187,26 +187,36 @@ class LmdbIndex:
         return self.insert_many(txn, [(block_hash, value)], changes)[0]
 
     def insert_many(self, txn: lmdb.Transaction, items: Iterable[tuple[bytes, object]],
-                    changes: KeyChanges | None = None) -> list[bool]:
+                    changes: KeyChanges | None = None,
+                    seqs: Sequence[int] | None = None) -> list[bool]:
         """`insert` for (hash, value) pairs, newest last; per pair, whether it was added.
         The counters (sequence, bytes used, key generation) are read and written once for
-        the whole batch, not once per value."""
+        the whole batch, not once per value. `seqs`: each pair's access sequence number
+        (increasing; an import spread over shards keeps one order across them), instead of
+        the next ones."""
         added: list[bool] = []
-        new: list[tuple[bytes, int]] = []  # (hash, value bytes) of those added
-        for block_hash, value in items:  # taken one by one: a value may be built just now
-            added.append(bool(txn.put(block_hash, value, overwrite=False, db=self.blocks)))
+        new: list[tuple[bytes, int, int]] = []  # (hash, value bytes, position) of those added
+        for position, (block_hash, value) in enumerate(items):  # one by one: a value may be
+            added.append(bool(txn.put(block_hash, value, overwrite=False,  # built just now
+                                      db=self.blocks)))
             if added[-1]:
-                new.append((block_hash, len(memoryview(value))))
+                new.append((block_hash, len(memoryview(value)), position))
         if not new:
             return added
-        first = self._next_seqs(txn, len(new))
-        for offset, (block_hash, _) in enumerate(new):
-            self._set_seq(txn, block_hash, first + offset)
-        self._add_bytes(txn, sum(size for _, size in new))
+        if seqs is None:
+            first = self._next_seqs(txn, len(new))
+            placed = [(block_hash, first + k) for k, (block_hash, _, _) in enumerate(new)]
+        else:
+            placed = [(block_hash, seqs[position]) for block_hash, _, position in new]
+            self.set_counter(txn, "next_seq", max(self.counter(txn, "next_seq"),
+                                                  placed[-1][1] + 1))
+        for block_hash, seq in placed:
+            self._set_seq(txn, block_hash, seq)
+        self._add_bytes(txn, sum(size for _, size, _ in new))
         self._keys_changed(txn)
         if changes is not None:
             with txn.cursor(db=self.blocks) as cursor:
-                for block_hash, _ in new:
+                for block_hash, _, _ in new:
                     changes.added(block_hash, _find_spot(cursor, block_hash))
         return added
 

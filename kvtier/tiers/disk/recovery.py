@@ -28,6 +28,8 @@ from kvtier.fsutil import PRIVATE_DIR_MODE, ensure_private_dir
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk.check import DATA_FILE, LOCK_FILE
 from kvtier.tiers.disk.index import is_disk_full
+from kvtier.tiers.disk.shard_layout import check_shard_count, existing_shards, shard_dirs
+from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
 
 logger = logging.getLogger(__name__)
@@ -54,23 +56,58 @@ class DiskRecovery:
 
 
 def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
-                   tier_class: type[DiskTier] = DiskTier, **options: object
-                   ) -> tuple[DiskTier | None, DiskRecovery | None]:
-    """A DiskTier in `path` (see `DiskTier` for `options`), recovering from damaged files.
-    `tier_class` builds it (DiskTier or a subclass).
+                   shards: int = 1, tier_class: type[DiskTier] = DiskTier, **options: object
+                   ) -> tuple[DiskTier | ShardedDiskTier | None, DiskRecovery | None]:
+    """The disk tier in `path` (see `DiskTier` for `options`), recovering from damaged files.
+    `tier_class` builds it, or each of its shards (DiskTier or a subclass). `shards`: how
+    many LMDB environments a new directory is split over (`kvtier.tiers.disk.shards`); an
+    existing directory keeps the count it was written with. Each shard recovers on its own
+    (its files moved aside, the others kept); when one cannot be opened at all, the disk
+    tier is off.
 
     Returns (tier, None) when the files opened as they were; (a fresh tier, recovery)
     when they were moved aside; (None, recovery) when the disk tier had to be turned off.
-    Raises ValueError for a bad budget and the errors of `ensure_private_dir` for a
-    directory that is not safe to use (another owner, writable by others, a file).
+    Raises ValueError for a bad budget or shard count and for a directory of mixed or
+    incomplete shards, and the errors of `ensure_private_dir` for a directory that is not
+    safe to use (another owner, writable by others, a file).
     """
     root = Path(path).expanduser().absolute()
+    check_shard_count(shards)
     try:
         ensure_private_dir(root)
     except OSError as exc:
         if not _cannot_write(root, exc):
             raise
         return None, _turn_off(root, str(exc).split(";")[0], "nothing can be written there")
+    count = existing_shards(root) or shards
+    if count == 1:
+        return _open_one(root, layout, budget_bytes, tier_class, options)
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) \
+            or budget_bytes < count:
+        raise ValueError(f"budget_bytes must be an integer of at least one byte per shard "
+                         f"({count}), got {budget_bytes!r}")
+    opened: list[DiskTier] = []
+    recoveries: list[DiskRecovery] = []
+    try:
+        for shard_dir in shard_dirs(root, count):
+            tier, recovery = open_disk_tier(shard_dir, layout, budget_bytes // count,
+                                            tier_class=tier_class, **options)
+            recoveries += [recovery] if recovery is not None else []
+            if tier is None:
+                for done in opened:
+                    done.close()
+                return None, recovery
+            opened.append(tier)
+    except BaseException:
+        for done in opened:
+            done.close()
+        raise
+    return ShardedDiskTier(root, opened), (recoveries[0] if recoveries else None)
+
+
+def _open_one(root: Path, layout: KVLayout, budget_bytes: int, tier_class: type[DiskTier],
+              options: dict[str, object]) -> tuple[DiskTier | None, DiskRecovery | None]:
+    """`open_disk_tier` for one environment in `root` (which exists)."""
     try:
         return tier_class(root, layout, budget_bytes, **options), None
     except (OSError, lmdb.Error) as exc:

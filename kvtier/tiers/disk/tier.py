@@ -50,6 +50,7 @@ from kvtier.tiers.disk.index import (
 )
 from kvtier.tiers.disk.keys import StoredKeys
 from kvtier.tiers.disk.read import RecordSource, read_records_into
+from kvtier.tiers.disk.shard_layout import existing_shards
 from kvtier.tiers.disk.sync import WriteSync
 from kvtier.tiers.disk.write import RecordWriter
 from kvtier.tiers.record import (
@@ -163,6 +164,9 @@ class DiskTier(LowerTier):
                 or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
         self.path = ensure_private_dir(path, create=not readonly)
+        if (existing_shards(self.path) or 1) > 1:
+            raise ValueError(f"{self.path} is a sharded disk tier; open it with "
+                             "kvtier.tiers.disk.recovery.open_disk_tier (or the engine)")
         if readonly and not (self.path / "data.mdb").exists():
             raise FileNotFoundError(f"{self.path} holds no kvtier disk cache (no data.mdb); "
                                     "open it writable once or check the path")
