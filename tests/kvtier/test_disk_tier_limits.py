@@ -244,3 +244,22 @@ def test_reads_and_close_survive_a_map_with_no_room_for_access_order(tmp_path):
         got = read_back(tier, meta)
         assert got is not None and same_bytes(got, by_hash[meta.block_hash])
     tier.close()
+
+
+def test_a_writable_map_starts_at_its_limit_and_never_resizes(tmp_path):
+    """A resize waits for every transaction (a background sync included) while lookups
+    queue behind it: a writable tier maps its whole limit at open, address space only (the
+    file grows with the pages written); a read-only one maps what its file holds."""
+    metas, payloads = make_blocks(LARGE, seed=23, num_blocks=64)
+    budget = 64 * record_size(LARGE, metas[0])
+    limit = budget + budget // 4 + (64 << 20)
+    with DiskTier(tmp_path, LARGE, budget) as tier:
+        assert tier._map.map_size == limit
+        file_bytes = (tmp_path / "data.mdb").stat().st_size
+        assert file_bytes < limit // 8
+        for k in range(0, 64, 8):
+            tier.put(metas[k:k + 8], payloads[k:k + 8])
+        assert tier._map.map_size == limit and tier.stats().num_blocks == 64
+    with DiskTier(tmp_path, LARGE, 1 << 50, readonly=True) as reader:  # a petabyte budget
+        assert reader._map.map_size < 1 << 40
+        assert all(same_bytes(read_back(reader, m), p) for m, p in zip(metas, payloads))

@@ -68,6 +68,9 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 _INITIAL_MAP_BYTES = 64 * _MiB
+#: The most address space a writable tier's map takes at open (x86-64 gives a process 128
+#: TiB); a larger budget's map grows past it when needed.
+MAX_INITIAL_MAP_BYTES = 1 << 40
 #: Seconds a lookup (or a stats read) may take before the disk counts as stalled.
 LOOKUP_DEADLINE_S = 0.5
 #: Seconds after a lookup found the copy of the stored hashes current during which lookups
@@ -101,9 +104,14 @@ class DiskStats:
 class DiskTier(LowerTier):
     """KV blocks of one layout in an LMDB directory, within `budget_bytes` of record bytes.
 
-    `path` is created (mode 0o700) when missing. LMDB's map starts at `initial_map_bytes`
-    (default 64 MiB, or the data file's size) and grows when needed up to `max_map_bytes`
+    `path` is created (mode 0o700) when missing. LMDB's map may reach `max_map_bytes`
     (default: the budget plus a quarter plus 64 MiB); past that, blocks are pruned or refused.
+    A writable tier's map starts there, up to `MAX_INITIAL_MAP_BYTES`, unless
+    `initial_map_bytes` asks for less (then it doubles when needed): without writemap the
+    map is address space, not disk, and a resize must wait for every transaction of the
+    process, a background sync of GiBs of dirty pages included, while lookups queue behind
+    it (with four shards filling at 2 GB/s, lookups outlasted their deadline,
+    docs/BENCHMARKS.md, "The disk tier's writers"). A read-only one maps its file.
     Access-order updates from reads ride on the next write transaction, or get one of
     their own once `touch_flush_every` are pending (a commit costs an fsync when durable).
 
@@ -180,7 +188,9 @@ class DiskTier(LowerTier):
         self._map_limit = max_map_bytes or budget_bytes + budget_bytes // 4 + _INITIAL_MAP_BYTES
         data_file = self.path / "data.mdb"
         data_bytes = data_file.stat().st_size if data_file.exists() else 0
-        map_size = min(self._map_limit, max(initial_map_bytes or _INITIAL_MAP_BYTES, data_bytes))
+        start = initial_map_bytes or (_INITIAL_MAP_BYTES if readonly
+                                      else min(self._map_limit, MAX_INITIAL_MAP_BYTES))
+        map_size = min(self._map_limit, max(start, data_bytes))
         # Values are read with pread, never through the map: no read-around for the tree.
         self._index = LmdbIndex.open(self.path, readonly=readonly, durable=durable,
                                      map_size=map_size, mode=PRIVATE_FILE_MODE,
