@@ -27,6 +27,7 @@ from kvtier.engine import paths
 from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
+from kvtier.config import DEFAULT_READ_RESERVE_SHARE
 from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
@@ -72,6 +73,8 @@ class EngineConfig(CheckedModel):
         then miss (a process crash loses none).
     disk_shards: LMDB environments a new disk tier directory is split over, each written by
         a thread of its own (an existing directory keeps its count; 1: one environment).
+    read_reserve_share: share of the host slots that write-throughs leave to reads from the
+        disk while it is on; the rest is the disk's write buffer (`TierConfig`).
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
     cache_salt: default salt of every request's cache namespace (a request's own salt wins);
         None: no salt.
@@ -131,6 +134,9 @@ class EngineConfig(CheckedModel):
     disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = Field(
         DEFAULT_SHARDS, description="LMDB environments a new disk tier directory is split "
         "over, written side by side; an existing directory keeps its own count")
+    read_reserve_share: Annotated[float, Field(ge=0, lt=1)] = Field(
+        DEFAULT_READ_RESERVE_SHARE, description="share of the host slots write-throughs "
+        "leave to reads from the disk; the rest is its write buffer")
     hash_algorithm: HashAlgorithm = Field(
         "xxh3_128", description="block hash; sha256 where tenants do not trust each other")
     cache_salt: str | None = Field(

@@ -72,4 +72,5 @@ def tier_config(config: EngineConfig, gpu_blocks: int, layout: KVLayout) -> Tier
                       disk_path=disk_path,
                       disk_budget_bytes=config.disk_cache_bytes if disk_path else None,
                       disk_durable=config.disk_durable, disk_shards=config.disk_shards,
+                      read_reserve_share=config.read_reserve_share,
                       remote=config.remote_config)

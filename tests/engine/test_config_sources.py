@@ -128,3 +128,21 @@ def test_disk_durability_from_every_source_reaches_the_opened_tier(tmp_path,
     monkeypatch.setenv("KVTIER_DISK_DURABLE", "1")
     assert opened_durable() is True
     assert opened_durable(disk_durable=False) is False  # a keyword beats the environment
+
+
+def test_disk_shards_and_read_reserve_from_the_environment_reach_the_tiers(
+        tmp_path, monkeypatch) -> None:
+    assert EngineConfig().disk_shards == 1 and EngineConfig().read_reserve_share == 0.5
+    monkeypatch.setenv("KVTIER_DISK_SHARDS", "3")
+    monkeypatch.setenv("KVTIER_READ_RESERVE_SHARE", "0.25")
+    with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
+             disk_cache_dir=tmp_path / "kv", disk_cache_gb=0.01) as llm:
+        assert llm.manager.config.disk_shards == 3
+        assert llm.manager.config.read_reserve_share == 0.25
+        assert len(llm.manager.disk.shards) == 3
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == \
+        ["shard-0-of-3", "shard-1-of-3", "shard-2-of-3"]
+    for bad in ("0", "65"):
+        monkeypatch.setenv("KVTIER_DISK_SHARDS", bad)
+        with pytest.raises(ValueError, match="disk_shards"):
+            load_engine_config({}, None)
