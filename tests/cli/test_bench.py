@@ -307,27 +307,20 @@ def test_swap_bench_rejects_bad_options(runner):
 
 
 def test_tiers_bench_is_wired(runner, tmp_path):
-    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "4", "--num-layers", "2",
-                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "2",
-                                 "--no-durable", "--tmpdir", str(tmp_path), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    def bench(*options: str) -> dict:
+        result = runner.invoke(app, ["bench", "tiers", "--num-layers", "2", "--num-kv-heads",
+                                     "1", "--head-dim", "8", "--no-durable", "--tmpdir",
+                                     str(tmp_path), "--json", *options])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    report = bench("--num-blocks", "4", "--repeats", "2")
     assert report["num_blocks"] == 4 and report["repeats"] == 2
     assert report["lmdb"]["read"]["mb_per_s"] > 0 and report["write_ratio"] > 0
-    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "6", "--num-layers", "2",
-                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "1",
-                                 "--batch-size", "2", "--writers", "2", "--no-durable",
-                                 "--tmpdir", str(tmp_path), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = bench("--num-blocks", "6", "--repeats", "1", "--batch-size", "2", "--writers", "2")
     assert report["writers"] == 2 and report["lmdb"]["write"]["mb_per_s"] > 0
     # Over four shards: the same bytes read back (the bench checks them), one sync each.
-    result = runner.invoke(app, ["bench", "tiers", "--num-blocks", "8", "--num-layers", "2",
-                                 "--num-kv-heads", "1", "--head-dim", "8", "--repeats", "1",
-                                 "--batch-size", "4", "--shards", "4", "--no-durable",
-                                 "--tmpdir", str(tmp_path), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
+    report = bench("--num-blocks", "8", "--repeats", "1", "--batch-size", "4", "--shards", "4")
     assert report["shards"] == 4 and report["lmdb"]["syncs"] == 4
 
 

@@ -66,7 +66,8 @@ def open_disk_tier(path: str | os.PathLike[str], layout: KVLayout, budget_bytes:
     tier is off.
 
     Returns (tier, None) when the files opened as they were; (a fresh tier, recovery)
-    when they were moved aside; (None, recovery) when the disk tier had to be turned off.
+    when they were moved aside (for shards, the first shard's; each one's is logged);
+    (None, recovery) when the disk tier had to be turned off.
     Raises ValueError for a bad budget or shard count and for a directory of mixed or
     incomplete shards, and the errors of `ensure_private_dir` for a directory that is not
     safe to use (another owner, writable by others, a file).

@@ -181,8 +181,14 @@ class ShardedDiskTier(LowerTier):
         self._closed = True
         for writer in self._writers:
             writer.shutdown(wait=True)
-        for shard in self.shards:
-            shard.close()
+        failure = None
+        for shard in self.shards:  # every shard closes, whatever another raised
+            try:
+                shard.close()
+            except BaseException as exc:  # noqa: BLE001 (raised once all are closed)
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> ShardedDiskTier:
         return self
