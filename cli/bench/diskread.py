@@ -2,7 +2,8 @@
 
   * `drop_page_cache()`: `sync` and `echo 3 > /proc/sys/vm/drop_caches` (needs root).
   * `resident_fraction(path)`: the share of a file's pages in the page cache (mincore),
-    which says whether a drop left it cold.
+    which says whether a drop left it cold; `tier_resident_fraction(root)` the same over a
+    disk tier's data files (one per shard).
   * `raw_sequential_read(directory, num_bytes)`: a file of that size written in `directory`
     (same disk as the tier), read back sequentially in 8 MiB requests, cold: buffered, with
     O_DIRECT, and buffered by several threads at once. The best of them is the bar.
@@ -31,7 +32,9 @@ import numpy as np
 import torch
 
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk.check import DATA_FILE
 from kvtier.tiers.disk.lmdb_value import OVERFLOW_HEADER_BYTES, ValueSpot, find_value
+from kvtier.tiers.disk.shard_layout import existing_shards, shard_dirs
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
@@ -80,6 +83,20 @@ def resident_fraction(path: Path) -> float | None:
     except (OSError, AttributeError, ValueError, BufferError):
         return None
     return resident / num_pages
+
+
+def tier_resident_fraction(root: Path) -> float | None:
+    """`resident_fraction` over the data files of the disk tier in `root` (one, or one per
+    shard), weighted by their sizes; None where none can be asked."""
+    try:
+        count = existing_shards(root)
+    except ValueError:
+        return None
+    parts = [(resident_fraction(shard / DATA_FILE), shard / DATA_FILE)
+             for shard in shard_dirs(root, count or 1)]
+    sized = [(share, path.stat().st_size) for share, path in parts if share is not None]
+    total = sum(size for _, size in sized)
+    return sum(share * size for share, size in sized) / total if total else None
 
 
 def _gb_s(num_bytes: int, seconds: float) -> float:

@@ -58,7 +58,7 @@ from kvtier.cli.bench.diskread import (
     disk_tier_read,
     drop_page_cache,
     raw_sequential_read,
-    resident_fraction,
+    tier_resident_fraction,
 )
 from kvtier.cli.bench.step_recorder import StepRecorder, run_one
 from kvtier.engine import LLM, RequestOutput, SamplingParams
@@ -70,7 +70,6 @@ from kvtier.engine.restore import DISK_GROUP_BYTES
 from kvtier.config import DEFAULT_IO_THREADS
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction
-from kvtier.tiers.disk.check import DATA_FILE
 
 STRATEGIES = ("recompute", "host", "disk")
 #: Strategies run only when named: the disk behind a small host tier.
@@ -270,8 +269,8 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                     if drop:
                         cold = _pause(config, cold, progress)
                         if strategy in DISK_STRATEGIES:
-                            resident.append(resident_fraction(options["disk_cache_dir"]
-                                                              / DATA_FILE))
+                            resident.append(tier_resident_fraction(
+                                options["disk_cache_dir"]))
                     outputs[name].append(run_one(llm, d + q, params, recorder))
                     share = "" if not (drop and resident) or resident[-1] is None else \
                         f" ({resident[-1]:.1%} of the tier's file cached after the drop)"
@@ -281,13 +280,6 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
             del llm
             free_engine_memory(device)
     round2 = outputs["round2"]
-    bs = config.block_size
-    doc_blocks = config.doc_tokens // bs
-    meeting = [{"gpu": o.metrics.cached_tokens_gpu // bs, "host": o.metrics.cached_tokens_host
-                // bs, "disk": o.metrics.cached_tokens_disk // bs,
-                "computed": doc_blocks - (o.metrics.cached_tokens_gpu + o.metrics.cached_tokens_host
-                                          + o.metrics.cached_tokens_disk) // bs}
-               for o in round2]
     moved = {d.value: sum(s["bytes_moved"][d.value] for s in recorder.samples)
              for d in Direction}
     return {
@@ -298,9 +290,11 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                    "disk": sum(o.metrics.cached_tokens_disk for o in round2),
                    "computed": sum(o.metrics.computed_tokens for o in round2)},
         "bytes_moved": moved,
-        "meeting_blocks": meeting,
+        "meeting_blocks": _meeting_blocks(round2, config),
         "ttft_warm_s": (summarize([o.metrics.ttft_s for o in outputs["round2_warm"]])
                         if "round2_warm" in outputs else None),
+        "meeting_blocks_warm": (_meeting_blocks(outputs["round2_warm"], config)
+                                if "round2_warm" in outputs else None),
         "disk_writes": writes,
         # How the fresh engines' prefix lookups went (restores started, hits given up for
         # want of GPU blocks, prefixes the rates sent to compute, probes).
@@ -318,6 +312,17 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                            [list(o.outputs[0].token_ids) for o in outputs["round2_warm"]]
                            == [list(o.outputs[0].token_ids) for o in round2]),
     }
+
+
+def _meeting_blocks(outputs: list, config: LongctxConfig) -> list[dict[str, int]]:
+    """Per document, the blocks each source gave its round-two prompt and those computed:
+    where the restore fronts met."""
+    bs, doc_blocks = config.block_size, config.doc_tokens // config.block_size
+    return [{"gpu": m.cached_tokens_gpu // bs, "host": m.cached_tokens_host // bs,
+             "disk": m.cached_tokens_disk // bs,
+             "computed": doc_blocks - (m.cached_tokens_gpu + m.cached_tokens_host
+                                       + m.cached_tokens_disk) // bs}
+            for m in (o.metrics for o in outputs)]
 
 
 def _pause(config: LongctxConfig, cold: bool | None, report: Progress) -> bool | None:

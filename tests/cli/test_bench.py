@@ -455,6 +455,12 @@ def test_longctx_cold_reports_warm_restores_apart(runner, tmp_path):
     small = report["strategies"]["host_small_disk"]
     assert small["ttft_warm_s"]["n"] == 2 and small["ttft_s"]["n"] == 2
     assert report["strategies"]["recompute"]["ttft_warm_s"] is None
+    # Where the warm round's fronts met, as the cold round's: every block from somewhere.
+    assert [sum(m.values()) for m in small["meeting_blocks_warm"]] == [64 // 16] * 2
+    assert report["strategies"]["recompute"]["meeting_blocks_warm"] is None
+    # The page cache's share of the tier's file after each drop was asked (or not
+    # measurable here): never a share of a file that is not the tier's.
+    assert all(share is None or 0 <= share <= 1 for share in small["resident_after_drop"])
 
 
 def test_serve_host_small_disk_with_documents_in_lockstep(runner):

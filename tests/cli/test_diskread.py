@@ -11,6 +11,7 @@ from kvtier.cli.bench.diskread import (
     disk_tier_read,
     longest_chain,
     resident_fraction,
+    tier_resident_fraction,
     tier_metas,
 )
 
@@ -73,3 +74,22 @@ def test_resident_fraction_sees_a_file_read_and_one_evicted(tmp_path) -> None:
     assert resident_fraction(tmp_path / "missing") is None
     (tmp_path / "empty").touch()
     assert resident_fraction(tmp_path / "empty") is None
+
+
+def test_a_tier_s_resident_share_weighs_every_shard_file(tmp_path) -> None:
+    """Over a sharded disk tier the share counts each shard's data file by its size: one
+    file cached and one of three times its size evicted is 0.25 (where the file system
+    drops pages on request), never None for want of a data.mdb at the root."""
+    root = tmp_path / "kv"
+    sizes = {0: 1 << 20, 1: 3 << 20}
+    for index, size in sizes.items():
+        (root / f"shard-{index}-of-2").mkdir(parents=True)
+        (root / f"shard-{index}-of-2" / "data.mdb").write_bytes(os.urandom(size))
+    assert tier_resident_fraction(root) == 1.0  # both just written: cached
+    evicted = root / "shard-1-of-2" / "data.mdb"
+    with open(evicted, "rb") as handle:
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    expected = (1.0 * sizes[0] + resident_fraction(evicted) * sizes[1]) / sum(sizes.values())
+    assert tier_resident_fraction(root) == pytest.approx(expected)
+    assert tier_resident_fraction(tmp_path / "nothing-here") is None
