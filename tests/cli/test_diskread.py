@@ -11,8 +11,8 @@ from kvtier.cli.bench.diskread import (
     disk_tier_read,
     longest_chain,
     resident_fraction,
-    tier_resident_fraction,
     tier_metas,
+    tier_resident_fraction,
 )
 
 from kvtier.layout import KVLayout
