@@ -247,7 +247,22 @@ def test_every_command_works_on_a_sharded_directory(runner, tmp_path):
                         "--repair")["num_removed"] == 1
     assert _invoke_json(runner, "cache", "verify", "--dir", str(path))["ok"]
 
+    # A shard whose files are damaged: reported by name, moved aside by --repair; the
+    # others keep their blocks and every command goes on over the emptied shard.
+    shard = path / "shard-0-of-4"
+    held = [m for m in metas if shard_of(m.block_hash, 4) == 0 and m.block_hash != victim]
+    assert held
+    (shard / "data.mdb").write_bytes(b"\x00" * 8192 + (shard / "data.mdb").read_bytes()[8192:])
+    report = json.loads(runner.invoke(app, ["cache", "verify", "--dir", str(path),
+                                            "--json"]).stdout)
+    assert report["files_problem"].startswith("shard-0-of-4: ")
+    repaired = _invoke_json(runner, "cache", "verify", "--dir", str(path), "--repair")
+    assert repaired["moved_to"] and not (shard / "data.mdb").exists()
+    assert _invoke_json(runner, "cache", "verify", "--dir", str(path))["ok"]
+    stats = _invoke_json(runner, "cache", "stats", "--dir", str(path))
+    assert stats["shards"] == 4 and stats["num_blocks"] == NUM_BLOCKS - 1 - len(held)
+
     removed = _invoke_json(runner, "cache", "prune", "--dir", str(path), "--max-gb", "0")
-    assert removed["num_removed"] == NUM_BLOCKS - 1
+    assert removed["num_removed"] == NUM_BLOCKS - 1 - len(held)
     assert _invoke_json(runner, "cache", "clear", "--dir", str(path), "--yes")["num_removed"] == 0
     assert _invoke_json(runner, "cache", "stats", "--dir", str(path))["num_blocks"] == 0

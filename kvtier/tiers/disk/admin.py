@@ -95,15 +95,17 @@ def _check_format(index: LmdbIndex, txn: lmdb.Transaction, path: object) -> None
                          "kvtier to start it afresh")
 
 
-def _shard_roots(path: str | os.PathLike[str]) -> list[Path]:
-    """The LMDB directories of the disk tier in `path` (one, or its shards'). Raises
-    FileNotFoundError when it holds no cache, ValueError for mixed or incomplete shards,
-    and the errors of `ensure_private_dir`."""
+def _shard_roots(path: str | os.PathLike[str], stored_only: bool = True) -> list[Path]:
+    """The LMDB directories of the disk tier in `path` (one, or its shards'); with
+    `stored_only`, the shards without files (moved aside by a repair, say: the engine starts
+    them empty) are left out. Raises FileNotFoundError when it holds no cache, ValueError for
+    mixed or incomplete shards, and the errors of `ensure_private_dir`."""
     root = ensure_private_dir(path, create=False)
     count = existing_shards(root)
     if count is None:
         raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
-    return shard_dirs(root, count)
+    roots = shard_dirs(root, count)
+    return [r for r in roots if os.path.lexists(r / "data.mdb")] if stored_only else roots
 
 
 def cache_stats(path: str | os.PathLike[str]) -> dict:
@@ -123,8 +125,8 @@ def cache_stats(path: str | os.PathLike[str]) -> dict:
     budgets = [part["budget_bytes"] for part in parts if part["budget_bytes"] is not None]
     return {
         "path": str(Path(path).absolute()),
-        "shards": len(parts),
-        "format_version": parts[0]["format_version"],
+        "shards": len(_shard_roots(path, stored_only=False)),
+        "format_version": parts[0]["format_version"] if parts else None,
         "num_blocks": sum(part["num_blocks"] for part in parts),
         "bytes_used": sum(part["bytes_used"] for part in parts),
         "budget_bytes": sum(budgets) if budgets else None,
@@ -213,10 +215,11 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     (`kvtier.tiers.disk.recovery.move_aside`; nothing is deleted). Raises like
     `cache_stats` otherwise (no cache there, an unsafe directory).
     """
-    reports = [_shard_verify(root, repair) for root in _shard_roots(path)]
-    if len(reports) == 1:
+    roots = _shard_roots(path)
+    reports = [_shard_verify(root, repair) for root in roots]
+    if len(_shard_roots(path, stored_only=False)) == 1:
         return reports[0]
-    problems = [f"{name}: {r.files_problem}" for name, r in _named(path, reports)
+    problems = [f"{root.name}: {r.files_problem}" for root, r in zip(roots, reports)
                 if r.files_problem is not None]
     moved = [r.moved_to for r in reports if r.moved_to is not None]
     return VerifyReport(sum(r.num_checked for r in reports),
@@ -225,11 +228,6 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
                         sum(r.num_removed for r in reports), repair,
                         files_problem="; ".join(problems) or None,
                         moved_to=", ".join(moved) or None)
-
-
-def _named(path: str | os.PathLike[str], reports: list[VerifyReport]
-           ) -> list[tuple[str, VerifyReport]]:
-    return [(root.name, report) for root, report in zip(_shard_roots(path), reports)]
 
 
 def _shard_verify(root: Path, repair: bool) -> VerifyReport:
@@ -298,8 +296,8 @@ def prune(path: str | os.PathLike[str], max_bytes: int) -> int:
     how many were removed. Raises ValueError for a negative `max_bytes`."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    roots = _shard_roots(path)
-    return sum(_shard_prune(root, max_bytes // len(roots)) for root in roots)
+    share = max_bytes // len(_shard_roots(path, stored_only=False))
+    return sum(_shard_prune(root, share) for root in _shard_roots(path))
 
 
 def _shard_prune(path: Path, max_bytes: int) -> int:
