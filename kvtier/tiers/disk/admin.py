@@ -215,9 +215,10 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     (`kvtier.tiers.disk.recovery.move_aside`; nothing is deleted). Raises like
     `cache_stats` otherwise (no cache there, an unsafe directory).
     """
+    count = len(_shard_roots(path, stored_only=False))  # before a repair empties any
     roots = _shard_roots(path)
     reports = [_shard_verify(root, repair) for root in roots]
-    if len(_shard_roots(path, stored_only=False)) == 1:
+    if count == 1:
         return reports[0]
     problems = [f"{root.name}: {r.files_problem}" for root, r in zip(roots, reports)
                 if r.files_problem is not None]
