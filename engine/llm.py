@@ -24,39 +24,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvtier.engine import sizing
-from kvtier.engine.attention import select_backend
+from kvtier.engine.assembly import assemble
 from kvtier.engine.block_taps import BlockTap
 from kvtier.engine.completions import Completions, completion_request_ids
 from kvtier.engine.config_sources import load_engine_config
-from kvtier.engine.cpu_threads import leave_a_core_to_io
 from kvtier.engine.flush_progress import FlushProgressLine
-from kvtier.engine.loader import (
-    LoadedModel,
-    check_loaded,
-    load_model,
-    resolve_device,
-    resolve_device_dtype,
-)
-from kvtier.engine.model_runner import ModelRunner
+from kvtier.engine.loader import LoadedModel
 from kvtier.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvtier.engine.prompts import Conversation, Prompt, as_prompt_list, render_chat
 from kvtier.engine.request import Request, RequestId, check_token_ids
 from kvtier.engine.request_failures import RequestFailures, record_logprobs, sample_each_alone
 from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
-from kvtier.engine.scheduler import MAX_STEPS_AHEAD, TRANSFER_WAIT_S, Scheduler
+from kvtier.engine.scheduler import MAX_STEPS_AHEAD, TRANSFER_WAIT_S
 from kvtier.engine.streaming import OutputTracker, RequestDelta
-from kvtier.engine.warmup import (
-    WarmupReport,
-    prepare_gpu,
-    time_cpu_prefill,
-    use_user_triton_cache,
-)
+from kvtier.engine.warmup import WarmupReport
 
-from kvtier.cuda_device import bind_thread
 from kvtier.hashing import BlockHasher, namespace_hash
-from kvtier.manager import FlushReport, TierManager
+from kvtier.manager import FlushReport
 from kvtier.stats import ManagerStats
 from kvtier.tiers.remote.config import RemoteConfig
 
@@ -119,51 +104,22 @@ class LLM:
             restore_min_saving_s=restore_min_saving_s, remote_cache=remote_cache,
             deterministic=deterministic, flush_timeout_s=flush_timeout_s)
         self.config = cfg = load_engine_config(explicit, config)
-        block_size = cfg.block_size
-        if cfg.warmup and torch.cuda.is_available():
-            use_user_triton_cache()  # before anything compiles, so a second start is fast
-        if isinstance(model, LoadedModel):
-            loaded = model
-            self.device, self.dtype = check_loaded(loaded, device or "auto", dtype or "auto")
-        else:
-            self.device, self.dtype = resolve_device_dtype(resolve_device(cfg.device), cfg.dtype)
-            backend = select_backend(self.device, block_size, cfg.attn_backend)
-            if cfg.deterministic and backend in ("cudnn", "flash"):
-                backend = "triton"  # the mode attends through its own Triton kernel anyway
-            loaded = load_model(cfg.model, self.device, self.dtype, attn_backend=backend)
-        bind_thread(self.device)  # what follows (cache, warm-up) launches there
+        parts = assemble(cfg, model if isinstance(model, LoadedModel) else None, device, dtype,
+                         self._sample)
+        loaded = parts.loaded
+        self.device, self.dtype = parts.device, parts.dtype
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.model_id = loaded.model_id
         self.model_fingerprint = loaded.cache_identity
-        # (`max_model_len` here is the argument; the sizes come from `cfg`.)
-        self.max_model_len = sizing.max_model_len(cfg.max_model_len,
-                                                  loaded.config.max_position_embeddings)
-        self.layout = loaded.config.kv_layout(block_size, self.dtype)
-        self.num_gpu_blocks = sizing.num_gpu_blocks(cfg, self.max_model_len, self.device,
-                                                    self.layout)
-        self.manager = TierManager(
-            self.layout, sizing.tier_config(cfg, self.num_gpu_blocks, self.layout), self.device)
-        if self.device.type == "cpu":
-            leave_a_core_to_io()  # the model shares the cores with the tiers' I/O threads
-        self.scheduler = Scheduler(
-            self.manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-            min_restore_saving_s=cfg.restore_min_saving_s,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold)
-        self.runner = ModelRunner(self.model, self.manager.kv_cache, block_size, self._sample,
-                                  deterministic=cfg.deterministic)
-        self.warmup_report: WarmupReport | None = prepare_gpu(
-            self.runner, cfg, min(self.max_model_len, self.num_gpu_blocks * block_size),
-            self.max_model_len)
-        if self.warmup_report is not None:
-            # The first restore after start is sized with the model's rate, as later ones.
-            self.scheduler.prefill_rate.observe_steps(self.warmup_report.prefill_steps)
-        elif cfg.warmup and self.device.type == "cpu" and self.manager.lower_tiers:
-            # Whether the first restore reads the slow tiers at all (only they are gated).
-            self.scheduler.gate.start_rate.observe_steps(time_cpu_prefill(
-                self.model, self.manager.kv_cache, block_size, cfg.max_num_batched_tokens,
-                self.max_model_len))
+        self.max_model_len = parts.max_model_len
+        self.layout = parts.layout
+        self.num_gpu_blocks = parts.num_gpu_blocks
+        self.manager = parts.manager
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.warmup_report: WarmupReport | None = parts.warmup_report
         self._eos_token_ids = frozenset(loaded.config.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
