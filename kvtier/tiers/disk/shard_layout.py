@@ -15,9 +15,8 @@ from pathlib import Path
 from kvtier.hashing import BlockHash
 
 #: Shards of a new disk tier directory unless set (`EngineConfig.disk_shards`, `kvtier
-#: cache import --shards`). One: four lift the tier's writes from 0.77-0.80x to 0.94-1.00x
-#: of a plain file on the lent H200 machine, but the workloads served there read more from
-#: disk with them and ran no faster (docs/BENCHMARKS.md, "The disk tier's writers").
+#: cache import --shards`). One: more shards write faster, but no workload served on the
+#: lent GPU ran faster with them (docs/BENCHMARKS.md, "The disk tier's writers").
 DEFAULT_SHARDS = 1
 #: The most shards a directory may have (each holds two files and a writer thread).
 MAX_SHARDS = 64

@@ -1,11 +1,11 @@
 """A disk tier split by block hash over several LMDB environments, written in parallel.
 
 LMDB runs one write transaction at a time per environment, and py-lmdb copies every value
-into pages of its own before the commit writes them: one environment takes blocks at about
-0.8 GB/s on the lent H200 machine inside the engine (2 GB/s alone), well below the page
-cache and, with it, below what a prefill produces (~3 GB/s for an 8B model). Several
-environments commit side by side (py-lmdb releases the GIL while LMDB copies and writes),
-so a directory of `n` shards takes a batch `n` commits at a time.
+into pages of its own before the commit writes them, so one environment takes blocks more
+slowly than the page cache would and than a large model's prefill makes them
+(docs/BENCHMARKS.md, "The disk tier's writers"). Several environments commit side by side
+(py-lmdb releases the GIL while LMDB copies and writes), so a directory of `n` shards takes
+a batch `n` commits at a time.
 
 Each shard is a whole `DiskTier` directory (its own data.mdb, lock.mdb, budget of
 `budget / n`, access order and pruning), laid out as `kvtier.tiers.disk.shard_layout` says.

@@ -110,8 +110,8 @@ class DiskTier(LowerTier):
     `initial_map_bytes` asks for less (then it doubles when needed): without writemap the
     map is address space, not disk, and a resize must wait for every transaction of the
     process, a background sync of GiBs of dirty pages included, while lookups queue behind
-    it (with four shards filling at 2 GB/s, lookups outlasted their deadline,
-    docs/BENCHMARKS.md, "The disk tier's writers"). A read-only one maps its file.
+    it past their deadline (docs/BENCHMARKS.md, "The disk tier's writers"). A read-only one
+    maps its file.
     Access-order updates from reads ride on the next write transaction, or get one of
     their own once `touch_flush_every` are pending (a commit costs an fsync when durable).
 
