@@ -19,7 +19,7 @@ a tier knows best how to batch its calls and what to count as bytes moved.
 
 How the manager uses a tier is declared by a few attributes rather than by its class:
 `kind` (the counters and transfer directions it reports under), `write_policy` (which blocks
-it is given), `lookup_is_local`, `write_batch` and `keeps_reads_above`.
+it is given), `lookup_is_local`, `write_batch`, `keeps_reads_above` and `serial_writes`.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class LowerTier(ABC):
     write_batch: blocks per write job.
     keeps_reads_above: blocks read from this tier are also stored in the write-back tier
         above it (a remote hit kept on the local disk).
+    serial_writes: its write jobs run one at a time (see the attribute).
     """
 
     layout: KVLayout
@@ -71,6 +72,9 @@ class LowerTier(ABC):
     lookup_is_local: bool = True
     write_batch: int = 32
     keeps_reads_above: bool = False
+    #: Its write jobs run while no other serial write does (`IOJob.serial`): one LMDB
+    #: environment runs one write transaction at a time.
+    serial_writes: bool = False
 
     @abstractmethod
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
@@ -128,16 +132,26 @@ class LowerTier(ABC):
 
         return IOJob(self.reads, run), results
 
+    def put_counted(self, metas: Sequence[BlockMeta], payloads: Sequence[object]
+                    ) -> tuple[list[bool], int]:
+        """`put`, and how many blocks the call wrote (the bytes a write job reports as
+        moved). Default: every block held afterwards counts; a tier that can tell the ones
+        it held already says fewer."""
+        stored = self.put(metas, payloads)
+        return stored, sum(stored)
+
     def write_job(self, metas: Sequence[BlockMeta],
                   payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
         """A job storing blocks (uint8 `[bytes_per_block]` views of host slots). The returned
         list receives, per block, whether the tier holds it afterwards; it stays empty if
-        the job raised."""
+        the job raised. It moves the bytes of the blocks `put_counted` wrote, and is
+        `serial_writes`."""
         stored: list[bool] = []
 
         def run() -> int:
-            stored.extend(self.put(metas, payloads))
-            return sum(stored) * self.layout.bytes_per_block
+            present, num_written = self.put_counted(metas, payloads)
+            stored.extend(present)
+            return num_written * self.layout.bytes_per_block
 
-        return IOJob(self.writes, run), stored
+        return IOJob(self.writes, run, serial=self.serial_writes), stored
 

@@ -33,7 +33,6 @@ from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.disk.shard_layout import shard_of
 from kvtier.tiers.disk.tier import DiskStats, DiskTier
 from kvtier.tiers.record import BlockBuffer, BlockMeta
-from kvtier.transfer import IOJob
 
 T = TypeVar("T")
 
@@ -50,6 +49,9 @@ class ShardedDiskTier(LowerTier):
     kind = Tier.DISK
     write_policy = WritePolicy.WRITE_BACK
     lookup_is_local = True
+    #: Write jobs of several I/O threads queue their shards' parts on the writer threads,
+    #: which keep each shard's commits in order.
+    serial_writes = False
 
     def __init__(self, path: str | os.PathLike[str], shards: Sequence[DiskTier]) -> None:
         if len(shards) < 2:
@@ -141,20 +143,6 @@ class ShardedDiskTier(LowerTier):
         if failure is not None:
             raise failure
         return present, num_written
-
-    def write_job(self, metas: Sequence[BlockMeta],
-                  payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
-        """`LowerTier.write_job`, counting only the blocks it wrote as moved. Not serial:
-        jobs on several I/O threads queue their shards' parts on the writer threads, which
-        keep each shard's commits in order."""
-        stored: list[bool] = []
-
-        def run() -> int:
-            present, num_written = self.put_counted(metas, payloads)
-            stored.extend(present)
-            return num_written * self.layout.bytes_per_block
-
-        return IOJob(self.writes, run), stored
 
     def delete(self, block_hashes: Sequence[BlockHash]) -> int:
         """Remove blocks; how many were present. Raises ValueError when read-only."""

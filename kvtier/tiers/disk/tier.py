@@ -62,7 +62,6 @@ from kvtier.tiers.record import (
     payload_view,
     record_size,
 )
-from kvtier.transfer import IOJob
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +158,7 @@ class DiskTier(LowerTier):
     lookup_is_local = True
     #: Blocks per write transaction.
     write_batch = 32
+    serial_writes = True  # one write transaction at a time
 
     def __init__(self, path: str | os.PathLike[str], layout: KVLayout, budget_bytes: int, *,
                  readonly: bool = False, max_map_bytes: int | None = None,
@@ -479,19 +479,6 @@ class DiskTier(LowerTier):
         ValueError for a payload of the wrong size or kind.
         """
         return self.put_counted(metas, payloads)[0]
-
-    def write_job(self, metas: Sequence[BlockMeta],
-                  payloads: Sequence[BlockBuffer]) -> tuple[IOJob, list[bool]]:
-        """`LowerTier.write_job`: `put` on an I/O thread, counting only the bytes of the
-        blocks it wrote as moved; serial (LMDB runs one write transaction at a time)."""
-        stored: list[bool] = []
-
-        def run() -> int:
-            present, num_written = self.put_counted(metas, payloads)
-            stored.extend(present)
-            return num_written * self.layout.bytes_per_block
-
-        return IOJob(self.writes, run, serial=True), stored
 
     def put_counted(self, metas: Sequence[BlockMeta], payloads: Sequence[object]
                     ) -> tuple[list[bool], int]:
