@@ -322,13 +322,12 @@ def time_cpu_prefill(model: torch.nn.Module, kv_cache: torch.Tensor, block_size:
                      max_num_batched_tokens: int, max_model_len: int,
                      ) -> tuple[tuple[int, int, float], ...]:
     """On the CPU, where nothing is compiled at start: one fresh prompt chunk of
-    `CPU_TIMED_TOKENS` (at most the step's budget, shorter than the model's length) run
-    once with a decode and both sampler
-    paths (the first forward also pays for torch's first allocations), then timed. Its
-    (tokens, keys, seconds) seed the restore
-    gate's start rate (`RestoreGate.start_rate`), so a fresh engine's first restore is
-    weighed against computing: without it the gate reads every prefix, however short,
-    until a step of `step_timer.MIN_TIMED_TOKENS` has run. Stores nothing."""
+    `CPU_TIMED_TOKENS` (at most the step's budget, shorter than the model's length) run once
+    with a decode (the first forward also pays for torch's first allocations), then timed.
+    Its (tokens, keys, seconds) seed the restore gate's start rate
+    (`RestoreGate.start_rate`), so a fresh engine's first restore is weighed against
+    computing: without it the gate reads every prefix, however short, until a step of
+    `step_timer.MIN_TIMED_TOKENS` has run. Stores nothing."""
     num_tokens = max(1, min(max_num_batched_tokens, CPU_TIMED_TOKENS, max_model_len - 1))
     step = WarmupStep("prefill", (num_tokens,), (num_tokens,))
     decode = WarmupStep("decode", (1,), (min(17, max(1, max_model_len - 1)),))
