@@ -4,6 +4,9 @@
   * `resident_fraction(path)`: the share of a file's pages in the page cache (mincore),
     which says whether a drop left it cold; `tier_resident_fraction(root)` the same over a
     disk tier's data files (one per shard).
+  * `stored_spans(root, layout, documents)`: which of each document's blocks a disk tier
+    holds, and how many of them end the document back to back (what a load front reads);
+    `forget_blocks` deletes blocks from a tier, `read_into_page_cache` warms its files.
   * `raw_sequential_read(directory, num_bytes)`: a file of that size written in `directory`
     (same disk as the tier), read back sequentially in 8 MiB requests, cold: buffered, with
     O_DIRECT, and buffered by several threads at once. The best of them is the bar.
@@ -31,10 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.tiers.disk.check import DATA_FILE
 from kvtier.tiers.disk.lmdb_value import OVERFLOW_HEADER_BYTES, ValueSpot, find_value
-from kvtier.tiers.disk.shard_layout import existing_shards, shard_dirs
+from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.shard_layout import existing_shards, shard_dirs, shard_of
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta, decode_header, payload_checksum
 
@@ -407,3 +412,67 @@ def run_diskread_bench(directory: str | os.PathLike[str], gib: float,
         raw = raw_sequential_read(scratch, num_blocks * layout.bytes_per_block,
                                   threads=max(thread_counts))
     return {"bench": "diskread", "methods": methods, "tier": tier, "raw": raw}
+
+
+def stored_flags(root: Path, layout: KVLayout,
+                 prompts: Sequence[Sequence[BlockHash]]) -> list[list[bool]]:
+    """Per prompt (its block hashes, in order), whether the disk tier in `root` holds each
+    block, asked read-only."""
+    count = existing_shards(root) or 1
+    # A shard without files (moved aside) holds nothing; the lookups may wait on a cold disk.
+    tiers = [DiskTier(path, layout, 1 << 50, readonly=True, lookup_deadline_s=60.0)
+             if (path / DATA_FILE).exists() else None for path in shard_dirs(root, count)]
+    try:
+        flags = []
+        for hashes in prompts:
+            held = [False] * len(hashes)
+            for shard, tier in enumerate(tiers):
+                if tier is None:
+                    continue
+                at = [i for i, h in enumerate(hashes) if shard_of(h, count) == shard]
+                for i, hit in zip(at, tier.contains([hashes[i] for i in at])):
+                    held[i] = hit
+            flags.append(held)
+        return flags
+    finally:
+        for tier in tiers:
+            if tier is not None:
+                tier.close()
+
+
+def stored_span(held: Sequence[bool]) -> dict[str, int]:
+    """Of a document's blocks (whether each is stored, in prompt order): how many there are,
+    how many are stored, how many end the document back to back (`tail`: what a load front
+    reads with nothing computed after it), and in how many runs they lie."""
+    tail = next((i for i, h in enumerate(reversed(held)) if not h), len(held))
+    runs = sum(1 for i, h in enumerate(held) if h and (i == 0 or not held[i - 1]))
+    return {"blocks": len(held), "stored": sum(held), "tail": tail, "runs": runs}
+
+
+def stored_spans(root: Path, layout: KVLayout,
+                 documents: Sequence[Sequence[BlockHash]]) -> list[dict[str, int]]:
+    """`stored_span` of each document (its block hashes) in the disk tier in `root`."""
+    return [stored_span(held) for held in stored_flags(root, layout, documents)]
+
+
+def forget_blocks(root: Path, layout: KVLayout, hashes: Sequence[BlockHash]) -> int:
+    """Delete `hashes` from the disk tier in `root` (those it holds); returns how many."""
+    tier, _ = open_disk_tier(root, layout, 1 << 50)
+    if tier is None:
+        raise RuntimeError(f"the disk tier in {root} could not be opened")
+    with tier:
+        return tier.delete(hashes)
+
+
+def read_into_page_cache(root: Path) -> int:
+    """Read every data file of the disk tier in `root` (one, or one per shard) through the
+    page cache, so that its reads then come from memory; returns the bytes read."""
+    total = 0
+    for shard in shard_dirs(root, existing_shards(root) or 1):
+        path = shard / DATA_FILE
+        if not path.exists():
+            continue
+        with open(path, "rb", buffering=0) as handle:
+            while chunk := handle.read(8 << 20):
+                total += len(chunk)
+    return total

@@ -28,7 +28,11 @@ KV size on the same disk are measured, alternately, three times each (`cli.bench
 medians), cold with `cold` only: the page cache is never dropped without it (the reads are
 then warm, and the result says so).
 With `cold`, the disk strategies run round two a second time on another fresh engine
-without dropping the page cache: cold and warm (page cache) restores are reported apart.
+over what round one left on disk (the blocks of round two's prompts that the cold round
+wrote are deleted first), with the tier's files read into the page cache: cold and warm
+(page cache) restores are reported apart. Each disk strategy reports, per document, which
+of its blocks round one left on disk (`stored_on_disk`: how many, and the run that ends
+the document).
 Each disk strategy reports where round one's blocks went (`disk_writes`: written, skipped
 with reasons, lost, the tier's write GB/s beside a raw sequential write of the same disk
 measured in the same run).
@@ -46,6 +50,7 @@ from __future__ import annotations
 import gc
 import math
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,7 +62,11 @@ from kvtier.cli.bench.disk_writes import disk_writes, raw_sequential_write
 from kvtier.cli.bench.diskread import (
     disk_tier_read,
     drop_page_cache,
+    forget_blocks,
     raw_sequential_read,
+    read_into_page_cache,
+    stored_flags,
+    stored_span,
     tier_resident_fraction,
 )
 from kvtier.cli.bench.step_recorder import StepRecorder, run_one
@@ -68,6 +77,7 @@ from kvtier.engine.loader import LoadedModel, load_model, resolve_device
 from kvtier.engine.restore import DISK_GROUP_BYTES
 
 from kvtier.config import DEFAULT_IO_THREADS
+from kvtier.hashing import BlockHash, hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.stats import Direction
 
@@ -231,6 +241,10 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
     outputs: dict[str, list[RequestOutput]] = {}
     cold: bool | None = None  # whether every round-two request followed a dropped page cache
     writes = None
+    stored = None
+    warmed: dict[str, Any] | None = None  # how the warm round's page cache was made warm
+    asked: list[list[BlockHash]] = []  # round two's prompts' blocks, and which round one
+    held: list[list[bool]] = []  # left on disk
     with LLM(loaded, **options) as llm:
         device = llm.device
         recorder.start(llm, "round 1")
@@ -243,6 +257,14 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                 writes["flush_on_close"] = {"written": flush.num_written,
                                             "unwritten": flush.num_unwritten,
                                             "seconds": flush.seconds}
+            namespace = namespace_hash(llm.model_fingerprint, layout,
+                                       llm.config.hash_algorithm, llm.config.cache_salt)
+            # What round two's prompts could find on disk, as round one left it.
+            asked = [hash_blocks(namespace, d + q, config.block_size,
+                                 llm.config.hash_algorithm) for d, q in zip(docs, second)]
+            held = stored_flags(options["disk_cache_dir"], layout, asked)
+            doc_blocks = config.doc_tokens // config.block_size
+            stored = [stored_span(flags[:doc_blocks]) for flags in held]
         elif strategy not in FRESH_ROUND_TWO:
             recorder.start(llm, "round 2")
             progress(f"{strategy}: round 2, asking about each document again")
@@ -260,6 +282,9 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
         # reads the same blocks from the page cache (warm).
         rounds = (("round2", config.cold), ("round2_warm", False))
         for name, drop in rounds[:1 + (config.cold and strategy in DISK_STRATEGIES)]:
+            if name == "round2_warm":
+                warmed = _warm_round_one_tier(options["disk_cache_dir"], layout, asked, held,
+                                              progress)
             with LLM(loaded, **options) as llm:
                 recorder.start(llm, {"round2": "round 2", "round2_warm": "round 2 warm"}[name])
                 progress(f"{strategy}: {name} on a fresh engine" + (
@@ -295,7 +320,10 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                         if "round2_warm" in outputs else None),
         "meeting_blocks_warm": (_meeting_blocks(outputs["round2_warm"], config)
                                 if "round2_warm" in outputs else None),
+        "warm_page_cache": warmed,
         "disk_writes": writes,
+        # Per document, which of its blocks round one left on disk (`stored_spans`).
+        "stored_on_disk": stored,
         # How the fresh engines' prefix lookups went (restores started, hits given up for
         # want of GPU blocks, prefixes the rates sent to compute, probes).
         "restores": restores,
@@ -312,6 +340,27 @@ def _run_strategy(strategy: str, loaded: LoadedModel, config: LongctxConfig,
                            [list(o.outputs[0].token_ids) for o in outputs["round2_warm"]]
                            == [list(o.outputs[0].token_ids) for o in round2]),
     }
+
+
+def _warm_round_one_tier(root: Path, layout: KVLayout, asked: list[list[BlockHash]],
+                         held: list[list[bool]], progress: Progress) -> dict[str, Any]:
+    """Before the warm round: the blocks of round two's prompts that the cold round wrote
+    are deleted, so that the warm round finds what round one left, as the cold round did;
+    then the tier's files are read into the page cache. Without this the warm round read
+    most blocks from disk cold: the drops before each cold request had evicted every block
+    that round did not read itself."""
+    added = [h for hashes, flags in zip(asked, held) for h, was in zip(hashes, flags)
+             if not was]
+    forgotten = forget_blocks(root, layout, added)
+    start = time.perf_counter()
+    num_bytes = read_into_page_cache(root)
+    seconds = time.perf_counter() - start
+    resident = tier_resident_fraction(root)
+    progress(f"warm round: {forgotten} blocks the cold round wrote deleted; the tier's "
+             f"{num_bytes / 2**30:.1f} GiB read into the page cache in {seconds:.1f} s"
+             + ("" if resident is None else f" ({resident:.0%} resident)"))
+    return {"forgotten": forgotten, "bytes_read": num_bytes, "seconds": seconds,
+            "resident": resident}
 
 
 def _meeting_blocks(outputs: list, config: LongctxConfig) -> list[dict[str, int]]:

@@ -56,7 +56,29 @@ def print_longctx(result: dict[str, Any]) -> None:
     for name, ttft in warm.items():
         typer.echo(f"{name}: warm page cache, a second fresh engine: TTFT p50 "
                    f"{ms(ttft['p50'])} ms, worst {ms(ttft['p99'])} ms")
+    print_fronts(strategies)
     print_disk_read(result)
+
+
+def print_fronts(strategies: dict[str, Any]) -> None:
+    """Per disk strategy and document: what round one left on disk, and where round two's
+    fronts met (blocks computed / read from disk), cold and warm."""
+    def met(meeting: dict[str, int] | None) -> str:
+        return "-" if meeting is None else f"{meeting['computed']} / {meeting['disk']}"
+
+    rows = []
+    for name, f in strategies.items():
+        stored = f.get("stored_on_disk")
+        if not stored:
+            continue
+        warm = f.get("meeting_blocks_warm") or [None] * len(stored)
+        for doc, (span, cold, hot) in enumerate(zip(stored, f["meeting_blocks"], warm)):
+            rows.append((name, doc + 1, f"{span['stored']} of {span['blocks']}",
+                         span["tail"], span["runs"], met(cold), met(hot)))
+    if rows:
+        print_table("Per document: blocks round one left on disk, the run ending the document "
+                    "(tail), stored runs; round two's blocks computed / read from disk",
+                    ("strategy", "doc", "on disk", "tail", "runs", "cold", "warm"), rows)
 
 
 def ratio_words(speedup: float) -> str:

@@ -442,7 +442,16 @@ def test_longctx_host_small_disk_accounts_for_every_block(runner, tmp_path):
         assert writes["skipped"]["flush_timeout"] == 0
         assert writes["write_gb_s"] > 0 and writes["raw_write_gb_s"] == report["raw_write"]["gb_s"]
         assert len(report["strategies"][name]["meeting_blocks"]) == 3
-    assert report["strategies"]["disk"]["disk_writes"]["written"] > 0
+        # What the disk holds, looked up per document: every block written is one of the
+        # documents' (their prompts fill no block past them), so the counts agree.
+        stored = report["strategies"][name]["stored_on_disk"]
+        assert [span["blocks"] for span in stored] == [64 // 16] * 3
+        assert sum(span["stored"] for span in stored) == writes["written"]
+        assert all(span["tail"] <= span["stored"] for span in stored)
+    # A host tier holding everything flushed every block at close.
+    assert report["strategies"]["disk"]["stored_on_disk"] == [
+        {"blocks": 4, "stored": 4, "tail": 4, "runs": 1}] * 3
+    assert report["strategies"]["recompute"]["stored_on_disk"] is None
 
 
 def test_longctx_cold_reports_warm_restores_apart(runner, tmp_path):
@@ -458,6 +467,11 @@ def test_longctx_cold_reports_warm_restores_apart(runner, tmp_path):
     # Where the warm round's fronts met, as the cold round's: every block from somewhere.
     assert [sum(m.values()) for m in small["meeting_blocks_warm"]] == [64 // 16] * 2
     assert report["strategies"]["recompute"]["meeting_blocks_warm"] is None
+    # The warm round ran over round one's blocks, its files read into the page cache.
+    warmed = small["warm_page_cache"]
+    assert warmed["forgotten"] >= 0 and warmed["bytes_read"] > 0
+    assert warmed["resident"] is None or 0 < warmed["resident"] <= 1
+    assert report["strategies"]["recompute"]["warm_page_cache"] is None
     # The page cache's share of the tier's file after each drop was asked (or not
     # measurable here): never a share of a file that is not the tier's.
     assert all(share is None or 0 <= share <= 1 for share in small["resident_after_drop"])

@@ -9,13 +9,19 @@ import pytest
 import torch
 from kvtier.cli.bench.diskread import (
     disk_tier_read,
+    forget_blocks,
     longest_chain,
+    read_into_page_cache,
     resident_fraction,
+    stored_flags,
+    stored_spans,
     tier_metas,
     tier_resident_fraction,
 )
 
 from kvtier.layout import KVLayout
+from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.shard_layout import shard_dirs
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 
@@ -93,3 +99,33 @@ def test_a_tier_s_resident_share_weighs_every_shard_file(tmp_path) -> None:
     expected = (1.0 * sizes[0] + resident_fraction(evicted) * sizes[1]) / sum(sizes.values())
     assert tier_resident_fraction(root) == pytest.approx(expected)
     assert tier_resident_fraction(tmp_path / "nothing-here") is None
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_stored_spans_name_the_tail_and_the_runs_of_each_document(tmp_path, shards) -> None:
+    whole, gappy, absent = chain(6), chain(8), chain(3)
+    tier, _ = open_disk_tier(tmp_path / "kv", LAYOUT, 1 << 30, shards=shards)
+    with tier:
+        kept = whole + [gappy[i] for i in (1, 2, 4, 6, 7)]
+        payload = torch.zeros(LAYOUT.bytes_per_block, dtype=torch.uint8)
+        assert sum(tier.put(kept, [payload] * len(kept))) == len(kept)
+    spans = stored_spans(tmp_path / "kv", LAYOUT, [[m.block_hash for m in doc]
+                                                    for doc in (whole, gappy, absent)])
+    assert spans == [{"blocks": 6, "stored": 6, "tail": 6, "runs": 1},
+                     {"blocks": 8, "stored": 5, "tail": 2, "runs": 3},
+                     {"blocks": 3, "stored": 0, "tail": 0, "runs": 0}]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_forgotten_blocks_are_gone_and_the_files_read_whole(tmp_path, shards) -> None:
+    doc = chain(5)
+    tier, _ = open_disk_tier(tmp_path / "kv", LAYOUT, 1 << 30, shards=shards)
+    with tier:
+        payload = torch.ones(LAYOUT.bytes_per_block, dtype=torch.uint8)
+        assert sum(tier.put(doc, [payload] * 5)) == 5
+    hashes = [m.block_hash for m in doc]
+    # Blocks 1 and 3, and one the tier never held.
+    assert forget_blocks(tmp_path / "kv", LAYOUT, [hashes[1], hashes[3], os.urandom(16)]) == 2
+    assert stored_flags(tmp_path / "kv", LAYOUT, [hashes]) == [[True, False, True, False, True]]
+    files = [d / "data.mdb" for d in shard_dirs(tmp_path / "kv", shards)]
+    assert read_into_page_cache(tmp_path / "kv") == sum(f.stat().st_size for f in files)
