@@ -46,6 +46,8 @@ class LoadPath:
         self.io_threads = io_threads
         # Reads landed in host slots, waiting for their host -> GPU copy.
         self._landed_reads: list[tuple[Load, list[LoadBlock]]] = []
+        #: Read jobs from the tiers below submitted and not finished.
+        self.num_reads_in_flight = 0
 
     @property
     def host(self) -> HostTier:
@@ -80,6 +82,7 @@ class LoadPath:
         offers = self.tiers.offers_to(tier)
         if offers is not None:  # read from the store: no need to offer it back
             offers.remember([meta.block_hash for meta in metas])
+        self.num_reads_in_flight += 1
         self.tiers.submit(timed_job(_unless_cancelled(job, load.cancelled), load.read_spans),
                           lambda ok: self._finish_read(load, items, results, keeper is not None),
                           load)
@@ -88,6 +91,7 @@ class LoadPath:
                      keep_below: bool) -> None:
         """Reads landed in host slots (all from one tier): copy the good ones to the GPU.
         `keep_below`: the blocks also go to the write-back tier (committed dirty)."""
+        self.num_reads_in_flight -= 1
         landed = []
         cancelled = load.cancelled.is_set()
         # A job cancelled before it started read nothing (no result): no failure. One that

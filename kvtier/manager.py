@@ -486,7 +486,8 @@ class TierManager:
             self.load_path.feed(load)
         starved = [load for load in starved if load.waiting]
         if self.stores is not None:
-            self.stores.progress(sum(len(load.waiting) for load in starved))
+            self.stores.progress(sum(len(load.waiting) for load in starved),
+                                 reading=self.load_path.num_reads_in_flight > 0)
         if starved and not self._on_done:  # nothing in flight can free a slot: misses
             for load in starved:
                 self._counters[Tier.HOST].rejected += len(load.waiting)

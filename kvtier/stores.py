@@ -41,6 +41,8 @@ manager's `TransferEngine` through the `TierStack`'s `submit`.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,6 +66,15 @@ from kvtier.transfer import JobId, SwapJob, chunks, timed_job
 #: it filled (docs/ARCHITECTURE.md).
 STORE_BATCH_BLOCKS = 8
 STORE_MAX_OFFERS = 8
+#: Seconds the read reserve is kept whole after the last read from the tiers below:
+#: restores come in bursts (a conversation's next turn, a batch of documents), and slots
+#: handed to stores between two of them would be dirty when the next one reads. With no
+#: read for this long (a run of fresh prompts), stores may take all but
+#: `1 / IDLE_READ_RESERVE_DIVISOR` of it: the host tier is then nearly whole the disk's
+#: write buffer, and the first reads of the next restore still start at once
+#: (docs/BENCHMARKS.md, "What chose the defaults").
+READ_RESERVE_HOLD_S = 2.0
+IDLE_READ_RESERVE_DIVISOR = 8
 #: Write-back batches kept in flight while dirty host blocks wait, unless the caller says
 #: otherwise: LMDB runs one write transaction at a time, so two keep the next batch queued
 #: while one commits.
@@ -76,7 +87,9 @@ class StorePath:
     the tiers below)."""
 
     def __init__(self, tiers: TierStack, write_depth: int = DEFAULT_WRITE_DEPTH,
-                 read_reserve_share: float = DEFAULT_READ_RESERVE_SHARE) -> None:
+                 read_reserve_share: float = DEFAULT_READ_RESERVE_SHARE,
+                 read_reserve_hold_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         assert tiers.host is not None, "stores need the host tier or its staging slab"
         self.tiers, self.pool, self.kv_cache = tiers, tiers.pool, tiers.kv_cache
         self.host: HostTier = tiers.host
@@ -119,8 +132,16 @@ class StorePath:
         #: Slots write-throughs leave to reads from the tiers below when the host tier runs
         #: out of evictable ones (writes outpacing the disk): without them, every slot a
         #: write-back cleaned went to the next store, and no disk read ever started.
+        #: They are kept whole only while reads from below were wanted in the last
+        #: `read_reserve_hold_s` (`progress`), on `clock`.
         self._read_reserve = int(num_slots * read_reserve_share) \
             if caches and self.write_back is not None else 0
+        self._idle_read_reserve = max(1, self._read_reserve // IDLE_READ_RESERVE_DIVISOR) \
+            if self._read_reserve else 0
+        self._read_reserve_hold_s = READ_RESERVE_HOLD_S if read_reserve_hold_s is None \
+            else read_reserve_hold_s
+        self._clock = clock
+        self._last_read_at = -math.inf
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],
                       load_ranks: Sequence[int | None] | None = None) -> None:
@@ -216,10 +237,13 @@ class StorePath:
         return (self.num_pending >= STORE_BATCH_BLOCKS or self._num_offers + 1 >= STORE_MAX_OFFERS
                 or self.pool.num_free_blocks <= low)
 
-    def progress(self, num_slots_wanted: int) -> None:
+    def progress(self, num_slots_wanted: int, reading: bool = False) -> None:
         """Once per engine step, after finished jobs ran: retry deferred write-throughs and
         start the write-backs that `num_slots_wanted` more slots (for loads) and the
-        deferred ones need."""
+        deferred ones need. `reading`: reads from the tiers below are in flight (they, or
+        loads wanting slots, keep the read reserve for `read_reserve_hold_s`)."""
+        if reading or num_slots_wanted:
+            self._last_read_at = self._clock()
         if self.num_deferred:
             self._retry_deferred()
         self.schedule_writebacks(num_slots_wanted + self.num_deferred)
@@ -379,8 +403,16 @@ class StorePath:
 
     def _store_room(self) -> int:
         """Slots write-throughs may take now, at most: the free and clean ones (some of
-        those may be pinned) beyond the reserve kept for reads."""
-        return self.host.num_free_slots + self.host.num_clean - self._read_reserve
+        those may be pinned) beyond the reserve kept for reads, while it is kept."""
+        return self.host.num_free_slots + self.host.num_clean - self.read_reserve
+
+    @property
+    def read_reserve(self) -> int:
+        """Host slots write-throughs leave to reads now: the configured share while reads
+        from below were wanted in the last `read_reserve_hold_s`, else an eighth of it
+        (at least one slot)."""
+        recent = self._clock() - self._last_read_at < self._read_reserve_hold_s
+        return self._read_reserve if recent else self._idle_read_reserve
 
     def copies_freeing(self, num_blocks: int) -> list[JobId]:
         """The oldest write-through copies in flight whose landing frees `num_blocks` GPU

@@ -5,6 +5,7 @@ bounded flush. Scenarios on tiny capacities over a real LMDB tier."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from manager_cases import (
@@ -12,11 +13,13 @@ from manager_cases import (
     check_idle,
     evict_gpu,
     held_before,
+    load,
     random_blocks,
     same_bytes,
     small_manager,
 )
 
+from kvtier import stores as stores_module
 from kvtier.stats import Tier
 from kvtier.store_ledger import SkipReason
 
@@ -36,20 +39,57 @@ def compute(m, metas, data, load_ranks=None):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("share", "taken"), [(0, 6), (0.25, 6), (0.5, 4)])
+@pytest.mark.parametrize(("share", "read_first", "taken"), [
+    (0, False, 8), (0, True, 8),
+    # Reads from below wanted within the hold: the whole reserve is left to them.
+    (0.25, True, 6), (0.5, True, 4),
+    # No read yet (a run of fresh prompts): an eighth of the reserve, one slot at least.
+    (0.25, False, 7), (0.5, False, 7)])
 def test_write_throughs_leave_the_read_reserve_to_reads(tmp_path, managers, release,
-                                                       share, taken):
+                                                       monkeypatch, share, read_first, taken):
+    monkeypatch.setattr(stores_module, "READ_RESERVE_HOLD_S", 60.0)  # no lapse mid-test
     # 8 host slots, a disk that takes nothing yet: the stores get what the reserve leaves.
     m = small_manager(managers, tmp_path, gpu=16, host=8, io_threads=2,
                       read_reserve_share=share)
+    if read_first:
+        read_one_block_from_disk(m)
     m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
-    metas, data = chain(m.layout, "doc", 6), random_blocks(m.layout, 6, seed=2)
+    metas, data = chain(m.layout, "doc", 8), random_blocks(m.layout, 8, seed=2)
     compute(m, metas, data)
     assert sum(m.host.contains(meta.block_hash) for meta in metas) == taken
-    assert m.stores.num_deferred == 6 - taken
+    assert m.stores.num_deferred == 8 - taken
     release.set()
-    assert m.flush().num_written == 6  # the deferred ones follow once slots come clean
+    assert m.flush().num_written == 8  # the deferred ones follow once slots come clean
     check_idle(m)
+
+
+@pytest.mark.timeout(120)
+def test_the_read_reserve_lapses_after_its_hold(tmp_path, managers, release, monkeypatch):
+    monkeypatch.setattr(stores_module, "READ_RESERVE_HOLD_S", 0.2)
+    m = small_manager(managers, tmp_path, gpu=16, host=8, io_threads=2,
+                      read_reserve_share=0.5)
+    read_one_block_from_disk(m)
+    time.sleep(0.3)  # no read since: the stores may take all but one slot again
+    m.poll()
+    m.disk.put_counted, _ = held_before(m.disk.put_counted, release)
+    metas, data = chain(m.layout, "doc", 8), random_blocks(m.layout, 8, seed=2)
+    compute(m, metas, data)
+    assert sum(m.host.contains(meta.block_hash) for meta in metas) == 7
+    release.set()
+    assert m.flush().num_written == 8
+    check_idle(m)
+
+
+def read_one_block_from_disk(m) -> None:
+    """A block written to disk, dropped from the GPU and the host, then loaded back: a
+    read from the tier below, as a restore makes."""
+    metas, data = chain(m.layout, "read", 1), random_blocks(m.layout, 1, seed=9)
+    compute(m, metas, data)
+    evict_gpu(m)  # flushed to disk on the way
+    assert m.host.remove(metas[0].block_hash)
+    num_loaded, blocks = load(m, metas)
+    assert num_loaded == 1 and same_bytes(m.kv_cache[blocks[0].block_id], data[0])
+    m.free(blocks)
 
 
 @pytest.mark.timeout(120)
