@@ -87,9 +87,7 @@ class StorePath:
     the tiers below)."""
 
     def __init__(self, tiers: TierStack, write_depth: int = DEFAULT_WRITE_DEPTH,
-                 read_reserve_share: float = DEFAULT_READ_RESERVE_SHARE,
-                 read_reserve_hold_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 read_reserve_share: float = DEFAULT_READ_RESERVE_SHARE) -> None:
         assert tiers.host is not None, "stores need the host tier or its staging slab"
         self.tiers, self.pool, self.kv_cache = tiers, tiers.pool, tiers.kv_cache
         self.host: HostTier = tiers.host
@@ -133,15 +131,12 @@ class StorePath:
         #: out of evictable ones (writes outpacing the disk): without them, every slot a
         #: write-back cleaned went to the next store, and no disk read ever started.
         #: They are kept whole only while reads from below were wanted in the last
-        #: `read_reserve_hold_s` (`progress`), on `clock`.
+        #: `READ_RESERVE_HOLD_S` (`progress`, `read_reserve`).
         self._read_reserve = int(num_slots * read_reserve_share) \
             if caches and self.write_back is not None else 0
         self._idle_read_reserve = max(1, self._read_reserve // IDLE_READ_RESERVE_DIVISOR) \
             if self._read_reserve else 0
-        self._read_reserve_hold_s = READ_RESERVE_HOLD_S if read_reserve_hold_s is None \
-            else read_reserve_hold_s
-        self._clock = clock
-        self._last_read_at = -math.inf
+        self._last_read_at = -math.inf  # time.monotonic() of the last wanted read
 
     def write_through(self, blocks: Sequence[KVCacheBlock], metas: Sequence[BlockMeta],
                       load_ranks: Sequence[int | None] | None = None) -> None:
@@ -241,9 +236,9 @@ class StorePath:
         """Once per engine step, after finished jobs ran: retry deferred write-throughs and
         start the write-backs that `num_slots_wanted` more slots (for loads) and the
         deferred ones need. `reading`: reads from the tiers below are in flight (they, or
-        loads wanting slots, keep the read reserve for `read_reserve_hold_s`)."""
+        loads wanting slots, keep the read reserve for `READ_RESERVE_HOLD_S`)."""
         if reading or num_slots_wanted:
-            self._last_read_at = self._clock()
+            self._last_read_at = time.monotonic()
         if self.num_deferred:
             self._retry_deferred()
         self.schedule_writebacks(num_slots_wanted + self.num_deferred)
@@ -409,9 +404,9 @@ class StorePath:
     @property
     def read_reserve(self) -> int:
         """Host slots write-throughs leave to reads now: the configured share while reads
-        from below were wanted in the last `read_reserve_hold_s`, else an eighth of it
-        (at least one slot)."""
-        recent = self._clock() - self._last_read_at < self._read_reserve_hold_s
+        from below were wanted in the last `READ_RESERVE_HOLD_S`, else
+        `1 / IDLE_READ_RESERVE_DIVISOR` of it (at least one slot)."""
+        recent = time.monotonic() - self._last_read_at < READ_RESERVE_HOLD_S
         return self._read_reserve if recent else self._idle_read_reserve
 
     def copies_freeing(self, num_blocks: int) -> list[JobId]:
