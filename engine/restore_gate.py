@@ -127,6 +127,20 @@ class RestoreGate:
         self.counts.turned_away += 1
         return False
 
+    def worth_prefetching(self, num_tokens: int, context: int, slow: Sequence[Tier]) -> bool:
+        """Whether the `num_tokens` tokens after `context` of a request waiting for GPU room
+        are worth reading ahead from the `slow` tiers: their rate was measured (a restore
+        read them) and the read is worth it by the rule for a request beside others
+        (`worth_reading` with `busy`). Counts nothing and starts no probe."""
+        if not slow or self.tier_rates.expected(slow) is None:
+            return False
+        rate = self.prefill_rate if self.prefill_rate.tokens_per_s is not None \
+            else self.start_rate
+        seconds = rate.seconds(num_tokens, context)
+        prefill = None if not seconds else num_tokens / seconds
+        return worth_reading(num_tokens, prefill, None, min(self.min_saving_s,
+                                                            BUSY_MIN_SAVING_S))
+
     def waits_for_room(self, request_id: RequestId, num_tokens: int, context: int,
                        others_run: bool) -> bool:
         """Whether request `request_id`, whose `num_tokens` tokens after `context` were

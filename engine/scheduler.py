@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvtier.engine.block_taps import BlockTap, BlockTaps
+from kvtier.engine.prefetch import WaitingPrefetch
 from kvtier.engine.request import Request, RequestId, RequestStatus
 from kvtier.engine.restore import (
     DISK_GROUP_BYTES,
@@ -110,6 +111,8 @@ class Scheduler:
         #: Whether the disk and remote tiers are read for a prefix (`engine.restore_gate`).
         self.gate = RestoreGate(min_restore_saving_s)
         self._restores = RunningRestores(self.gate)
+        #: Reads ahead for waiting requests (`engine.prefetch`).
+        self.prefetch = WaitingPrefetch(manager, self.gate)
 
     @property
     def prefill_rate(self) -> PrefillRate:
@@ -218,6 +221,8 @@ class Scheduler:
             if num_new:
                 out.scheduled.append(self._plan(request, num_new))
                 budget -= num_new
+        if self.running and self.waiting:  # those left wait for room: read ahead for them
+            self.prefetch.step(self.waiting)
         return out
 
     def _note_no_room(self, request: Request, until: float) -> None:
@@ -469,6 +474,7 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         self.waiting.remove(request)
         self.gate.left_waiting(request.request_id)
+        self.prefetch.forget(request.request_id)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         request.counters.cached_gpu += self._gpu_hit_tokens.pop(request.request_id, 0)
@@ -551,6 +557,7 @@ class Scheduler:
         self._gpu_hit_tokens.pop(request.request_id, None)
         self._no_room_at.pop(request.request_id, None)
         self.gate.left_waiting(request.request_id)
+        self.prefetch.forget(request.request_id)
         self._finish(request, reason)
 
     def _finish(self, request: Request, reason: str) -> None:

@@ -10,6 +10,10 @@ copies.
     job each cost the engine thread a launch, its events and a plan per read).
   * `copy_to_gpu`: host slots to GPU blocks in one job, which waits only for the compute
     queued before the loads took their blocks (`Load.blocks_free`).
+  * `prefetch`: blocks a request still waiting for GPU room will restore are read from a
+    tier below into host slots ahead of it, and land as cached host blocks; its restore
+    then copies them from the host. At most `PREFETCH_SHARE` of the host slots are in
+    flight that way, so loads under way keep the slots they need.
 
 `LoadPath` is driven by the `TierManager` from the engine thread; its jobs run on the
 manager's `TransferEngine` through the `TierStack`'s `submit` (as `kvtier.stores` does for
@@ -25,13 +29,17 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.hashing import BlockHash
 from kvtier.loads import Load, LoadBlock, LoadState
 from kvtier.stats import Direction, Tier
 from kvtier.tier_stack import TierStack
 from kvtier.tiers.base import LowerTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostTier, SlotId
 from kvtier.tiers.record import BlockBuffer, BlockMeta
 from kvtier.transfer import IOJob, SwapJob, chunks, timed_job
+
+#: Share of the host slots that prefetch reads may hold in flight at once.
+PREFETCH_SHARE = 1 / 8
 
 
 class LoadPath:
@@ -46,8 +54,10 @@ class LoadPath:
         self.io_threads = io_threads
         # Reads landed in host slots, waiting for their host -> GPU copy.
         self._landed_reads: list[tuple[Load, list[LoadBlock]]] = []
-        #: Read jobs from the tiers below submitted and not finished.
+        #: Read jobs from the tiers below submitted and not finished (prefetches included).
         self.num_reads_in_flight = 0
+        #: Blocks whose prefetch read is in flight.
+        self.prefetching: set[BlockHash] = set()
 
     @property
     def host(self) -> HostTier:
@@ -117,6 +127,52 @@ class LoadPath:
             return
         if landed:  # copied with the other reads that landed by the end of this poll
             self._landed_reads.append((load, landed))
+
+    @property
+    def prefetch_room(self) -> int:
+        """Prefetch reads that may start now (`PREFETCH_SHARE` of the host slots, less
+        those in flight)."""
+        return max(0, max(1, int(self.host.num_slots * PREFETCH_SHARE)) - len(self.prefetching))
+
+    def prefetch(self, tier: LowerTier, metas: Sequence[BlockMeta]) -> int:
+        """Read `metas` (held by `tier`, not by the host) into host slots, in order, while
+        free or clean slots can be had and `prefetch_room` lasts; they land as cached host
+        blocks. Returns how many reads started."""
+        slots: list[tuple[BlockMeta, SlotId]] = []
+        for meta in metas[:self.prefetch_room]:
+            slot = self.host.allocate_slot(meta)
+            if slot is None:
+                break
+            slots.append((meta, slot))
+        per_job = max(1, -(-len(slots) // self.io_threads))
+        for chunk in chunks(slots, per_job):
+            self._prefetch_read(tier, chunk)
+        return len(slots)
+
+    def _prefetch_read(self, tier: LowerTier, items: list[tuple[BlockMeta, SlotId]]) -> None:
+        metas = [meta for meta, _ in items]
+        job, results = tier.read_job(metas, [self.host.slot_array(slot) for _, slot in items])
+        offers = self.tiers.offers_to(tier)
+        if offers is not None:  # read from the store: no need to offer it back
+            offers.remember([meta.block_hash for meta in metas])
+        keep_below = self.tiers.lower.keeper_of(tier) is not None
+        self.prefetching.update(meta.block_hash for meta in metas)
+        self.num_reads_in_flight += 1
+
+        def landed(ok: bool) -> None:
+            self.num_reads_in_flight -= 1
+            for (meta, slot), hit in itertools.zip_longest(items, results, fillvalue=False):
+                self.prefetching.discard(meta.block_hash)
+                # Cached (and no longer pinned) unless the read failed or another read
+                # cached the block first.
+                if hit and self.host.commit(slot, dirty=keep_below):
+                    self.host.unpin(slot)
+                    continue
+                self.host.free_slot(slot)
+                if results and not hit:  # the job ran and missed it (pruned meanwhile)
+                    self.tiers.counters[tier.kind].failures += 1
+
+        self.tiers.submit(job, landed)
 
     def copy_landed_reads(self) -> None:
         """One host -> GPU copy for every read from below that landed since the last call."""

@@ -264,6 +264,35 @@ class TierManager:
         self.load_path.feed(load)
         return load_id
 
+    def prefetch(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """Start reading into the host tier, in order, the blocks of `metas` that it lacks
+        and a tier below with a local lookup holds (a request waiting for GPU room will
+        restore them: they then come from the host). They take free or clean host slots
+        only, never evicting a dirty or pinned one, and land as cached host blocks; no GPU
+        block is held, and `prefetch_room` bounds the reads in flight. Returns the blocks
+        held below whose read could not start now (none without a caching host tier)."""
+        host = self.tiers.caching_host
+        if host is None:
+            return []
+        wanted = [meta for meta in metas if not host.contains(meta.block_hash)
+                  and meta.block_hash not in self.load_path.prefetching]
+        later: list[BlockMeta] = []
+        for tier in self.lower_tiers:
+            if not wanted:
+                break
+            if not tier.lookup_is_local:
+                continue
+            held = tier.contains([meta.block_hash for meta in wanted])
+            below = [meta for meta, hit in zip(wanted, held) if hit]
+            later += below[self.load_path.prefetch(tier, below):]
+            wanted = [meta for meta, hit in zip(wanted, held) if not hit]
+        return later
+
+    @property
+    def prefetch_room(self) -> int:
+        """How many prefetch reads may start now (0 without a caching host tier)."""
+        return self.load_path.prefetch_room if self.tiers.caching_host is not None else 0
+
     def _source(self, blocks: list[LoadBlock], i: int, below: list[list[bool] | None],
                 known_on_disk: bool) -> LowerTier | None:
         """The fastest lower tier holding `blocks[i]` (None: none does). A tier with a local
