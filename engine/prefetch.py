@@ -66,6 +66,8 @@ class WaitingPrefetch:
                 later = self.manager.prefetch(todo)
                 self.num_started += len(todo) - len(later)
                 self._plans[request.request_id] = (size, later)
+                if len(later) == len(todo):  # no slot to be had: none for the next either
+                    return
 
     def forget(self, request_id: RequestId) -> None:
         """`request_id` was admitted or stopped: nothing more is read ahead for it."""
