@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -172,3 +173,39 @@ def test_a_manager_restores_through_a_sharded_disk_after_a_restart(tmp_path):
         assert m.stats().disk.hits == 6
     finally:
         m.close()
+
+
+
+STALL, GO_ON = threading.Event(), threading.Event()
+
+
+class StallingLookups(DiskTier):
+    """A real shard whose lookups from LMDB wait while `STALL` is set (a frozen disk)."""
+
+    def _contains_now(self, block_hashes):
+        if STALL.is_set():
+            GO_ON.wait(30)
+        return super()._contains_now(block_hashes)
+
+
+def test_a_stalled_disk_costs_one_lookup_deadline_not_one_per_shard(tmp_path):
+    metas, payloads = make_blocks(SMALL, seed=11, num_blocks=16)
+    STALL.clear()
+    GO_ON.clear()
+    # keys_fresh_s 0: no lookup is answered from memory, each shard asks its lookup thread.
+    tier, _ = open_disk_tier(tmp_path / "kv", SMALL, BUDGET, shards=4,
+                             tier_class=StallingLookups, lookup_deadline_s=0.5,
+                             keys_fresh_s=0.0)
+    try:
+        assert sum(tier.put(metas, payloads)) == 16
+        assert tier.contains([m.block_hash for m in metas]) == [True] * 16
+        STALL.set()
+        start = time.monotonic()
+        assert tier.contains([m.block_hash for m in metas]) == [False] * 16
+        # One shard after another took four deadlines (2 s); side by side, about one.
+        assert time.monotonic() - start < 1.5
+        assert all(shard.unavailable is not None for shard in tier.shards)
+    finally:
+        GO_ON.set()
+        STALL.clear()
+        tier.close()

@@ -14,8 +14,9 @@ evenly, and a block's shard never changes while `n` does not.
 
 `ShardedDiskTier` is the tier the manager sees: the same verbs as `DiskTier`, each batch
 split per shard; writes run on one thread per shard (each shard's commits stay in order),
-reads and lookups on the caller's thread, one shard after another (reads are already spread
-over the manager's I/O threads).
+reads on the caller's thread, one shard after another (reads are already spread over the
+manager's I/O threads); lookups that a shard cannot answer from memory go to all such
+shards at once, so a stalled disk costs one lookup deadline, not one per shard.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class ShardedDiskTier(LowerTier):
         self.write_batch = self.shards[0].write_batch * len(self.shards)
         self._writers = [ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-disk-write-{i}")
                          for i in range(len(self.shards))]
+        # Lookups of shards that cannot answer from memory, side by side (`contains`).
+        self._lookups = ThreadPoolExecutor(len(self.shards),
+                                           thread_name_prefix="kvtier-disk-shard-lookup")
         self._closed = False
 
     # ---- routing -------------------------------------------------------------------------
@@ -94,9 +98,32 @@ class ShardedDiskTier(LowerTier):
     # ---- LowerTier -----------------------------------------------------------------------
 
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
-        """Per hash, whether its shard holds it now (see `DiskTier.contains`)."""
-        return self._per_shard(block_hashes, lambda shard, at: shard.contains(
-            [block_hashes[i] for i in at]), False)
+        """Per hash, whether its shard holds it now (see `DiskTier.contains`). Shards that
+        cannot answer from memory are asked side by side, so a stalled disk costs one
+        lookup deadline, not one per shard."""
+        answers = [False] * len(block_hashes)
+        asking: list[tuple[DiskTier, list[int], list[BlockHash]]] = []
+        for shard, positions in zip(self.shards, self._split(block_hashes)):
+            if not positions:
+                continue
+            asked = [block_hashes[i] for i in positions]
+            found = shard.contains_from_memory(asked)
+            if found is None:
+                asking.append((shard, positions, asked))
+            else:
+                for position, hit in zip(positions, found):
+                    answers[position] = hit
+        if len(asking) == 1:
+            shard, positions, asked = asking[0]
+            found_lists = [shard.contains(asked)]
+        else:
+            futures = [self._lookups.submit(shard.contains, asked)
+                       for shard, _, asked in asking]
+            found_lists = [future.result() for future in futures]
+        for (_, positions, _), found in zip(asking, found_lists):
+            for position, hit in zip(positions, found):
+                answers[position] = hit
+        return answers
 
     def get_into(self, meta: BlockMeta, dest: BlockBuffer) -> bool:
         """`DiskTier.get_into` from the block's shard."""
@@ -167,6 +194,7 @@ class ShardedDiskTier(LowerTier):
         if self._closed:
             return
         self._closed = True
+        self._lookups.shutdown(wait=True)
         for writer in self._writers:
             writer.shutdown(wait=True)
         failure = None

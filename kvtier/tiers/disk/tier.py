@@ -322,14 +322,21 @@ class DiskTier(LowerTier):
         `lookup_deadline_s`, else every hash is a miss (see the class docstring). Within
         `keys_fresh_s` of a lookup that found the copy current, from the copy on the
         caller's thread."""
-        if self._stale or self._map.gone is not None:
-            return [False] * len(block_hashes)
-        if not (self._lookups.stalled or self._map.closed):
-            found = self._keys.contains_recent(block_hashes, self.keys_fresh_s)
-            if found is not None:
-                return found
+        found = self.contains_from_memory(block_hashes)
+        if found is not None:
+            return found
         return self._bounded(self._lookups, self._contains_now, [False] * len(block_hashes),
                              list(block_hashes))
+
+    def contains_from_memory(self, block_hashes: Sequence[BlockHash]) -> list[bool] | None:
+        """`contains` answered at once on the caller's thread (within `keys_fresh_s` of a
+        lookup that found the copy of the stored hashes current, or all misses for a tier
+        set aside), else None: `contains` would ask the lookup thread."""
+        if self._stale or self._map.gone is not None:
+            return [False] * len(block_hashes)
+        if self._lookups.stalled or self._map.closed:
+            return None
+        return self._keys.contains_recent(block_hashes, self.keys_fresh_s)
 
     def _contains_now(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         try:
