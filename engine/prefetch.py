@@ -41,8 +41,6 @@ class WaitingPrefetch:
         self.gate = gate
         # Request -> (blocks planned, those whose read has not started yet).
         self._plans: dict[RequestId, tuple[int, list[BlockMeta]]] = {}
-        #: Reads started, over the engine's life (for benchmarks and tests).
-        self.num_started = 0
 
     def step(self, waiting: Sequence[Request]) -> None:
         """Start the reads ahead that room allows, for `waiting` (in arrival order) while
@@ -64,7 +62,7 @@ class WaitingPrefetch:
             budget -= size
             if todo:
                 later = self.manager.prefetch(todo)
-                self.num_started += len(todo) - len(later)
+                self.gate.counts.prefetched += len(todo) - len(later)
                 self._plans[request.request_id] = (size, later)
                 if len(later) == len(todo):  # no slot to be had: none for the next either
                     return

@@ -44,6 +44,8 @@ class RestoreCounts:
         read from the disk or remote tier (not looked up there).
     probes: prefixes read from those tiers although the rates said not to, to measure them
         again.
+    prefetched: blocks (not lookups) whose read ahead into the host tier started for
+        requests waiting for GPU room (`engine.prefetch`).
     """
 
     started: int = 0
@@ -51,6 +53,7 @@ class RestoreCounts:
     room_waits: int = 0
     turned_away: int = 0
     probes: int = 0
+    prefetched: int = 0
 
 
 class RestoreGate:

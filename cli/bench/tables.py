@@ -202,9 +202,11 @@ def print_serve(result: dict[str, Any]) -> None:
     print_table("Prefix lookups below the GPU (per lookup; a waiting request is looked up "
                 "again each step)",
                 ("mode", "restores started", "given up: no GPU blocks",
-                 "waiting for GPU blocks", "rates said compute", "probes"),
+                 "waiting for GPU blocks", "rates said compute", "probes",
+                 "blocks read ahead"),
                 [(name, *(m["restores"].get(k, 0) for k in ("started", "no_room", "room_waits",
-                                                            "turned_away", "probes")))
+                                                            "turned_away", "probes",
+                                                            "prefetched")))
                  for name, m in modes.items() if "restores" in m])
     round_rows = [(name, index + 1, f"{r['seconds']:.2f}", f"{r['planning_s']:.2f}",
                    ms(r["ttft_p50_s"]),

@@ -127,6 +127,9 @@ class _EngineCollector(Collector):
                                  ("probe", snap.restores.probes)):
                 lookups.add_metric([outcome], num)
             yield lookups
+            yield CounterMetricFamily("kvtier_prefetched_blocks", "Blocks read ahead into "
+                                      "the host tier for requests waiting for GPU blocks",
+                                      value=snap.restores.prefetched)
         yield GaugeMetricFamily("kvtier_loads_in_flight", "Restores not completed yet",
                                 value=stats.num_loads_in_flight)
         yield GaugeMetricFamily("kvtier_requests_running", "Requests in the running batch",

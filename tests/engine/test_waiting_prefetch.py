@@ -48,11 +48,11 @@ def test_waiting_requests_prefixes_are_read_ahead_and_tokens_match(tmp_path: Pat
         # One restore first: it measures the disk's rate, which reading ahead needs.
         outputs = llm.generate(second[:1], params)
         assert outputs[0].metrics.cached_tokens_disk > 0
-        assert llm.scheduler.prefetch.num_started == 0  # nobody waited
+        assert llm.restore_counts().prefetched == 0  # nobody waited
         outputs += llm.generate(second[1:], params)
         # The four others waited behind the first: their prefixes were read ahead (at
         # most every block of theirs the GPU did not cache).
-        assert 0 < llm.scheduler.prefetch.num_started <= 4 * 320 // BS
+        assert 0 < llm.restore_counts().prefetched <= 4 * 320 // BS
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
@@ -73,5 +73,5 @@ def test_requests_that_waited_before_the_disk_was_measured_are_read_ahead(tmp_pa
                 max_num_seqs=1) as llm:
         outputs = llm.generate(second, params)
         assert llm.scheduler.tier_rates.expected([Tier.DISK]) is not None
-        assert llm.scheduler.prefetch.num_started > 0
+        assert llm.restore_counts().prefetched > 0
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
