@@ -15,30 +15,13 @@ from pathlib import Path
 import pytest
 from kvtier.engine import LLM, SamplingParams
 from kvtier.engine.flush_progress import FlushProgressLine
+from tiny_engine_cases import BS, engine, prompt
 
 from kvtier.hashing import BlockHash, hash_blocks, namespace_hash
 from kvtier.manager import FlushReport
 from kvtier.stats import Direction, Tier
 
-MODEL = "random:tiny-llama"
-BS = 16
 MAX_TOKENS = 6
-
-
-def engine(disk_dir: Path | None, **options: object) -> LLM:
-    base: dict[str, object] = dict(model=MODEL, device="cpu", dtype="float32", block_size=BS,
-                                   max_num_batched_tokens=128, restore_min_saving_s=0.0)
-    if disk_dir is None:
-        base.update(host_cache=False, disk_cache=False)
-    else:
-        base.update(disk_cache_dir=disk_dir, disk_cache_gb=0.25)
-    base.update(options)
-    return LLM(**base)
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    # Token ids 3..255 (0..2 are special in the tiny config), a fixed pattern per seed.
-    return [3 + (seed * 7919 + i * 104729) % 253 for i in range(num_tokens)]
 
 
 def block_hashes(llm: LLM, token_ids: list[int]) -> list[BlockHash]:
