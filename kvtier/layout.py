@@ -8,6 +8,7 @@ tiers moves whole spans.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -96,5 +97,11 @@ class KVLayout:
         """16 bytes that are equal exactly when two layouts store blocks the same way.
 
         Stable across processes and machines (a digest of `describe()`, not Python's hash).
+        Computed once per layout: every record written carries it.
         """
-        return hashlib.sha256(self.describe().encode()).digest()[:16]
+        return _fingerprint(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(layout: KVLayout) -> bytes:
+    return hashlib.sha256(layout.describe().encode()).digest()[:16]

@@ -136,7 +136,11 @@ def encode_header(meta: BlockMeta, layout: KVLayout, payload_len: int, checksum:
 
     Raises ValueError for token ids outside [0, 2**32) or too many tokens.
     """
-    token_bytes = _token_bytes(meta)
+    return _header(meta, _token_bytes(meta), layout, payload_len, checksum)
+
+
+def _header(meta: BlockMeta, token_bytes: bytes, layout: KVLayout, payload_len: int,
+            checksum: int) -> bytes:
     num_tokens = len(token_bytes) // 4
     head = b"".join((
         _FIXED.pack(MAGIC, RECORD_VERSION, layout.fingerprint(), len(meta.parent_hash), 0,
@@ -152,8 +156,11 @@ def record_size(meta: BlockMeta, payload_len: int) -> int:
 
     Raises ValueError like `encode_header`.
     """
-    return (_FIXED.size + len(meta.parent_hash) + len(_token_bytes(meta)) + _CHECKSUM.size
-            + payload_len)
+    return _record_size(meta, _token_bytes(meta), payload_len)
+
+
+def _record_size(meta: BlockMeta, token_bytes: bytes, payload_len: int) -> int:
+    return _FIXED.size + len(meta.parent_hash) + len(token_bytes) + _CHECKSUM.size + payload_len
 
 
 def _token_bytes(meta: BlockMeta) -> bytes:
@@ -174,14 +181,15 @@ def assemble_record(meta: BlockMeta, layout: KVLayout, payload, out) -> memoryvi
     like `encode_header`, or when `out` is too small.
     """
     src = memoryview(payload).cast("B")
-    size = record_size(meta, src.nbytes)
+    token_bytes = _token_bytes(meta)  # encoded once for the size and the header
+    size = _record_size(meta, token_bytes, src.nbytes)
     record = memoryview(out).cast("B")
     if record.nbytes < size:
         raise ValueError(f"a record of {size} bytes does not fit in {record.nbytes}")
     record = record[:size]
     payload_at = size - src.nbytes
     checksum = copy_checksummed(src, record[payload_at:])
-    record[:payload_at] = encode_header(meta, layout, src.nbytes, checksum)
+    record[:payload_at] = _header(meta, token_bytes, layout, src.nbytes, checksum)
     return record
 
 
