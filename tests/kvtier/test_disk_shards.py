@@ -209,3 +209,12 @@ def test_a_stalled_disk_costs_one_lookup_deadline_not_one_per_shard(tmp_path):
         GO_ON.set()
         STALL.clear()
         tier.close()
+
+
+def test_a_closed_sharded_tier_refuses_lookups_as_one_shard_does(tmp_path):
+    metas, payloads = make_blocks(SMALL, seed=12, num_blocks=8)
+    tier = _open(tmp_path / "kv", SMALL)
+    tier.put(metas, payloads)
+    tier.close()
+    with pytest.raises(ValueError, match="is closed"):
+        tier.contains([m.block_hash for m in metas])

@@ -100,7 +100,9 @@ class ShardedDiskTier(LowerTier):
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """Per hash, whether its shard holds it now (see `DiskTier.contains`). Shards that
         cannot answer from memory are asked side by side, so a stalled disk costs one
-        lookup deadline, not one per shard."""
+        lookup deadline, not one per shard. Raises ValueError once closed."""
+        if self._closed:
+            raise ValueError(f"disk cache {self.path} is closed")
         answers = [False] * len(block_hashes)
         asking: list[tuple[DiskTier, list[int], list[BlockHash]]] = []
         for shard, positions in zip(self.shards, self._split(block_hashes)):
