@@ -1,8 +1,10 @@
 """The queue of host <-> disk and remote jobs waiting for the transfer engine's I/O threads.
 
 Reads go before writes, each kind in submission order: a read has a request waiting on it,
-a write-back runs ahead of demand. And writes never take every thread: one (of two or more)
-is always left to reads, so a read waits for no write to finish. When the engine
+a write-back runs ahead of demand. Reads ahead (`ahead`: for a request still waiting to be
+admitted, `engine.prefetch`) go after the reads a restore waits on and before writes: a
+burst of them never delays a restore under way. And writes never take every thread: one
+(of two or more) is always left to reads, so a read waits for no write to finish. When the engine
 produces KV faster than the disk can write it (a large model serving does, see
 docs/ARCHITECTURE.md), write-backs are always queued. A write its tier runs one at a time
 (`serial`: LMDB has one write transaction) is handed out while no other such write runs:
@@ -33,21 +35,25 @@ class IOQueue(Generic[Job]):
         self.capacity = capacity
         self.max_writers = max(1, num_threads - 1)
         self._reads: deque[Job] = deque()
+        self._ahead: deque[Job] = deque()
         self._writes: deque[Job] = deque()
         self._num_writing = 0
         self._serial_writing = False
         self._closed = False
         self._changed = threading.Condition()
 
-    def put(self, job: Job, is_write: bool, serial: bool = False) -> None:
+    def put(self, job: Job, is_write: bool, serial: bool = False, ahead: bool = False) -> None:
         """Queue `job`, blocking while `capacity` jobs wait; `serial`: a write that runs
-        while no other serial write does. Raises ValueError after close."""
+        while no other serial write does; `ahead`: a read nobody waits on yet. Raises
+        ValueError after close."""
         with self._changed:
             self._changed.wait_for(lambda: self._closed or len(self) < self.capacity)
             if self._closed:
                 raise ValueError("the I/O queue is closed")
             if is_write:
                 self._writes.append((job, serial))
+            elif ahead:
+                self._ahead.append(job)
             else:
                 self._reads.append(job)
             self._changed.notify_all()
@@ -60,6 +66,8 @@ class IOQueue(Generic[Job]):
             while True:
                 if self._reads:
                     job, is_write = self._reads.popleft(), False
+                elif self._ahead:
+                    job, is_write = self._ahead.popleft(), False
                 elif self._writes and self._num_writing < self.max_writers \
                         and not (self._writes[0][1] and self._serial_writing):
                     (job, serial), is_write = self._writes.popleft(), True
@@ -89,4 +97,4 @@ class IOQueue(Generic[Job]):
             self._changed.notify_all()
 
     def __len__(self) -> int:
-        return len(self._reads) + len(self._writes)
+        return len(self._reads) + len(self._ahead) + len(self._writes)

@@ -152,6 +152,7 @@ class LoadPath:
     def _prefetch_read(self, tier: LowerTier, items: list[tuple[BlockMeta, SlotId]]) -> None:
         metas = [meta for meta, _ in items]
         job, results = tier.read_job(metas, [self.host.slot_array(slot) for _, slot in items])
+        job = dataclasses.replace(job, ahead=True)  # after the reads restores wait on
         offers = self.tiers.offers_to(tier)
         if offers is not None:  # read from the store: no need to offer it back
             offers.remember([meta.block_hash for meta in metas])

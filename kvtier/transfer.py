@@ -92,6 +92,9 @@ class IOJob:
     #: A write its tier runs one at a time (the disk's: LMDB has one write transaction): the
     #: I/O queue starts one such job at a time and leaves the other threads to reads.
     serial: bool = False
+    #: A read ahead, that no request waits on yet: the I/O queue runs it after the reads
+    #: restores wait on (`kvtier.io_queue`).
+    ahead: bool = False
 
 
 def timed_job(job: IOJob, spans: list[tuple[float, float]]) -> IOJob:
@@ -191,7 +194,7 @@ class TransferEngine:
             self._in_flight.add(job_id)
         if isinstance(job, IOJob):
             self._queue.put((job_id, job), is_write=job.direction in _IO_WRITES,
-                            serial=job.serial)
+                            serial=job.serial, ahead=job.ahead)
         elif self._use_cuda:
             self._launch_cuda(job_id, job)
         else:

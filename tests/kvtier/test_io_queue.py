@@ -1,5 +1,5 @@
-"""IOQueue with real threads: reads before writes, a thread always left to reads,
-backpressure, and a close that lets the queued jobs run first."""
+"""IOQueue with real threads: reads before reads ahead before writes, a thread always left
+to reads, backpressure, and a close that lets the queued jobs run first."""
 
 import threading
 
@@ -19,6 +19,23 @@ def test_reads_go_before_writes_each_in_submission_order():
         if is_write:
             q.write_done()
     assert order == ["r1", "r2", "w1", "w2"]
+
+
+def test_reads_ahead_go_after_the_reads_restores_wait_on_and_before_writes():
+    q: IOQueue[str] = IOQueue(capacity=8, num_threads=1)
+    for name, is_write, ahead in (("a1", False, True), ("w1", True, False),
+                                  ("a2", False, True), ("r1", False, False)):
+        q.put(name, is_write, ahead=ahead)
+    assert len(q) == 4
+    order = []
+    for _ in range(4):
+        job, is_write = q.get()
+        order.append(job)
+        if is_write:
+            q.write_done()
+    assert order == ["r1", "a1", "a2", "w1"]
+    q.close()
+    assert q.get() is None
 
 
 @pytest.mark.timeout(60)
