@@ -8,17 +8,22 @@ import pytest
 from kvtier.io_queue import IOQueue
 
 
-def test_reads_go_before_writes_each_in_submission_order():
-    q: IOQueue[str] = IOQueue(capacity=8, num_threads=1)
-    for name, is_write in (("w1", True), ("r1", False), ("w2", True), ("r2", False)):
-        q.put(name, is_write)
+def handed_out(q: IOQueue[str], num_jobs: int) -> list[str]:
+    """The next `num_jobs` jobs `get` hands out on one thread, each write marked done."""
     order = []
-    for _ in range(4):
+    for _ in range(num_jobs):
         job, is_write = q.get()
         order.append(job)
         if is_write:
             q.write_done()
-    assert order == ["r1", "r2", "w1", "w2"]
+    return order
+
+
+def test_reads_go_before_writes_each_in_submission_order():
+    q: IOQueue[str] = IOQueue(capacity=8, num_threads=1)
+    for name, is_write in (("w1", True), ("r1", False), ("w2", True), ("r2", False)):
+        q.put(name, is_write)
+    assert handed_out(q, 4) == ["r1", "r2", "w1", "w2"]
 
 
 def test_reads_ahead_go_after_the_reads_restores_wait_on_and_before_writes():
@@ -27,13 +32,7 @@ def test_reads_ahead_go_after_the_reads_restores_wait_on_and_before_writes():
                                   ("a2", False, True), ("r1", False, False)):
         q.put(name, is_write, ahead=ahead)
     assert len(q) == 4
-    order = []
-    for _ in range(4):
-        job, is_write = q.get()
-        order.append(job)
-        if is_write:
-            q.write_done()
-    assert order == ["r1", "a1", "a2", "w1"]
+    assert handed_out(q, 4) == ["r1", "a1", "a2", "w1"]
     q.close()
     assert q.get() is None
 
