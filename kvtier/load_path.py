@@ -134,10 +134,29 @@ class LoadPath:
         those in flight)."""
         return max(0, max(1, int(self.host.num_slots * PREFETCH_SHARE)) - len(self.prefetching))
 
-    def prefetch(self, tier: LowerTier, metas: Sequence[BlockMeta]) -> int:
-        """Read `metas` (held by `tier`, not by the host) into host slots, in order, while
-        free or clean slots can be had and `prefetch_room` lasts; they land as cached host
-        blocks. Returns how many reads started."""
+    def prefetch(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """Read into host slots, in order, the blocks of `metas` that the host lacks, that
+        are not being read ahead already, and that a tier below with a local lookup holds:
+        into free or clean slots only (never a dirty or pinned one), while `prefetch_room`
+        lasts; they land as cached host blocks and no GPU block is held. Returns the blocks
+        held below whose read could not start now."""
+        wanted = [meta for meta in metas if not self.host.contains(meta.block_hash)
+                  and meta.block_hash not in self.prefetching]
+        later: list[BlockMeta] = []
+        for tier in self.tiers.lower:
+            if not wanted:
+                break
+            if not tier.lookup_is_local:
+                continue
+            held = tier.contains([meta.block_hash for meta in wanted])
+            below = [meta for meta, hit in zip(wanted, held) if hit]
+            later += below[self._prefetch_from(tier, below):]
+            wanted = [meta for meta, hit in zip(wanted, held) if not hit]
+        return later
+
+    def _prefetch_from(self, tier: LowerTier, metas: Sequence[BlockMeta]) -> int:
+        """Start reading `metas` (held by `tier`) into host slots while slots and
+        `prefetch_room` last; returns how many reads started."""
         slots: list[tuple[BlockMeta, SlotId]] = []
         for meta in metas[:self.prefetch_room]:
             slot = self.host.allocate_slot(meta)

@@ -36,13 +36,12 @@ from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.load_path import LoadPath
 from kvtier.loads import Load, LoadBlock, LoadId, LoadState, PrefixHit
+from kvtier.open_tiers import open_lower_tiers
 from kvtier.prefix_lookup import find_prefix
 from kvtier.stats import ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath
 from kvtier.tier_stack import LowerTiers, TierStack
 from kvtier.tiers.base import LowerTier, WritePolicy
-from kvtier.tiers.directory.tier import DirectoryTier
-from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.host import HostRole, HostTier
@@ -71,29 +70,6 @@ class FlushReport:
     @property
     def timed_out(self) -> bool:
         return self.num_unwritten > 0
-
-
-def open_lower_tiers(config: TierConfig, layout: KVLayout,
-                     disk_read_hook: Callable[[BlockMeta], None] | None = None
-                     ) -> tuple[list[LowerTier], DiskRecovery | None]:
-    """The tiers below the host that `config` turns on, fastest first, and what was done
-    about damaged disk files (moved aside, or the disk tier turned off, with a warning).
-    Raises as each tier's constructor does."""
-    tiers: list[LowerTier | None] = []
-    recovery = None
-    if config.disk_path is not None:
-        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-        disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
-                                        shards=config.disk_shards, tier_class=DiskTier,
-                                        read_hook=disk_read_hook,
-                                        durable=config.disk_durable,
-                                        lookup_deadline_s=config.disk_lookup_deadline_s)
-        tiers.append(disk)
-    tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
-    if config.remote is not None:
-        from kvtier.tiers.remote.tier import RemoteTier  # imports redis: only when asked for
-        tiers.append(RemoteTier(config.remote, layout))
-    return [tier for tier in tiers if tier is not None], recovery
 
 
 class TierManager:
@@ -267,26 +243,10 @@ class TierManager:
     def prefetch(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
         """Start reading into the host tier, in order, the blocks of `metas` that it lacks
         and a tier below with a local lookup holds (a request waiting for GPU room will
-        restore them: they then come from the host). They take free or clean host slots
-        only, never evicting a dirty or pinned one, and land as cached host blocks; no GPU
-        block is held, and `prefetch_room` bounds the reads in flight. Returns the blocks
-        held below whose read could not start now (none without a caching host tier)."""
-        host = self.tiers.caching_host
-        if host is None:
-            return []
-        wanted = [meta for meta in metas if not host.contains(meta.block_hash)
-                  and meta.block_hash not in self.load_path.prefetching]
-        later: list[BlockMeta] = []
-        for tier in self.lower_tiers:
-            if not wanted:
-                break
-            if not tier.lookup_is_local:
-                continue
-            held = tier.contains([meta.block_hash for meta in wanted])
-            below = [meta for meta, hit in zip(wanted, held) if hit]
-            later += below[self.load_path.prefetch(tier, below):]
-            wanted = [meta for meta, hit in zip(wanted, held) if not hit]
-        return later
+        restore them: they then come from the host); see `LoadPath.prefetch`. Returns the
+        blocks held below whose read could not start now (none without a caching host
+        tier)."""
+        return self.load_path.prefetch(metas) if self.tiers.caching_host is not None else []
 
     @property
     def prefetch_room(self) -> int:

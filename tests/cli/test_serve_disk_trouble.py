@@ -142,7 +142,7 @@ def test_a_frozen_disk_stalls_only_its_own_threads(model, expected, tmp_path,
                                                    monkeypatch) -> None:
     disk_class = type("Disk", (FrozenDisk,), {"frozen": threading.Event(),
                                               "thawed": threading.Event()})
-    monkeypatch.setattr("kvtier.manager.DiskTier", disk_class)
+    monkeypatch.setattr("kvtier.open_tiers.DiskTier", disk_class)
     llm = serving_llm(model, tmp_path / "kv")
     served = start_server(llm)
     try:

@@ -291,7 +291,7 @@ def test_failing_transfers_are_recomputed_and_the_engine_keeps_serving(
     disk_dir = tmp_path / "kv"
     warm(tiny, disk_dir, prompts)
     disk_class = type("Disk", (FlakyDisk,), {"rng": random.Random(5), "num_failed": 0})
-    monkeypatch.setattr("kvtier.manager.DiskTier", disk_class)
+    monkeypatch.setattr("kvtier.open_tiers.DiskTier", disk_class)
     with tiny_llm(tiny, disk_dir) as llm:
         assert isinstance(llm.manager.disk, FlakyDisk)
         copies_failed = [0]
@@ -334,7 +334,7 @@ def test_a_stalled_disk_read_does_not_stop_other_requests(tiny, tmp_path, monkey
     warm(tiny, disk_dir, prompts[:1])
     disk_class = type("Disk", (StalledDisk,), {"release": threading.Event(),
                                                "entered": threading.Event()})
-    monkeypatch.setattr("kvtier.manager.DiskTier", disk_class)
+    monkeypatch.setattr("kvtier.open_tiers.DiskTier", disk_class)
     with tiny_llm(tiny, disk_dir) as llm:
         try:
             a = llm.add_request(prompts[0], PARAMS)
@@ -383,7 +383,7 @@ class TinyMapDisk(DiskTier):
 def test_a_full_lmdb_map_prunes_or_refuses_and_keeps_serving(tiny, tmp_path, monkeypatch):
     prompts = make_prompts(42)
     expected = tiers_off(tiny, prompts)
-    monkeypatch.setattr("kvtier.manager.DiskTier", TinyMapDisk)
+    monkeypatch.setattr("kvtier.open_tiers.DiskTier", TinyMapDisk)
     with tiny_llm(tiny, tmp_path / "kv", disk_cache_gb=1.0) as llm:
         outputs = run_to_disk(llm, prompts + prompts)  # more blocks than the map holds
         disk = llm.stats().disk

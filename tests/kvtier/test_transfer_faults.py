@@ -107,7 +107,7 @@ def faulty_manager(tmp_path, monkeypatch) -> Callable[..., TierManager]:
     def build(num_gpu: int, num_host: int, reads: Faults, writes: Faults,
               swaps: Faults | None = None, num_disk: int = 256) -> TierManager:
         disk_class = type("Disk", (FaultyDisk,), {"read_faults": reads, "write_faults": writes})
-        monkeypatch.setattr("kvtier.manager.DiskTier", disk_class)
+        monkeypatch.setattr("kvtier.open_tiers.DiskTier", disk_class)
         config = TierConfig.from_slots(LAYOUT, num_gpu, num_host, tmp_path / "kv", num_disk,
                                        io_threads=2)
         m = TierManager(LAYOUT, config)

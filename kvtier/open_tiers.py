@@ -1,0 +1,38 @@
+"""Which tiers below the host a `TierConfig` turns on, opened fastest first: the disk tier
+(one LMDB environment or shards, recovered from damaged files), a directory of one file per
+block, the shared remote store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.config import TierConfig
+from kvtier.layout import KVLayout
+from kvtier.tiers.base import LowerTier
+from kvtier.tiers.directory.tier import DirectoryTier
+from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.record import BlockMeta
+
+
+def open_lower_tiers(config: TierConfig, layout: KVLayout,
+                     disk_read_hook: Callable[[BlockMeta], None] | None = None
+                     ) -> tuple[list[LowerTier], DiskRecovery | None]:
+    """The tiers below the host that `config` turns on, fastest first, and what was done
+    about damaged disk files (moved aside, or the disk tier turned off, with a warning).
+    Raises as each tier's constructor does."""
+    tiers: list[LowerTier | None] = []
+    recovery = None
+    if config.disk_path is not None:
+        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
+        disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
+                                        shards=config.disk_shards, tier_class=DiskTier,
+                                        read_hook=disk_read_hook,
+                                        durable=config.disk_durable,
+                                        lookup_deadline_s=config.disk_lookup_deadline_s)
+        tiers.append(disk)
+    tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
+    if config.remote is not None:
+        from kvtier.tiers.remote.tier import RemoteTier  # imports redis: only when asked for
+        tiers.append(RemoteTier(config.remote, layout))
+    return [tier for tier in tiers if tier is not None], recovery
