@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -85,14 +85,19 @@ class ShardedDiskTier(LowerTier):
         return positions
 
     def _per_shard(self, block_hashes: Sequence[BlockHash],
-                   call: Callable[[DiskTier, list[int]], list[T]], fill: T) -> list[T]:
+                   call: Callable[[DiskTier, list[int]], list[T] | Future[list[T]]],
+                   fill: T) -> list[T]:
         """`call(shard, positions)` for each shard given some of `block_hashes`, one after
-        another; its per-position answers put back in the order of `block_hashes`."""
+        another; its per-position answers (or a future of them, waited for once every call
+        was made) put back in the order of `block_hashes`."""
         answers: list[T] = [fill] * len(block_hashes)
-        for shard, positions in zip(self.shards, self._split(block_hashes)):
-            if positions:
-                for position, answer in zip(positions, call(shard, positions)):
-                    answers[position] = answer
+        results = [(positions, call(shard, positions))
+                   for shard, positions in zip(self.shards, self._split(block_hashes))
+                   if positions]
+        for positions, result in results:
+            found = result.result() if isinstance(result, Future) else result
+            for position, answer in zip(positions, found):
+                answers[position] = answer
         return answers
 
     # ---- LowerTier -----------------------------------------------------------------------
@@ -103,29 +108,13 @@ class ShardedDiskTier(LowerTier):
         lookup deadline, not one per shard. Raises ValueError once closed."""
         if self._closed:
             raise ValueError(f"disk cache {self.path} is closed")
-        answers = [False] * len(block_hashes)
-        asking: list[tuple[DiskTier, list[int], list[BlockHash]]] = []
-        for shard, positions in zip(self.shards, self._split(block_hashes)):
-            if not positions:
-                continue
+
+        def ask(shard: DiskTier, positions: list[int]) -> list[bool] | Future[list[bool]]:
             asked = [block_hashes[i] for i in positions]
             found = shard.contains_from_memory(asked)
-            if found is None:
-                asking.append((shard, positions, asked))
-            else:
-                for position, hit in zip(positions, found):
-                    answers[position] = hit
-        if len(asking) == 1:
-            shard, positions, asked = asking[0]
-            found_lists = [shard.contains(asked)]
-        else:
-            futures = [self._lookups.submit(shard.contains, asked)
-                       for shard, _, asked in asking]
-            found_lists = [future.result() for future in futures]
-        for (_, positions, _), found in zip(asking, found_lists):
-            for position, hit in zip(positions, found):
-                answers[position] = hit
-        return answers
+            return found if found is not None else self._lookups.submit(shard.contains, asked)
+
+        return self._per_shard(block_hashes, ask, False)
 
     def get_into(self, meta: BlockMeta, dest: BlockBuffer) -> bool:
         """`DiskTier.get_into` from the block's shard."""
