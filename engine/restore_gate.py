@@ -101,10 +101,7 @@ class RestoreGate:
         a small host tier".)"""
         if not slow:
             return False  # nothing below the host to read from
-        rate = self.prefill_rate if self.prefill_rate.tokens_per_s is not None \
-            else self.start_rate
-        seconds = rate.seconds(num_tokens, context)
-        prefill = None if not seconds else num_tokens / seconds
+        prefill = self._prefill_tokens_per_s(num_tokens, context)
         load_rate = self.tier_rates.expected(slow)
         if busy and load_rate is not None:
             worth = worth_reading(num_tokens, prefill, None,
@@ -137,12 +134,17 @@ class RestoreGate:
         (`worth_reading` with `busy`). Counts nothing and starts no probe."""
         if not slow or self.tier_rates.expected(slow) is None:
             return False
+        prefill = self._prefill_tokens_per_s(num_tokens, context)
+        return worth_reading(num_tokens, prefill, None, min(self.min_saving_s,
+                                                            BUSY_MIN_SAVING_S))
+
+    def _prefill_tokens_per_s(self, num_tokens: int, context: int) -> float | None:
+        """The model's speed over `num_tokens` prompt tokens after `context` (the measured
+        rate, else the one timed at start); None while neither is known."""
         rate = self.prefill_rate if self.prefill_rate.tokens_per_s is not None \
             else self.start_rate
         seconds = rate.seconds(num_tokens, context)
-        prefill = None if not seconds else num_tokens / seconds
-        return worth_reading(num_tokens, prefill, None, min(self.min_saving_s,
-                                                            BUSY_MIN_SAVING_S))
+        return None if not seconds else num_tokens / seconds
 
     def waits_for_room(self, request_id: RequestId, num_tokens: int, context: int,
                        others_run: bool) -> bool:

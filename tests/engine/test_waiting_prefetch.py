@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvtier.engine import SamplingParams
-from tiny_engine_cases import BS, engine, prompt
+from tiny_engine_cases import engine, prompt
 
 from kvtier.stats import Tier
 
@@ -42,9 +42,9 @@ def test_waiting_requests_prefixes_are_read_ahead_and_tokens_match(written) -> N
         assert outputs[0].metrics.cached_tokens_disk > 0
         assert llm.restore_counts().prefetched == 0  # nobody waited
         outputs += llm.generate(second[1:], PARAMS)
-        # The four others waited behind the first: their prefixes were read ahead (at
-        # most every block of theirs the GPU did not cache).
-        assert 0 < llm.restore_counts().prefetched <= 4 * 320 // BS
+        # The four others waited behind the first: their prefixes were read ahead (a
+        # request preempted back to waiting is planned again, so no bound per request).
+        assert llm.restore_counts().prefetched > 0
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
