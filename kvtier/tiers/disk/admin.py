@@ -95,17 +95,21 @@ def _check_format(index: LmdbIndex, txn: lmdb.Transaction, path: object) -> None
                          "kvtier to start it afresh")
 
 
-def _shard_roots(path: str | os.PathLike[str], stored_only: bool = True) -> list[Path]:
-    """The LMDB directories of the disk tier in `path` (one, or its shards'); with
-    `stored_only`, the shards without files (moved aside by a repair, say: the engine starts
-    them empty) are left out. Raises FileNotFoundError when it holds no cache, ValueError for
-    mixed or incomplete shards, and the errors of `ensure_private_dir`."""
+def _shard_roots(path: str | os.PathLike[str]) -> list[Path]:
+    """The LMDB directories of the disk tier in `path` (one, or its shards'). Raises
+    FileNotFoundError when it holds no cache, ValueError for mixed or incomplete shards,
+    and the errors of `ensure_private_dir`."""
     root = ensure_private_dir(path, create=False)
     count = existing_shards(root)
     if count is None:
         raise FileNotFoundError(f"{root} holds no kvtier disk cache (no data.mdb)")
-    roots = shard_dirs(root, count)
-    return [r for r in roots if os.path.lexists(r / "data.mdb")] if stored_only else roots
+    return shard_dirs(root, count)
+
+
+def _stored(roots: list[Path]) -> list[Path]:
+    """Of `roots`, those with files: a shard without (moved aside by a repair, say) holds
+    nothing, and the engine starts it empty."""
+    return [root for root in roots if os.path.lexists(root / "data.mdb")]
 
 
 def cache_stats(path: str | os.PathLike[str]) -> dict:
@@ -114,7 +118,8 @@ def cache_stats(path: str | os.PathLike[str]) -> dict:
 
     Raises FileNotFoundError when there is no cache, and the errors of `ensure_private_dir`.
     """
-    parts = [_shard_stats(root) for root in _shard_roots(path)]
+    roots = _shard_roots(path)
+    parts = [_shard_stats(root) for root in _stored(roots)]
     layouts: dict[str, dict] = {}
     for part in parts:
         for entry in part["layouts"]:
@@ -125,7 +130,7 @@ def cache_stats(path: str | os.PathLike[str]) -> dict:
     budgets = [part["budget_bytes"] for part in parts if part["budget_bytes"] is not None]
     return {
         "path": str(Path(path).absolute()),
-        "shards": len(_shard_roots(path, stored_only=False)),
+        "shards": len(roots),
         "format_version": parts[0]["format_version"] if parts else None,
         "num_blocks": sum(part["num_blocks"] for part in parts),
         "bytes_used": sum(part["bytes_used"] for part in parts),
@@ -172,7 +177,7 @@ def inspect(path: str | os.PathLike[str], limit: int = 20) -> list[dict]:
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    rows = [row for root in _shard_roots(path) for row in _shard_inspect(root, limit)]
+    rows = [row for root in _stored(_shard_roots(path)) for row in _shard_inspect(root, limit)]
     return sorted(rows, key=lambda row: -row["last_access"])[:limit]
 
 
@@ -215,8 +220,9 @@ def verify(path: str | os.PathLike[str], repair: bool = False) -> VerifyReport:
     (`kvtier.tiers.disk.recovery.move_aside`; nothing is deleted). Raises like
     `cache_stats` otherwise (no cache there, an unsafe directory).
     """
-    count = len(_shard_roots(path, stored_only=False))  # before a repair empties any
-    roots = _shard_roots(path)
+    every = _shard_roots(path)
+    count = len(every)  # before a repair empties any
+    roots = _stored(every)
     reports = [_shard_verify(root, repair) for root in roots]
     if count == 1:
         return reports[0]
@@ -297,8 +303,9 @@ def prune(path: str | os.PathLike[str], max_bytes: int) -> int:
     how many were removed. Raises ValueError for a negative `max_bytes`."""
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    share = max_bytes // len(_shard_roots(path, stored_only=False))
-    return sum(_shard_prune(root, share) for root in _shard_roots(path))
+    roots = _shard_roots(path)
+    share = max_bytes // len(roots)
+    return sum(_shard_prune(root, share) for root in _stored(roots))
 
 
 def _shard_prune(path: Path, max_bytes: int) -> int:
@@ -313,7 +320,7 @@ def _shard_prune(path: Path, max_bytes: int) -> int:
 
 def clear(path: str | os.PathLike[str]) -> int:
     """Delete every block (whatever its format); how many there were."""
-    return sum(_shard_clear(root) for root in _shard_roots(path))
+    return sum(_shard_clear(root) for root in _stored(_shard_roots(path)))
 
 
 def _shard_clear(path: Path) -> int:
@@ -344,7 +351,7 @@ def _export(path: str | os.PathLike[str], file: Path) -> int:
     partial = file.with_name(file.name + ".partial")
     with contextlib.ExitStack() as stack:
         indexes = []
-        for root in _shard_roots(path):
+        for root in _stored(_shard_roots(path)):
             indexes.append(_open(root, write=False))
             stack.callback(indexes[-1].env.close)
         txns = [stack.enter_context(index.env.begin(buffers=True)) for index in indexes]
