@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -89,19 +89,30 @@ class LoadPath:
             # A caching host writes the copy back itself; a staging slab forgets the block
             # once copied, so the copy is made in the job.
             job = _also_into(job, results, keeper, metas, dests)
+        self._start_read(tier, metas,
+                         timed_job(_unless_cancelled(job, load.cancelled), load.read_spans),
+                         lambda ok: self._finish_read(load, items, results, keeper is not None),
+                         load)
+
+    def _start_read(self, tier: LowerTier, metas: list[BlockMeta], job: IOJob,
+                    on_done: Callable[[bool], None], *loads: Load) -> None:
+        """Submit a read `job` of `metas` from `tier`, counted in `num_reads_in_flight`
+        until `on_done` runs."""
         offers = self.tiers.offers_to(tier)
         if offers is not None:  # read from the store: no need to offer it back
             offers.remember([meta.block_hash for meta in metas])
         self.num_reads_in_flight += 1
-        self.tiers.submit(timed_job(_unless_cancelled(job, load.cancelled), load.read_spans),
-                          lambda ok: self._finish_read(load, items, results, keeper is not None),
-                          load)
+
+        def done(ok: bool) -> None:
+            self.num_reads_in_flight -= 1
+            on_done(ok)
+
+        self.tiers.submit(job, done, *loads)
 
     def _finish_read(self, load: Load, items: list[LoadBlock], results: list[bool],
                      keep_below: bool) -> None:
         """Reads landed in host slots (all from one tier): copy the good ones to the GPU.
         `keep_below`: the blocks also go to the write-back tier (committed dirty)."""
-        self.num_reads_in_flight -= 1
         landed = []
         cancelled = load.cancelled.is_set()
         # A job cancelled before it started read nothing (no result): no failure. One that
@@ -171,16 +182,10 @@ class LoadPath:
     def _prefetch_read(self, tier: LowerTier, items: list[tuple[BlockMeta, SlotId]]) -> None:
         metas = [meta for meta, _ in items]
         job, results = tier.read_job(metas, [self.host.slot_array(slot) for _, slot in items])
-        job = dataclasses.replace(job, ahead=True)  # after the reads restores wait on
-        offers = self.tiers.offers_to(tier)
-        if offers is not None:  # read from the store: no need to offer it back
-            offers.remember([meta.block_hash for meta in metas])
         keep_below = self.tiers.lower.keeper_of(tier) is not None
         self.prefetching.update(meta.block_hash for meta in metas)
-        self.num_reads_in_flight += 1
 
         def landed(ok: bool) -> None:
-            self.num_reads_in_flight -= 1
             for (meta, slot), hit in itertools.zip_longest(items, results, fillvalue=False):
                 self.prefetching.discard(meta.block_hash)
                 # Cached (and no longer pinned) unless the read failed or another read
@@ -192,7 +197,8 @@ class LoadPath:
                 if results and not hit:  # the job ran and missed it (pruned meanwhile)
                     self.tiers.counters[tier.kind].failures += 1
 
-        self.tiers.submit(job, landed)
+        # After the reads restores wait on (`IOJob.ahead`).
+        self._start_read(tier, metas, dataclasses.replace(job, ahead=True), landed)
 
     def copy_landed_reads(self) -> None:
         """One host -> GPU copy for every read from below that landed since the last call."""
