@@ -18,7 +18,7 @@ from kvtier.cli.common import print_json, print_table
 from kvtier.engine.engine_config import default_disk_cache_dir
 
 from kvtier.tiers.disk import admin as disk_admin
-from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import MAX_SHARDS
 
 GIB = 1 << 30
 
@@ -197,9 +197,10 @@ def export(
 def import_(
     file: Path = typer.Argument(..., help="Export file made by `kvtier cache export`."),
     directory: Path | None = typer.Option(None, "--dir", help=_DIR_HELP),
-    shards: int = typer.Option(DEFAULT_SHARDS, "--shards", min=1, max=MAX_SHARDS,
-                               help="LMDB environments a new directory is split over (an "
-                                    "existing one keeps its own)."),
+    shards: int | None = typer.Option(
+        None, "--shards", min=1, max=MAX_SHARDS,
+        help="LMDB environments a new directory is split over (an existing one keeps its "
+             "own). [default: 4 for a file of 4 GiB or more, else 1]", show_default=False),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """Add the blocks of an export file (verified first; blocks already present are kept)."""

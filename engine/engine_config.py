@@ -28,7 +28,7 @@ from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
 from kvtier.config import DEFAULT_READ_RESERVE_SHARE
-from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import MAX_SHARDS
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
@@ -72,7 +72,8 @@ class EngineConfig(CheckedModel):
         run at the disk's speed; an OS crash or power loss may lose recent blocks, which
         then miss (a process crash loses none).
     disk_shards: LMDB environments a new disk tier directory is split over, each written by
-        a thread of its own (an existing directory keeps its count; 1: one environment).
+        a thread of its own (an existing directory keeps its count; 1: one environment;
+        None: four from a 4 GiB budget, else one).
     read_reserve_share: share of the host slots that write-throughs leave to reads from the
         disk while it is on; the rest is the disk's write buffer (`TierConfig`).
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
@@ -131,9 +132,10 @@ class EngineConfig(CheckedModel):
     disk_durable: bool = Field(
         False, description="fsync every disk tier write transaction; off: the OS writes "
         "back, an OS crash or power loss may lose recent blocks (they then miss)")
-    disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = Field(
-        DEFAULT_SHARDS, description="LMDB environments a new disk tier directory is split "
-        "over, written side by side; an existing directory keeps its own count")
+    disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = Field(
+        None, description="LMDB environments a new disk tier directory is split over, "
+        "written side by side (None: 4 from a 4 GiB budget, else 1); an existing directory "
+        "keeps its own count")
     read_reserve_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         DEFAULT_READ_RESERVE_SHARE, description="share of the host slots write-throughs "
         "leave to reads from the disk; the rest is its write buffer")

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import MAX_SHARDS
 from kvtier.tiers.disk.tier import LOOKUP_DEADLINE_S
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
@@ -51,7 +51,8 @@ class TierConfig(CheckedModel):
     disk_lookup_deadline_s: seconds a disk lookup may take; past it the disk counts as
         unavailable (every lookup a miss) until that lookup returns (see `DiskTier`).
     disk_shards: LMDB environments a new disk tier directory is split over, written side by
-        side (`kvtier.tiers.disk.shards`); an existing directory keeps its own count.
+        side (`kvtier.tiers.disk.shards`); None: `shard_layout.default_shards` of the
+        budget (4 from 4 GiB, else 1). An existing directory keeps its own count.
     swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
         gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
         addressing) or "auto" (the kernels' choice).
@@ -85,9 +86,10 @@ class TierConfig(CheckedModel):
     disk_lookup_deadline_s: Annotated[float, Field(gt=0)] = Field(
         LOOKUP_DEADLINE_S, description="seconds a disk lookup may take before the disk "
         "counts as unavailable until it returns")
-    disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] = Field(
-        DEFAULT_SHARDS, description="LMDB environments a new disk tier directory is split "
-        "over, written side by side; an existing directory keeps its own count")
+    disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = Field(
+        None, description="LMDB environments a new disk tier directory is split over, "
+        "written side by side (None: 4 from a 4 GiB budget, else 1); an existing directory "
+        "keeps its own count")
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")

@@ -11,6 +11,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.directory.tier import DirectoryTier
 from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
+from kvtier.tiers.disk.shard_layout import default_shards
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 
@@ -26,7 +27,9 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
     if config.disk_path is not None:
         assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
-                                        shards=config.disk_shards, tier_class=DiskTier,
+                                        shards=config.disk_shards or default_shards(
+                                            config.disk_budget_bytes),
+                                        tier_class=DiskTier,
                                         read_hook=disk_read_hook,
                                         durable=config.disk_durable,
                                         lookup_deadline_s=config.disk_lookup_deadline_s)

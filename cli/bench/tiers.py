@@ -44,7 +44,7 @@ from kvtier.cli.common import print_json, print_table
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout, parse_dtype
 from kvtier.tiers.disk.recovery import open_disk_tier
-from kvtier.tiers.disk.shard_layout import DEFAULT_SHARDS, MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import LARGE_BUDGET_SHARDS, MAX_SHARDS
 from kvtier.tiers.record import BlockMeta, metas_for
 
 _MB = 1e6
@@ -300,7 +300,8 @@ def tiers(
                                         "path keeps 2 batches in flight)."),
     shards: int = typer.Option(1, min=1, max=MAX_SHARDS,
                                help="LMDB environments the tier is split over (the engine's "
-                                    f"default: {DEFAULT_SHARDS})."),
+                                    f"default: {LARGE_BUDGET_SHARDS} from a 4 GiB budget, "
+                                    "else 1)."),
     tmpdir: Path | None = typer.Option(None, help="Where the files go (default: the "
                                                    "system temporary directory)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

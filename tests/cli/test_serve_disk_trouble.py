@@ -54,23 +54,43 @@ def ask(served: RunningServer, prompt: str, timeout: float = 120) -> str:
     return response.json()["choices"][0]["text"]
 
 
+def environments(disk_dir: Path) -> list[Path]:
+    """The directories holding a data.mdb: the tier's root, or each shard's (the engine
+    splits a tier of its default budget over shards)."""
+    return sorted(data.parent for data in disk_dir.glob("**/data.mdb"))
+
+
 def damage(disk_dir: Path, case: str) -> None:
-    data = disk_dir / "data.mdb"
-    if case == "truncate":
-        os.truncate(data, 4096)
-    elif case == "truncate-to-zero":
-        os.truncate(data, 0)
-    elif case == "remove":
-        data.unlink()
-    elif case == "replace":
-        other = disk_dir / "other"
-        other.write_bytes(b"\0" * 8192)
-        os.replace(other, data)
-    elif case == "permission":
-        data.chmod(0)
-        disk_dir.chmod(0)
-    else:
-        raise AssertionError(case)
+    """Do `case` to the data.mdb of every environment of the tier in `disk_dir`."""
+    roots = environments(disk_dir)
+    assert roots, f"no data.mdb under {disk_dir}"
+    for root in roots:
+        data = root / "data.mdb"
+        if case == "truncate":
+            os.truncate(data, 4096)
+        elif case == "truncate-to-zero":
+            os.truncate(data, 0)
+        elif case == "remove":
+            data.unlink()
+        elif case == "replace":
+            other = root / "other"
+            other.write_bytes(b"\0" * 8192)
+            os.replace(other, data)
+        elif case == "permission":
+            data.chmod(0)
+        else:
+            raise AssertionError(case)
+    if case == "permission":
+        for root in sorted(roots, key=lambda r: len(r.parts), reverse=True) + [disk_dir]:
+            root.chmod(0)
+
+
+def undo_permission(disk_dir: Path) -> None:
+    disk_dir.chmod(0o700)
+    for shard in disk_dir.glob("shard-*"):
+        shard.chmod(0o700)
+    for data in disk_dir.glob("**/data.mdb"):
+        data.chmod(0o600)
 
 
 @pytest.mark.parametrize("case", ["truncate", "truncate-to-zero", "remove", "replace",
@@ -94,8 +114,7 @@ def test_data_file_events_under_a_serving_engine(model, expected, tmp_path, case
             assert served.on_engine(lambda llm: llm.manager.disk.unavailable) is not None
     finally:
         if case == "permission":
-            disk_dir.chmod(0o700)
-            (disk_dir / "data.mdb").chmod(0o600)
+            undo_permission(disk_dir)
         served.stop()
         llm.close()
 

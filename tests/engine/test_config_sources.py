@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvtier.engine import LLM, EngineConfig, load_engine_config
+from kvtier.engine import LLM, EngineConfig, SamplingParams, load_engine_config
 
 from kvtier.config import TierConfig
 from kvtier.validation import ConfigError
@@ -132,7 +132,7 @@ def test_disk_durability_from_every_source_reaches_the_opened_tier(tmp_path,
 
 def test_disk_shards_and_read_reserve_from_the_environment_reach_the_tiers(
         tmp_path, monkeypatch) -> None:
-    assert EngineConfig().disk_shards == 1 and EngineConfig().read_reserve_share == 0.5
+    assert EngineConfig().disk_shards is None and EngineConfig().read_reserve_share == 0.5
     monkeypatch.setenv("KVTIER_DISK_SHARDS", "3")
     monkeypatch.setenv("KVTIER_READ_RESERVE_SHARE", "0.25")
     with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
@@ -146,3 +146,24 @@ def test_disk_shards_and_read_reserve_from_the_environment_reach_the_tiers(
         monkeypatch.setenv("KVTIER_DISK_SHARDS", bad)
         with pytest.raises(ValueError, match="disk_shards"):
             load_engine_config({}, None)
+
+
+@pytest.mark.parametrize(("disk_cache_gb", "expected"), [
+    (0.01, ["data.mdb", "lock.mdb"]),
+    (4.0, [f"shard-{i}-of-4" for i in range(4)]),
+])
+def test_a_new_disk_tier_is_split_by_its_budget_unless_told(tmp_path, disk_cache_gb,
+                                                            expected) -> None:
+    with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
+             disk_cache_dir=tmp_path / "kv", disk_cache_gb=disk_cache_gb) as llm:
+        assert llm.manager.config.disk_shards is None
+        llm.generate([list(range(1, 40))],
+                     SamplingParams(max_tokens=2))
+    names = sorted(p.name for p in (tmp_path / "kv").iterdir())
+    assert [n for n in names if n.startswith(("shard-", "data.", "lock."))] == expected
+    # Reopened with a budget on the other side of the line, the directory keeps its count.
+    other = 4.0 if disk_cache_gb < 4 else 0.01
+    with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
+             disk_cache_dir=tmp_path / "kv", disk_cache_gb=other) as llm:
+        assert len(getattr(llm.manager.disk, "shards", [None])) == (4 if len(expected) == 4
+                                                                    else 1)

@@ -37,7 +37,7 @@ from kvtier.layout import KVLayout
 from kvtier.tiers.disk.index import DISK_FORMAT_VERSION, LmdbIndex, access_time
 from kvtier.tiers.disk.recovery import move_aside
 from kvtier.tiers.disk.shard_layout import (
-    DEFAULT_SHARDS,
+    default_shards,
     existing_shards,
     shard_dirs,
     shard_of,
@@ -407,15 +407,18 @@ def _private_opener(name: str, flags: int) -> int:
 
 
 def import_cache(path: str | os.PathLike[str], file: str | os.PathLike[str],
-                 layout: KVLayout | None = None, shards: int = DEFAULT_SHARDS) -> int:
+                 layout: KVLayout | None = None, shards: int | None = None) -> int:
     """Add the blocks of an export file to the tier in `path` (created if missing, with
-    `shards` shards; an existing tier keeps its own); how many were new. Blocks already
+    `shards` shards, by default `default_shards` of the file's size; an existing tier keeps
+    its own); how many were new. Blocks already
     present are kept. The whole file is verified first.
 
     Raises ValueError (nothing imported) for a file of an unknown format version, a file
     with blocks of another layout than `layout` (when given), or a damaged or truncated file.
     """
-    return _import(path, Path(file), layout, shards)
+    file = Path(file)
+    return _import(path, file, layout,
+                   shards if shards is not None else default_shards(file.stat().st_size))
 
 
 def _import(path: str | os.PathLike[str], file: Path, layout: KVLayout | None,
