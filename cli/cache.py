@@ -18,7 +18,11 @@ from kvtier.cli.common import print_json, print_table
 from kvtier.engine.engine_config import default_disk_cache_dir
 
 from kvtier.tiers.disk import admin as disk_admin
-from kvtier.tiers.disk.shard_layout import MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import (
+    LARGE_BUDGET_SHARDS,
+    MAX_SHARDS,
+    SHARDING_BUDGET_BYTES,
+)
 
 GIB = 1 << 30
 
@@ -200,7 +204,8 @@ def import_(
     shards: int | None = typer.Option(
         None, "--shards", min=1, max=MAX_SHARDS,
         help="LMDB environments a new directory is split over (an existing one keeps its "
-             "own). [default: 4 for a file of 4 GiB or more, else 1]", show_default=False),
+             f"own; default: {LARGE_BUDGET_SHARDS} for a file of "
+             f"{SHARDING_BUDGET_BYTES >> 30} GiB or more, else 1).", show_default=False),
     json_output: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ) -> None:
     """Add the blocks of an export file (verified first; blocks already present are kept)."""

@@ -139,7 +139,7 @@ def generate(
         None, "--config", help="A YAML file of engine settings (EngineConfig's field names)."),
     model: str | None = typer.Option(
         None, "--model", help="Alias, Hugging Face hub id (local cache), model directory, "
-        ".gguf file or random:<name>. [default: smollm2-135m]"),
+        ".gguf file or random:<name>. (default: smollm2-135m)"),
     raw: bool = typer.Option(False, "--raw", help="Send prompts as they are, without the "
                              "chat template."),
     system: str | None = typer.Option(None, "--system",
@@ -155,49 +155,49 @@ def generate(
     seed: int | None = typer.Option(None, "--seed", help="Sampling seed."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past EOS."),
     device: str | None = typer.Option(None, "--device",
-                                      help="auto, cpu, cuda or cuda:N. [default: auto]"),
-    dtype: DType | None = typer.Option(None, "--dtype", help="[default: auto]"),
+                                      help="auto, cpu, cuda or cuda:N. (default: auto)"),
+    dtype: DType | None = typer.Option(None, "--dtype", help="(default: auto)"),
     block_size: int | None = typer.Option(None, "--block-size",
-                                          help="Tokens per KV block. [default: 16]"),
+                                          help="Tokens per KV block. (default: 16)"),
     gpu_blocks: int | None = typer.Option(
         None, "--gpu-blocks", help="KV blocks of the device pool (default: sized from "
         "--gpu-memory-utilization on CUDA, from the context and batch on the CPU)."),
     gpu_memory_utilization: float | None = typer.Option(
         None, "--gpu-memory-utilization", help="Share of the device memory free after "
         "loading the model that the KV pool takes (vLLM's counts the whole GPU). "
-        "[default: 0.5]"),
+        "(default: 0.5)"),
     max_model_len: int | None = typer.Option(
         None, "--max-model-len", help="Tokens of prompt plus output per request. "
-        "[default: the model's context]"),
+        "(default: the model's context)"),
     max_num_seqs: int | None = typer.Option(None, "--max-num-seqs",
-                                            help="Requests running in one step. [default: 64]"),
+                                            help="Requests running in one step. (default: 64)"),
     max_num_batched_tokens: int | None = typer.Option(
-        None, "--max-num-batched-tokens", help="Tokens run in one step. [default: 2048]"),
+        None, "--max-num-batched-tokens", help="Tokens run in one step. (default: 2048)"),
     long_prefill_token_threshold: int | None = typer.Option(
         None, "--long-prefill-token-threshold", help="While other prompts wait to start or "
         "are part-way through, a prompt computes at most this many tokens a step, so short "
-        "prompts are not held behind every chunk of a long one; 0: no cap. [default: 0]"),
+        "prompts are not held behind every chunk of a long one; 0: no cap. (default: 0)"),
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb",
-                                               help="Host tier size, GiB. [default: 1.0]"),
+                                               help="Host tier size, GiB. (default: 1.0)"),
     no_host_cache: bool = typer.Option(False, "--no-host-cache", help="Turn the host tier off."),
     disk_cache: Path | None = typer.Option(
         None, "--disk-cache", help="Disk tier directory (default: <user cache dir>/kv)."),
     no_disk_cache: bool = typer.Option(False, "--no-disk-cache", help="Turn the disk tier off."),
     disk_cache_gb: float | None = typer.Option(None, "--disk-cache-gb",
-                                               help="Disk tier budget, GiB. [default: 10.0]"),
+                                               help="Disk tier budget, GiB. (default: 10.0)"),
     disk_durable: bool | None = typer.Option(
         None, "--disk-durable/--no-disk-durable", show_default=False,
         help="fsync every disk tier write transaction. Off: the OS writes blocks back (synced "
         "every GiB and at exit), an OS crash or power loss may lose recent blocks, which "
-        "then miss. [default: off]"),
+        "then miss. (default: off)"),
     hash_algorithm: HashAlgorithm | None = typer.Option(
         None, "--hash-algorithm", help="Block hash; sha256 where tenants do not trust each "
-        "other. [default: xxh3_128]"),
+        "other. (default: xxh3_128)"),
     cache_salt: str | None = typer.Option(
         None, "--cache-salt", help="Salt of the cache namespace: requests with another salt "
         "never share cached blocks with these."),
     attn_backend: AttnBackend | None = typer.Option(None, "--attn-backend",
-                                                    help="[default: auto]"),
+                                                    help="(default: auto)"),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object."),
     deterministic: bool = typer.Option(
         False, "--deterministic", help="Batch-invariant kernels: the same logits, bit for "

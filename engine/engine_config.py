@@ -28,7 +28,11 @@ from kvtier.engine.restore_rates import MIN_SAVING_S
 from pydantic import Field, field_validator
 
 from kvtier.config import DEFAULT_READ_RESERVE_SHARE
-from kvtier.tiers.disk.shard_layout import MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import (
+    LARGE_BUDGET_SHARDS,
+    MAX_SHARDS,
+    SHARDING_BUDGET_BYTES,
+)
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
 
@@ -134,8 +138,9 @@ class EngineConfig(CheckedModel):
         "back, an OS crash or power loss may lose recent blocks (they then miss)")
     disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = Field(
         None, description="LMDB environments a new disk tier directory is split over, "
-        "written side by side (None: 4 from a 4 GiB budget, else 1); an existing directory "
-        "keeps its own count")
+        f"written side by side (None: {LARGE_BUDGET_SHARDS} from a "
+        f"{SHARDING_BUDGET_BYTES >> 30} GiB budget, else 1); an existing directory keeps its "
+        "own count")
     read_reserve_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         DEFAULT_READ_RESERVE_SHARE, description="share of the host slots write-throughs "
         "leave to reads from the disk; the rest is its write buffer")

@@ -12,7 +12,11 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.disk.shard_layout import MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import (
+    LARGE_BUDGET_SHARDS,
+    MAX_SHARDS,
+    SHARDING_BUDGET_BYTES,
+)
 from kvtier.tiers.disk.tier import LOOKUP_DEADLINE_S
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.validation import CheckedModel
@@ -88,8 +92,9 @@ class TierConfig(CheckedModel):
         "counts as unavailable until it returns")
     disk_shards: Annotated[int, Field(ge=1, le=MAX_SHARDS)] | None = Field(
         None, description="LMDB environments a new disk tier directory is split over, "
-        "written side by side (None: 4 from a 4 GiB budget, else 1); an existing directory "
-        "keeps its own count")
+        f"written side by side (None: {LARGE_BUDGET_SHARDS} from a "
+        f"{SHARDING_BUDGET_BYTES >> 30} GiB budget, else 1); an existing directory keeps its "
+        "own count")
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")

@@ -44,7 +44,11 @@ from kvtier.cli.common import print_json, print_table
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout, parse_dtype
 from kvtier.tiers.disk.recovery import open_disk_tier
-from kvtier.tiers.disk.shard_layout import LARGE_BUDGET_SHARDS, MAX_SHARDS
+from kvtier.tiers.disk.shard_layout import (
+    LARGE_BUDGET_SHARDS,
+    MAX_SHARDS,
+    SHARDING_BUDGET_BYTES,
+)
 from kvtier.tiers.record import BlockMeta, metas_for
 
 _MB = 1e6
@@ -294,14 +298,14 @@ def tiers(
     repeats: int = typer.Option(5, help="Repeats; figures are medians."),
     durable: bool = typer.Option(
         False, help="fsync each commit (and each file batch). Either way both writes end with "
-        "one sync of their file, inside the time. [default: off, as the engine's tier]",
+        "one sync of their file, inside the time. (default: off, as the engine's tier)",
         show_default=False),
     writers: int = typer.Option(1, help="Threads running the tier's write jobs (the store "
                                         "path keeps 2 batches in flight)."),
     shards: int = typer.Option(1, min=1, max=MAX_SHARDS,
                                help="LMDB environments the tier is split over (the engine's "
-                                    f"default: {LARGE_BUDGET_SHARDS} from a 4 GiB budget, "
-                                    "else 1)."),
+                                    f"default: {LARGE_BUDGET_SHARDS} from a "
+                                    f"{SHARDING_BUDGET_BYTES >> 30} GiB budget, else 1)."),
     tmpdir: Path | None = typer.Option(None, help="Where the files go (default: the "
                                                    "system temporary directory)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),

@@ -68,6 +68,18 @@ def test_help_lists_choices_and_completion() -> None:
         assert option in generate_help, option
 
 
+def test_help_shows_the_defaults_written_into_option_help() -> None:
+    # Rich reads "[...]" in help text as markup and drops it, so these must not be bracketed.
+    runner = CliRunner()
+    generate_help = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "250"}).stdout
+    for default in ("(default: 16)", "(default: smollm2-135m)", "(default: xxh3_128)",
+                    "(default: 10.0)"):
+        assert default in generate_help, default
+    import_help = runner.invoke(app, ["cache", "import", "--help"],
+                                env={"COLUMNS": "250"}).stdout
+    assert "default: 4 for a file of 4 GiB or more, else 1" in import_help
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_chat_model(tmp_path_factory.mktemp("tiny-chat-llama"))
