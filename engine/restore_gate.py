@@ -104,8 +104,7 @@ class RestoreGate:
         prefill = self._prefill_tokens_per_s(num_tokens, context)
         load_rate = self.tier_rates.expected(slow)
         if busy and load_rate is not None:
-            worth = worth_reading(num_tokens, prefill, None,
-                                  min(self.min_saving_s, BUSY_MIN_SAVING_S))
+            worth = self._worth_beside_others(num_tokens, prefill)
         else:
             worth = worth_reading(num_tokens, prefill, load_rate, self.min_saving_s,
                                   self.tier_rates.expected_latency(slow),
@@ -134,7 +133,13 @@ class RestoreGate:
         (`worth_reading` with `busy`). Counts nothing and starts no probe."""
         if not slow or self.tier_rates.expected(slow) is None:
             return False
-        prefill = self._prefill_tokens_per_s(num_tokens, context)
+        return self._worth_beside_others(num_tokens,
+                                         self._prefill_tokens_per_s(num_tokens, context))
+
+    def _worth_beside_others(self, num_tokens: int, prefill: float | None) -> bool:
+        """The rule for a read beside other requests, once the tiers' rates are measured:
+        the tokens take `BUSY_MIN_SAVING_S` (or the gate's own margin, if smaller) to
+        compute at `prefill` tokens/s."""
         return worth_reading(num_tokens, prefill, None, min(self.min_saving_s,
                                                             BUSY_MIN_SAVING_S))
 
