@@ -29,8 +29,9 @@ All work joins back into the caller's stream before the call returns, so an even
 there afterwards fires only once every byte has landed. With both tensors on the CPU each
 named method runs its own plan with plain tensor copies (how the tests exercise the
 planning), except "triton", which needs TRITON_INTERPRET=1 there; "auto" copies scattered
-blocks with one gather and one scatter instead (a CPU engine's write-through of 33 scattered
-blocks took 130 us as one `copy_` per run, 27 us so; one-off probe, the CPU machine).
+blocks with one gather and one scatter instead: a `copy_` per run is host time a CPU
+engine's thread pays for every write-through (docs/BENCHMARKS.md, "Figures behind the
+engine's constants", says how much).
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from pathlib import Path
 from kvtier.hashing import BlockHash
 
 #: Shards of a new disk tier directory of at least `SHARDING_BUDGET_BYTES` unless set
-#: (`EngineConfig.disk_shards`, `kvtier cache import --shards`): on the lent H200 four wrote
-#: 1.4-2.3x as fast as one environment and kept more of what a long prefill made
-#: (docs/BENCHMARKS.md, "The disk tier's writers").
+#: (`EngineConfig.disk_shards`, `kvtier cache import --shards`): LMDB commits one write
+#: transaction at a time per environment, so several take a long prefill's blocks side by
+#: side (docs/BENCHMARKS.md, "The disk tier's writers", says how much).
 LARGE_BUDGET_SHARDS = 4
 #: Budgets below this get one environment: a quarter of a small budget would evict early,
 #: and nothing fills a small tier fast enough to need a second writer.
