@@ -36,6 +36,14 @@ def test_word_checksum_matches_reference(shape: tuple[int, int]) -> None:
 
 
 @cases.needs_interpreter
+def test_word_checksum_reads_the_rows_named_where_they_are() -> None:
+    rows = random_rows(9, 1 << 10, seed=7)
+    ids = [8, 0, 3, 3]
+    assert torch.equal(word_checksum(rows, ids), reference.word_checksum(rows[ids]))
+    assert word_checksum(rows, []).shape == (0,)
+
+
+@cases.needs_interpreter
 def test_word_checksum_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="whole 32-bit words"):
         word_checksum(torch.zeros((2, 6), dtype=torch.uint8))
@@ -44,6 +52,8 @@ def test_word_checksum_refuses_what_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="contiguous uint8"):
         word_checksum(torch.zeros((8, 2), dtype=torch.uint8).t())
     assert word_checksum(torch.zeros((0, 8), dtype=torch.uint8)).shape == (0,)
+    with pytest.raises(ValueError, match=r"row_ids must lie in \[0, 2\)"):
+        word_checksum(torch.zeros((2, 8), dtype=torch.uint8), [0, 2])
 
 
 @pytest.mark.gpu
@@ -52,3 +62,5 @@ def test_word_checksum_refuses_what_it_cannot_read() -> None:
 def test_gpu_word_checksum_matches_reference(shape: tuple[int, int]) -> None:
     rows = random_rows(*shape, seed=shape[1])
     assert torch.equal(word_checksum(rows.cuda()).cpu(), reference.word_checksum(rows))
+    ids = list(range(shape[0] - 1, -1, -2))
+    assert torch.equal(word_checksum(rows.cuda(), ids).cpu(), reference.word_checksum(rows[ids]))
