@@ -44,11 +44,13 @@ class TransportError(OSError):
 class OutgoingBlock:
     """One block the prefill side sends: its index in the prompt, what names it, and its
     bytes (`payload`: flat uint8 `[bytes_per_block]`, on the engine's device, a row of one
-    group's gathered copy)."""
+    group's gathered copy; for a channel that `reads_in_place`, the block's own row of the
+    KV cache, whose index there is `cache_row`)."""
 
     index: int
     meta: BlockMeta
     payload: torch.Tensor
+    cache_row: int | None = None
 
     def host_payload(self) -> np.ndarray:
         """The payload in host memory, as a flat uint8 numpy array (a copy off a GPU)."""
@@ -71,6 +73,25 @@ def payload_rows(blocks: Sequence[OutgoingBlock]) -> torch.Tensor:
     return torch.stack([block.payload for block in blocks])
 
 
+def cache_rows(blocks: Sequence[OutgoingBlock]) -> tuple[torch.Tensor, list[int]]:
+    """For blocks read in place (`SendChannel.reads_in_place`): the KV cache's rows as one
+    uint8 `[rows, bytes_per_block]` tensor reaching the highest row named, and each block's
+    row in it. Raises ValueError for a block without its `cache_row`, or whose payload is
+    not that row of the first block's cache."""
+    first = blocks[0]
+    if any(block.cache_row is None for block in blocks):
+        raise ValueError("a block read in place needs its cache_row")
+    size = first.payload.numel()
+    origin = first.payload.storage_offset() - first.cache_row * size  # type: ignore[operator]
+    num_rows = max(block.cache_row for block in blocks) + 1  # type: ignore[type-var]
+    table = first.payload.as_strided((num_rows, size), (size, 1), origin)
+    for block in blocks:
+        if block.payload.numel() != size or not block.payload.is_contiguous() \
+                or block.payload.data_ptr() != table[block.cache_row].data_ptr():
+            raise ValueError("a block read in place must be its row of one KV cache")
+    return table, [block.cache_row for block in blocks]  # type: ignore[misc]
+
+
 class SendChannel(ABC):
     """The prefill side of one handoff over one transport. Used from one thread."""
 
@@ -82,8 +103,14 @@ class SendChannel(ABC):
     #: Seconds `send` has waited, in all, for an earlier send's commit to free its room.
     slot_wait_s: float = 0.0
     #: Seconds the committed sends' bytes took from ready to delivered, in all, where the
-    #: transport can tell (NCCL); None where it cannot.
+    #: transport can tell (NCCL, CUDA IPC); None where it cannot.
     wire_s: float | None = None
+    #: Whether `send` reads each block where the KV cache holds it (`OutgoingBlock.payload`
+    #: the cache's row, `cache_row` its index) rather than from a gathered copy: a transport
+    #: that copies blocks one by one without the GPU's cores (copy engines) then skips the
+    #: gather. The sender keeps the blocks until `send` has returned and its stream's work
+    #: is done.
+    reads_in_place: bool = False
 
     @abstractmethod
     def send(self, blocks: Sequence[OutgoingBlock]) -> list[Json]:

@@ -332,9 +332,7 @@ class PrefillHandoff:
                 began = time.monotonic()
                 waited = self.channel.slot_wait_s
                 with on_stream(self._stream):
-                    rows = _read_blocks(self.kv_cache, [item.block.block_id for item in group])
-                    entries = self.channel.send([OutgoingBlock(item.index, item.meta, rows[k])
-                                                 for k, item in enumerate(group)])
+                    entries = self.channel.send(self._outgoing(group))
                 if self._stream is not None:
                     # The blocks go back to the engine next: their bytes must have been read.
                     self._stream.synchronize()
@@ -359,6 +357,17 @@ class PrefillHandoff:
             self._commits.append(future)
         while len(self._commits) >= self.channel.in_flight:
             self._settle()
+
+    def _outgoing(self, group: Sequence[_Pending]) -> list[OutgoingBlock]:
+        """`group` as the channel reads it: rows of one gathered copy, or the cache's own
+        rows for a channel that reads in place."""
+        ids = [item.block.block_id for item in group]
+        if self.channel.reads_in_place:
+            rows = _cache_rows(self.kv_cache)
+            return [OutgoingBlock(item.index, item.meta, rows[i], cache_row=i)
+                    for item, i in zip(group, ids)]
+        rows = _read_blocks(self.kv_cache, ids)
+        return [OutgoingBlock(item.index, item.meta, rows[k]) for k, item in enumerate(group)]
 
     def _commit(self, entries: list[Json], last: bool, part: int, began: float,
                 sent: bool) -> tuple[Json, float, float]:
@@ -422,9 +431,13 @@ class _Pending:
     filled: torch.cuda.Event | None
 
 
+def _cache_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as uint8 rows `[num_blocks, bytes_per_block]`, one block each (a view)."""
+    return kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
+
+
 def _read_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """The bytes of blocks `block_ids` as uint8 rows `[n, bytes_per_block]`: one gathered
     copy, on the cache's device."""
-    rows = kv_cache.view(-1).view(torch.uint8).view(kv_cache.shape[0], -1)
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    return rows[ids]
+    return _cache_rows(kv_cache)[ids]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.handoff.base import OutgoingBlock, check_records, payload_rows
+from kvtier.handoff.base import OutgoingBlock, cache_rows, check_records, payload_rows
 from kvtier.handoff.torch_dist import device_checksum
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
@@ -77,3 +77,20 @@ def test_a_gathered_group_is_sent_as_it_is_and_other_payloads_stacked() -> None:
     assert rows.data_ptr() != gathered.data_ptr()
     assert torch.equal(rows, gathered[torch.tensor([2, 0, 3])])
 
+
+
+def test_blocks_read_in_place_are_found_as_rows_of_their_cache() -> None:
+    storage = torch.arange(8 * 32, dtype=torch.int64).to(torch.uint8)
+    cache = storage[32:].view(7, 32)  # a cache that does not start its storage
+    blocks = [OutgoingBlock(k, None, cache[row], cache_row=row) for k, row in
+              enumerate((5, 0, 3))]
+    table, rows = cache_rows(blocks)
+    assert rows == [5, 0, 3] and table.shape == (6, 32)
+    assert table.data_ptr() == cache.data_ptr() and torch.equal(table, cache[:6])
+    with pytest.raises(ValueError, match="needs its cache_row"):
+        cache_rows([OutgoingBlock(0, None, cache[1])])
+    elsewhere = torch.zeros(32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="its row of one KV cache"):
+        cache_rows([blocks[0], OutgoingBlock(3, None, elsewhere, cache_row=1)])
+    with pytest.raises(ValueError, match="its row of one KV cache"):
+        cache_rows([blocks[0], OutgoingBlock(3, None, cache[2], cache_row=4)])
