@@ -46,7 +46,7 @@ def router(
         help="API key the instances were started with (also $KVTIER_INSTANCE_API_KEY)."),
     transport: str | None = typer.Option(
         None, "--transport", help="Handoff transport asked of the prefill instances "
-        "(nccl, mooncake, redis; default: the best both instances have)."),
+        "(cuda_ipc, nccl, mooncake, redis; default: the best both instances have)."),
     connect_timeout: float = typer.Option(
         _SETTINGS.connect_timeout_s, "--connect-timeout",
         help="Seconds to open a connection to an instance."),

@@ -99,6 +99,14 @@ def serve(
     handoff_nccl_backend: str | None = typer.Option(
         None, "--handoff-nccl-backend", help="nccl, or gloo for CPU tensors (default: nccl "
         "with CUDA, else gloo)."),
+    handoff_cuda_ipc: str = typer.Option(
+        "auto", "--handoff-cuda-ipc", help="Hand over through CUDA IPC between GPUs of this "
+        "host (copy engines write the blocks; each process must see both GPUs): on, off, or "
+        "auto (on with --role prefill/decode on a CUDA device; used only where the prefill "
+        "instance sees the decode instance's GPU)."),
+    handoff_cuda_ipc_mib: int = typer.Option(
+        2048, "--handoff-cuda-ipc-mib", help="MiB of the decode instance's receive buffer "
+        "for CUDA IPC handoffs (GPU memory; a handoff borrows at most a quarter of it)."),
     handoff_timeout: float = typer.Option(
         30.0, "--handoff-timeout", help="Seconds a decode instance's handoff waits for its "
         "next block before it expires (what landed stays cached)."),
@@ -133,7 +141,7 @@ def serve(
         role, handoff_mooncake, handoff_mooncake_protocol, handoff_mooncake_device,
         handoff_mooncake_slots, handoff_redis, handoff_nccl, handoff_nccl_backend,
         handoff_timeout, handoff_hold, handoff_batch, handoff_nccl_group_mib,
-        handoff_nccl_in_flight)
+        handoff_nccl_in_flight, handoff_cuda_ipc, handoff_cuda_ipc_mib)
     limits = ServerLimits(max_body_bytes=max_body_bytes, max_prompt_chars=max_prompt_chars,
                           max_messages=max_messages, max_stop=max_stop,
                           max_stop_chars=max_stop_chars, max_n=max_n,
@@ -196,7 +204,8 @@ def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_
                      mooncake_slots: int, redis_url: str | None, nccl: str | None,
                      nccl_backend: str | None, timeout_s: float, hold_s: float,
                      batch: int = 32, nccl_group_mib: int = 256,
-                     nccl_in_flight: int = 2) -> HandoffConfig:
+                     nccl_in_flight: int = 2, cuda_ipc: str = "auto",
+                     cuda_ipc_mib: int = 2048) -> HandoffConfig:
     """The `HandoffConfig` of serve's --role and --handoff-* options; ValueError saying
     which option is wrong."""
     from kvtier.handoff.mooncake import mooncake_available
@@ -211,6 +220,9 @@ def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_
         if missing is not None:
             raise ValueError(f"--handoff-mooncake {mooncake}: {missing}")
         mooncake_host = mooncake
+    choices = {"auto": None, "on": True, "off": False}
+    if cuda_ipc not in choices:
+        raise ValueError(f"--handoff-cuda-ipc must be auto, on or off, got {cuda_ipc!r}")
     if redis_url is not None and not redis_url.startswith(("redis://", "rediss://")):
         raise ValueError(f"--handoff-redis must be a redis:// or rediss:// URL, got "
                          f"{redis_url!r}")
@@ -219,7 +231,8 @@ def handoff_settings(role: str, mooncake: str, mooncake_protocol: str, mooncake_
                          mooncake_device=mooncake_device, mooncake_slots=mooncake_slots,
                          redis_url=redis_url, nccl_init=nccl, nccl_backend=nccl_backend,
                          timeout_s=timeout_s, hold_s=hold_s, batch=batch,
-                         nccl_group_mib=nccl_group_mib, nccl_in_flight=nccl_in_flight)
+                         nccl_group_mib=nccl_group_mib, nccl_in_flight=nccl_in_flight,
+                         cuda_ipc=choices[cuda_ipc], cuda_ipc_mib=cuda_ipc_mib)
 
 
 def bind(host: str, port: int) -> socket.socket:

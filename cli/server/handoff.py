@@ -46,6 +46,7 @@ from prometheus_client.registry import Collector
 from kvtier.handoff.base import HandoffTransport, TransportError
 from kvtier.handoff.config import PREFERENCE, HandoffConfig, open_transports
 from kvtier.handoff.control import ControlError, HttpControl
+from kvtier.handoff.cuda_ipc import CudaIpcTransport
 from kvtier.handoff.placement import PoolPlacement
 from kvtier.handoff.receiver import HandoffReceiver, UnknownHandoff
 from kvtier.handoff.sender import HandoffFailed, PrefillHandoff
@@ -73,9 +74,11 @@ class HandoffService:
         self.layout = llm.layout
         self.block_size = llm.config.block_size
         self.counters = HandoffCounters()
-        self.transports: dict[str, HandoffTransport] = open_transports(config, llm.layout)
+        self.transports: dict[str, HandoffTransport] = open_transports(
+            config, llm.layout, llm.manager.kv_cache.device)
         self.receiver: HandoffReceiver | None = None
-        if config.receives and (config.mooncake_host or config.redis_url or config.nccl_init):
+        if config.receives and (config.mooncake_host or config.redis_url or config.nccl_init
+                                or "cuda_ipc" in self.transports):
             def namespace(salt: str | None) -> bytes:
                 return namespace_hash(llm.model_fingerprint, llm.layout,
                                       llm.config.hash_algorithm,
@@ -142,9 +145,13 @@ class HandoffService:
         return names
 
     def info(self, model_name: str) -> dict[str, Any]:
-        return {"role": self.config.role, "model": model_name,
+        info = {"role": self.config.role, "model": model_name,
                 "transports": self.transport_names(), "block_size": self.block_size,
                 "layout": self.layout.fingerprint().hex()}
+        ipc = self.transports.get("cuda_ipc")
+        if isinstance(ipc, CudaIpcTransport):
+            info["gpu"] = ipc.uuid  # where a prefill instance can tell whether it sees it
+        return info
 
     def close(self) -> None:
         self._stop.set()
@@ -209,7 +216,9 @@ class HandoffService:
                 "phases_s": result.phases, "groups": result.num_groups,
                 "wire_s": result.wire_s}
 
-    def _choose(self, wanted: str | None, info: dict[str, Any]) -> str:
+    def _choose(self, wanted: str | None, info: dict[str, Any]) -> list[str]:
+        """The transports to reserve over, in turn: `wanted` alone, else every one both
+        instances have, fastest first."""
         theirs = info.get("transports") if isinstance(info, dict) else None
         if not isinstance(theirs, list):
             raise HandoffFailed("the decode instance's /v1/handoff/info has no transports")
@@ -224,22 +233,37 @@ class HandoffService:
                 raise APIError(503, f"transport {wanted!r} is not available on both "
                                f"instances (this one: {ours}, the decode instance: {theirs})",
                                type_="server_unavailable", code="transport_unavailable")
-            return wanted
+            return [wanted]
         common = [name for name in ours if name in theirs]
+        ipc = self.transports.get("cuda_ipc")
+        if "cuda_ipc" in common and not (isinstance(ipc, CudaIpcTransport)
+                                         and ipc.sees(info.get("gpu"))):
+            common.remove("cuda_ipc")  # the decode GPU is on another host, or hidden here
         if not common:
             raise APIError(503, f"no transport both instances support (this one: {ours}, "
                            f"the decode instance: {theirs})", type_="server_unavailable",
                            code="transport_unavailable")
-        return common[0]
+        return common
 
     async def _reserve(self, control: HttpControl, wanted: str | None,
                        prompt_ids: list[int], cache_salt: str | None
                        ) -> tuple[HandoffTransport, Any]:
-        """The decode instance's info, the transport chosen and its reservation (both
-        calls on one worker thread: one hop off the event loop, not two)."""
+        """The decode instance's info, the transport chosen and its reservation (the calls
+        on one worker thread: one hop off the event loop, not several). A transport that
+        has no room now at the decode instance (503: its receive slots all lent) gives way
+        to the next one both have, unless the request named it."""
         def reserve() -> tuple[HandoffTransport, Any]:
-            name = self._choose(wanted, control.info())
-            return self.transports[name], control.reserve(prompt_ids, cache_salt, name)
+            names = self._choose(wanted, control.info())
+            for k, name in enumerate(names):
+                try:
+                    return self.transports[name], control.reserve(prompt_ids, cache_salt,
+                                                                  name)
+                except ControlError as exc:
+                    if exc.status != 503 or k == len(names) - 1:
+                        raise
+                    log.info("handoff over %s refused for now (%s); trying %s", name, exc,
+                             names[k + 1])
+            raise AssertionError("unreachable: the last transport's failure is raised")
 
         return await _control(reserve)
 

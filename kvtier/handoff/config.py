@@ -7,6 +7,8 @@ import logging
 from dataclasses import dataclass
 from importlib.util import find_spec
 
+import torch
+
 from kvtier.handoff.base import HandoffTransport
 from kvtier.layout import KVLayout
 
@@ -14,7 +16,7 @@ log = logging.getLogger("kvtier.handoff")
 
 ROLES = ("both", "prefill", "decode")
 #: The order a handoff picks a transport in when the request names none: the fastest first.
-PREFERENCE = ("nccl", "mooncake", "redis")
+PREFERENCE = ("cuda_ipc", "nccl", "mooncake", "redis")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,10 @@ class HandoffConfig:
     nccl_init: the rendezvous of the torch.distributed pair, e.g. "tcp://10.0.0.1:29500"
         (None: no NCCL); nccl_backend: "nccl", or "gloo" for CPU tensors (None: nccl with
         CUDA, else gloo).
+    cuda_ipc: CUDA IPC between GPUs of one host (`kvtier.handoff.cuda_ipc`): True, False,
+        or None (the default): on for role prefill or decode on a CUDA device
+        (`uses_cuda_ipc`). A prefill instance uses it only with a decode instance whose GPU
+        it can see. cuda_ipc_mib: the decode side's receive buffer for it, in MiB.
     timeout_s: seconds a decode instance's reservation waits for its next commit before it
         expires. hold_s: seconds handed-over blocks are kept from eviction waiting for their
         request. batch: blocks per send and commit over Redis. nccl_group_mib: MiB of
@@ -46,6 +52,8 @@ class HandoffConfig:
     redis_url: str | None = None
     nccl_init: str | None = None
     nccl_backend: str | None = None
+    cuda_ipc: bool | None = None
+    cuda_ipc_mib: int = 2048
     timeout_s: float = 30.0
     hold_s: float = 60.0
     batch: int = 32
@@ -60,7 +68,7 @@ class HandoffConfig:
         if not self.hold_s >= 0:
             raise ValueError(f"--handoff-hold must be >= 0 seconds, got {self.hold_s}")
         for name in ("mooncake_slots", "mooncake_ring", "batch", "nccl_group_mib",
-                     "nccl_in_flight"):
+                     "nccl_in_flight", "cuda_ipc_mib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"handoff setting {name} must be >= 1, got "
                                  f"{getattr(self, name)}")
@@ -74,6 +82,12 @@ class HandoffConfig:
             raise ValueError("--handoff-nccl pairs one prefill and one decode instance; give "
                              "it with --role prefill or --role decode")
 
+    def uses_cuda_ipc(self, device: torch.device | None) -> bool:
+        """Whether an instance on `device` hands over through CUDA IPC."""
+        if self.cuda_ipc is None:
+            return self.role != "both" and device is not None and device.type == "cuda"
+        return self.cuda_ipc
+
     @property
     def receives(self) -> bool:
         return self.role in ("both", "decode")
@@ -83,10 +97,12 @@ class HandoffConfig:
         return self.role in ("both", "prefill")
 
 
-def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, HandoffTransport]:
-    """The transports `config` turns on, by name. Redis is there to send with on every
-    sending instance where redis-py is installed. Raises ValueError for a setting that
-    cannot work here (Mooncake not installed, NCCL without CUDA), TransportError when an
+def open_transports(config: HandoffConfig, layout: KVLayout,
+                    device: torch.device | None = None) -> dict[str, HandoffTransport]:
+    """The transports `config` turns on, by name, for an engine on `device` (None: the
+    current CUDA device where there is one). Redis is there to send with on every sending
+    instance where redis-py is installed. Raises ValueError for a setting that cannot work
+    here (Mooncake not installed, NCCL or CUDA IPC without CUDA), TransportError when an
     engine does not start."""
     transports: dict[str, HandoffTransport] = {}
     try:
@@ -103,9 +119,15 @@ def open_transports(config: HandoffConfig, layout: KVLayout) -> dict[str, Handof
             transports["redis"] = RedisTransport(
                 layout, config.redis_url if config.receives else None, batch=config.batch,
                 timeout_s=config.timeout_s)
-        if config.nccl_init is not None:
-            import torch
+        if config.uses_cuda_ipc(device):
+            from kvtier.handoff.cuda_ipc import CudaIpcTransport
 
+            if device is None or device.type != "cuda":
+                raise ValueError("--handoff-cuda-ipc on needs an engine on a CUDA device")
+            transports["cuda_ipc"] = CudaIpcTransport(
+                layout, device, receive_bytes=config.cuda_ipc_mib << 20,
+                turn_timeout_s=config.timeout_s)
+        if config.nccl_init is not None:
             from kvtier.handoff.torch_dist import DECODE_RANK, PREFILL_RANK, TorchDistTransport
 
             backend = config.nccl_backend or ("nccl" if torch.cuda.is_available() else "gloo")
