@@ -22,12 +22,14 @@ Each rate also reports the requests/s that met both SLOs one by one.
 
 Beside them: the handoffs' bytes and bandwidth as the prefill instance reported them
 (`x-kvtier-handoff`), against the link's ceiling measured in the same run (`link.py`: one
-large NCCL send/recv between the two devices' processes, gloo on the CPU; with `--transport
-mooncake`, one-sided Mooncake writes of the same size between two processes' host buffers;
-none for redis), and whether the disaggregated answers equal the colocated ones token for
-token. Requests whose prompt the decode instance computed itself are counted by the
-router's reason (`fallback_reasons`), and each instance's `pair_generation` says whether
-its NCCL pair broke and formed again during the run (0: never).
+large NCCL send/recv between the two devices' processes, gloo on the CPU, and between two
+GPUs, unless another transport is asked for, a copy engine's peer copy beside it (CUDA
+IPC's own path); with `--transport mooncake`, one-sided Mooncake writes of the same size
+between two processes' host buffers; none for redis), and whether the disaggregated
+answers equal the colocated ones token for token. Requests whose prompt the decode
+instance computed itself are counted by the router's reason (`fallback_reasons`), and each
+instance's `pair_generation` says whether its NCCL pair broke and formed again during the
+run (0: never).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import httpx
 import numpy as np
 import typer
 from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
-from kvtier.cli.bench.link import measure_link, measure_mooncake
+from kvtier.cli.bench.link import measure_link, measure_mooncake, measure_peer_copy
 from kvtier.cli.bench.longctx import summarize
 from kvtier.cli.common import print_json, print_table
 
@@ -191,7 +193,8 @@ def _cluster(mode: str, config: DisaggConfig, devices: tuple[str, str, tuple[str
             urls = {"prefill": list(config.prefill_urls), "decode": list(config.decode_urls)}
             if not urls["prefill"]:
                 pair: list[str] = []
-                if config.transport in (None, "nccl"):  # the pair's torch.distributed group
+                # The pair's torch.distributed group (CUDA IPC is on by default on GPUs).
+                if config.transport in (None, "nccl"):
                     pair = ["--handoff-nccl", f"tcp://127.0.0.1:{free_port()}"]
                 started += [launch("prefill", _serve_args(config, prefill_device, "prefill")
                                    + pair, logs, num_threads=None),
@@ -320,8 +323,8 @@ def _handoff_report(records: list[_Record], link: dict[str, Any] | None) -> dict
     per_request = [f["bytes"] / f["transfer_s"] / 1e9 for f in done
                    if f.get("transfer_s", 0) > 0 and f.get("bytes", 0) > 0]
     gb_s = num_bytes / transfer_s / 1e9 if transfer_s > 0 else None
-    # The bytes' own time on the link, where the transport times it (NCCL): from a send's
-    # rows being ready to their delivery, which the link ceiling is the bar for.
+    # The bytes' own time on the link, where the transport times it (NCCL, CUDA IPC): from
+    # a send's rows being ready to their delivery, which the link ceiling is the bar for.
     timed = [f for f in done if isinstance(f.get("wire_s"), (int, float)) and f["wire_s"] > 0]
     wire_s = sum(float(f["wire_s"]) for f in timed)
     wire_gb_s = sum(int(f.get("bytes", 0)) for f in timed) / wire_s / 1e9 if timed else None
@@ -407,6 +410,10 @@ def run_disagg_bench(config: DisaggConfig, progress: Progress | None = None
             link = measure_mooncake(config.link_bytes)
         else:
             link = measure_link(devices[0], devices[1], config.link_bytes)
+        if config.transport in (None, "cuda_ipc") and devices[0] != devices[1] \
+                and all(d.startswith("cuda") for d in devices[:2]):
+            # the copy engines' own ceiling, beside the NCCL one
+            link["copy_engine"] = measure_peer_copy(devices[0], devices[1], config.link_bytes)
     modes: dict[str, Any] = {}
     tokens: dict[str, list[list[list[int]]]] = {}
     with _logs_dir(config.logs_dir) as logs:
@@ -488,8 +495,9 @@ def disagg(
     colocated_devices: str = typer.Option("", help="Comma-separated devices of the colocated "
                                           "instances, one instance each (default: the "
                                           "prefill and the decode devices)."),
-    transport: str | None = typer.Option(None, help="Handoff transport (nccl, mooncake, "
-                                         "redis; default: the best both instances have)."),
+    transport: str | None = typer.Option(None, help="Handoff transport (cuda_ipc, nccl, "
+                                         "mooncake, redis; default: the best both "
+                                         "instances have)."),
     modes: str = typer.Option(",".join(MODES), help="Comma-separated modes to run."),
     rates: str = typer.Option("1,2,4", help="Comma-separated arrival rates (requests/s, "
                               "Poisson) swept in each mode; 0 sends one request at a "
@@ -583,6 +591,10 @@ def print_disagg(result: dict[str, Any]) -> None:
         lines.append((f"link ceiling ({link['backend']})", f"{link['gb_s']:.2f} GB/s",
                       f"{link['bytes'] / 2**20:,.0f} MiB {link['src_device']} -> "
                       f"{link['dst_device']}"))
+        copies = link.get("copy_engine")
+        if copies is not None:
+            lines.append(("copy engine ceiling", f"{copies['gb_s']:.2f} GB/s",
+                          f"{copies['bytes'] / 2**20:,.0f} MiB peer copy, one process"))
     if result["ttft_p50_ratio"] is not None:
         ratios = ", ".join(f"{r:.2f}x" for r in result["ttft_p50_ratio"])
         lines.append(("TTFT p50 disaggregated / colocated", ratios, "per rate"))

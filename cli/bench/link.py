@@ -7,9 +7,12 @@ before, the device synchronized after). Mooncake (its transport's ceiling): a re
 process registers a host buffer with its Transfer Engine (TCP, P2PHANDSHAKE) and a sending
 process writes `num_bytes` into it with one-sided synchronous writes, timed there. The
 median gives the bandwidth: the bar a KV handoff over the same path is held against.
+Copy engines (what the CUDA IPC transport uses): one process copies `num_bytes` from one
+GPU to the other with a peer copy, timed with CUDA events; reported beside NCCL's.
 
     python -m kvtier.cli.bench.link --rank R --port P --device D --bytes N --repeats K
     python -m kvtier.cli.bench.link --mooncake receive|SESSION@ADDRESS --bytes N ...
+    python -m kvtier.cli.bench.link --device D --peer-copy D2 --bytes N --repeats K
 """
 
 from __future__ import annotations
@@ -98,6 +101,49 @@ def measure_mooncake(num_bytes: int, repeats: int = 5, timeout_s: float = 300.0
             "gb_s": num_bytes / median / 1e9}
 
 
+def measure_peer_copy(src_device: str, dst_device: str, num_bytes: int, repeats: int = 5,
+                      timeout_s: float = 300.0) -> dict[str, Any]:
+    """Copy `num_bytes` from `src_device` to `dst_device` (two GPUs) with a peer copy in
+    one process of its own, `repeats` times after a warm-up; returns the backend ("copy
+    engine"), the bytes, the median seconds and GB/s. Raises ValueError for bad arguments
+    and RuntimeError when the process fails."""
+    if num_bytes < 1 or repeats < 1 or not (src_device.startswith("cuda")
+                                            and dst_device.startswith("cuda")):
+        raise ValueError(f"the peer copy measure needs two CUDA devices, bytes >= 1 and "
+                         f"repeats >= 1, got {src_device}, {dst_device}, {num_bytes}, "
+                         f"{repeats}")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli.bench.link", "--device", src_device,
+         "--peer-copy", dst_device, "--bytes", str(num_bytes), "--repeats", str(repeats)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"the peer copy measure failed: {done.stderr.strip()[-800:]}")
+    times = json.loads(done.stdout)["seconds"]
+    median = sorted(times)[len(times) // 2]
+    return {"backend": "copy engine", "src_device": src_device, "dst_device": dst_device,
+            "bytes": num_bytes, "repeats": repeats, "seconds": median,
+            "gb_s": num_bytes / median / 1e9}
+
+
+def _run_peer_copy(src_device: str, dst_device: str, num_bytes: int, repeats: int) -> None:
+    import torch
+
+    source = torch.full((num_bytes,), 7, dtype=torch.uint8, device=src_device)
+    target = torch.empty(num_bytes, dtype=torch.uint8, device=dst_device)
+    times = []
+    for index in range(repeats + 1):  # the first one enables peer access
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        target.copy_(source, non_blocking=True)
+        ended.record()
+        ended.synchronize()
+        if index:
+            times.append(began.elapsed_time(ended) / 1e3)
+    assert int(target[-1]) == 7, "the copied buffer does not hold what was sent"
+    print(json.dumps({"seconds": times}))
+
+
 def _run_mooncake(role: str, num_bytes: int, repeats: int) -> None:
     import numpy as np
     from mooncake.engine import TransferEngine
@@ -165,8 +211,11 @@ if __name__ == "__main__":
     parser.add_argument("--bytes", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mooncake", help="receive, or SESSION@ADDRESS to write to")
+    parser.add_argument("--peer-copy", help="the device to copy to from --device")
     args = parser.parse_args()
-    if args.mooncake is not None:
+    if args.peer_copy is not None:
+        _run_peer_copy(args.device, args.peer_copy, args.bytes, args.repeats)
+    elif args.mooncake is not None:
         _run_mooncake(args.mooncake, args.bytes, args.repeats)
     else:
         _run(args.rank, args.port, args.device, args.bytes, args.repeats)
