@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from kvtier.cli.bench.disagg import DisaggConfig, _handoff_report, _Record, make_workload
-from kvtier.cli.bench.link import measure_mooncake
+from kvtier.cli.bench.link import measure_mooncake, measure_peer_copy
 from kvtier.cli.main import app
 from typer.testing import CliRunner
 
@@ -114,3 +115,16 @@ def test_mooncake_ceiling_writes_between_two_processes() -> None:
     assert link["backend"] == "mooncake" and link["bytes"] == 4 * 2**20
     assert link["seconds"] > 0 and link["gb_s"] > 0
 
+
+
+def test_the_copy_engine_ceiling_needs_two_gpus() -> None:
+    with pytest.raises(ValueError, match="needs two CUDA devices"):
+        measure_peer_copy("cpu", "cpu", 2**20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_copy_engine_ceiling_copies_between_two_gpus() -> None:
+    link = measure_peer_copy("cuda:0", "cuda:1", 4 * 2**20, repeats=2)
+    assert link["backend"] == "copy engine" and link["bytes"] == 4 * 2**20
+    assert link["seconds"] > 0 and link["gb_s"] > 0
