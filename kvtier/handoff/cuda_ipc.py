@@ -124,17 +124,27 @@ class CudaIpcTransport(HandoffTransport):
         self._buffer: torch.Tensor | None = None  # [receive_rows, bytes_per_block] uint8
         self._shared: Json = {}
         self._free: deque[int] = deque()
-        #: Prefill side: decode instances' buffers mapped here, by their IPC handle.
-        self._mapped: dict[str, torch.Tensor] = {}
+        #: Prefill side: the decode buffer mapped here, by its GPU's UUID: (the export's
+        #: key, the mapping). One per decode GPU: a decode instance that restarted exports
+        #: a new buffer, and the old mapping goes once no send holds it, so mappings of
+        #: buffers whose instance is gone do not pile up.
+        self._mapped: dict[str, tuple[str, torch.Tensor]] = {}
 
     # ---- the decode side -----------------------------------------------------------------
 
     def _receive_buffer(self) -> tuple[torch.Tensor, Json]:
         """The exported receive buffer and its export (lock held)."""
         if self._buffer is None:
-            with on_stream(self.stream):
-                buffer = torch.empty((self.receive_rows, self.layout.bytes_per_block),
-                                     dtype=torch.uint8, device=self.device)
+            try:
+                with on_stream(self.stream):
+                    buffer = torch.empty((self.receive_rows, self.layout.bytes_per_block),
+                                         dtype=torch.uint8, device=self.device)
+            except torch.cuda.OutOfMemoryError as exc:
+                # Refused like a full buffer: the prefill side takes its next transport.
+                raise TransportError(
+                    f"no room on {self.device} for the CUDA IPC receive buffer "
+                    f"({self.receive_rows * self.layout.bytes_per_block >> 20} MiB); lower "
+                    "--handoff-cuda-ipc-mib or the engine's --gpu-memory-utilization") from exc
             shared = buffer.untyped_storage()._share_cuda_()
             self._shared = {name: value.hex() if name in _BYTES_FIELDS else value
                             for name, value in zip(_SHARED_FIELDS, shared)}
@@ -192,14 +202,15 @@ class CudaIpcTransport(HandoffTransport):
                 and not torch.cuda.can_device_access_peer(self.device.index, index):
             raise ValueError(f"cuda:{self.device.index} cannot reach cuda:{index} as a peer; "
                              "use nccl between these GPUs")
-        table = self._map(shared)
+        table = self._map(uuid, shared)
         if any(not 0 <= r < table.shape[0] for r in rows):
             raise ValueError(f"the offer lends rows outside the decode buffer's "
                              f"{table.shape[0]}")
         return _Send(self, table, rows)
 
-    def _map(self, shared: Json) -> torch.Tensor:
-        """The decode buffer `shared` exports, mapped into this process on this device
+    def _map(self, uuid: str, shared: Json) -> torch.Tensor:
+        """The decode buffer `shared` exports on GPU `uuid`, mapped into this process on
+        this device
         (torch labels it with this device; its bytes are on the peer): uint8
         `[rows, bytes_per_block]`. Raises ValueError for a malformed export and
         TransportError when CUDA cannot open it."""
@@ -214,18 +225,26 @@ class CudaIpcTransport(HandoffTransport):
                              f"{self.layout.bytes_per_block}")
         key = f"{shared['handle']}:{offset}"
         with self._lock:
-            table = self._mapped.get(key)
-            if table is None:
-                values[0] = self.device.index  # opened on this device, reaching the peer
-                try:
-                    storage = torch.UntypedStorage._new_shared_cuda(*values)
-                except RuntimeError as exc:
-                    raise TransportError(f"CUDA could not open the decode instance's "
-                                         f"buffer: {exc}") from exc
-                flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-                table = flat.view(-1, self.layout.bytes_per_block)
-                self._mapped[key] = table
+            mapped = self._mapped.get(uuid)
+            if mapped is not None and mapped[0] == key:
+                return mapped[1]
+            self._mapped.pop(uuid, None)  # another export on that GPU: this one replaces it
+            values[0] = self.device.index  # opened on this device, reaching the peer
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(*values)
+            except RuntimeError as exc:
+                raise TransportError(f"CUDA could not open the decode instance's "
+                                     f"buffer: {exc}") from exc
+            flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+            table = flat.view(-1, self.layout.bytes_per_block)
+            self._mapped[uuid] = (key, table)
         return table
+
+    @property
+    def num_mapped(self) -> int:
+        """Decode buffers mapped into this process now."""
+        with self._lock:
+            return len(self._mapped)
 
     def close(self) -> None:
         with self._lock:
@@ -345,7 +364,8 @@ class _Send(SendChannel):
             began, copied = self._posted.popleft()
         try:
             copied.synchronize()
-            self.wire_s = (self.wire_s or 0.0) + began.elapsed_time(copied) / 1e3
+            with self._lock:  # commits may be answered on several threads at once
+                self.wire_s = (self.wire_s or 0.0) + began.elapsed_time(copied) / 1e3
         finally:
             self._free_turns.release()
 
