@@ -30,7 +30,13 @@ import numpy as np
 import torch
 
 from kvtier.layout import KVLayout
-from kvtier.tiers.record import BlockMeta, CorruptRecord, read_record_into
+from kvtier.tiers.record import (
+    BlockMeta,
+    CorruptRecord,
+    check_payload_len,
+    decode_header,
+    read_record_into,
+)
 
 #: JSON-shaped values exchanged through the control messages.
 Json = dict[str, Any]
@@ -214,6 +220,30 @@ def check_records(records: Sequence[memoryview | bytes | None], metas: Sequence[
             results.append(False)
         else:
             results.append(True)
+    return results
+
+
+def check_headers(entries: Sequence[Json], metas: Sequence[BlockMeta],
+                  checksums: Sequence[int | None], layout: KVLayout,
+                  payload_bytes: int) -> list[bool]:
+    """For transports whose payloads arrive apart from their record headers (NCCL, CUDA
+    IPC): per commit entry, whether its header (`entry["header"]`, hex) is a valid header of
+    `layout` for a payload of `payload_bytes`, names the block `metas[i]` and carries the
+    checksum `checksums[i]` computed over the payload that arrived (None: no payload, a
+    miss)."""
+    fingerprint = layout.fingerprint()
+    results = []
+    for entry, meta, checksum in zip(entries, metas, checksums):
+        if checksum is None:
+            results.append(False)
+            continue
+        try:
+            header, _ = decode_header(bytes.fromhex(str(entry.get("header", ""))), fingerprint)
+            check_payload_len(header, payload_bytes, payload_bytes)
+        except (CorruptRecord, ValueError):
+            results.append(False)
+            continue
+        results.append(header.matches(meta) and header.payload_checksum == checksum)
     return results
 
 

@@ -46,17 +46,12 @@ from kvtier.handoff.base import (
     SendChannel,
     TransportError,
     cache_rows,
+    check_headers,
 )
 from kvtier.kernels import word_checksum
 from kvtier.kernels._memcpy_batch import memcpy_batch
 from kvtier.layout import KVLayout
-from kvtier.tiers.record import (
-    BlockMeta,
-    CorruptRecord,
-    check_payload_len,
-    decode_header,
-    encode_header,
-)
+from kvtier.tiers.record import BlockMeta, encode_header
 
 #: The receive buffer unless set (`--handoff-cuda-ipc-mib`): four handoffs of two turns of
 #: 256 MiB at once.
@@ -288,21 +283,9 @@ class _Receive(ReceiveChannel):
             torch.index_select(self.buffer, 0, ids, out=dests)
             sums = [int(v) & 0xFFFF_FFFF_FFFF_FFFF
                     for v in word_checksum(dests).cpu().tolist()]  # waits for the copy
-        fingerprint = self.transport.layout.fingerprint()
-        results = []
-        for entry, meta, row, checksum in zip(entries, metas, rows, sums):
-            if row is None:
-                results.append(False)
-                continue
-            try:
-                header, _ = decode_header(bytes.fromhex(str(entry.get("header", ""))),
-                                          fingerprint)
-                check_payload_len(header, dests.shape[1], dests.shape[1])
-            except (CorruptRecord, ValueError):
-                results.append(False)
-                continue
-            results.append(header.matches(meta) and header.payload_checksum == checksum)
-        return results
+        return check_headers(entries, metas,
+                             [s if row is not None else None for row, s in zip(rows, sums)],
+                             self.transport.layout, dests.shape[1])
 
     def close(self) -> None:
         if not self._closed:

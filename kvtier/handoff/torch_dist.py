@@ -66,6 +66,7 @@ from kvtier.handoff.base import (
     ReceiveChannel,
     SendChannel,
     TransportError,
+    check_headers,
     payload_rows,
 )
 from kvtier.handoff.torch_pair import (
@@ -77,13 +78,7 @@ from kvtier.handoff.torch_pair import (
 )
 from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
-from kvtier.tiers.record import (
-    BlockMeta,
-    CorruptRecord,
-    check_payload_len,
-    decode_header,
-    encode_header,
-)
+from kvtier.tiers.record import BlockMeta, encode_header
 
 #: Payload bytes per send unless set (`--handoff-nccl-group-mib`).
 DEFAULT_GROUP_BYTES = 256 << 20
@@ -359,18 +354,7 @@ class _Receive(ReceiveChannel):
                              f"announces {dests.shape[0]}")
         with on_stream(self.transport.stream):
             dests.copy_(landed)
-        fingerprint = self.transport.layout.fingerprint()
-        results = []
-        for entry, meta, checksum in zip(entries, metas, sums):
-            try:
-                header, _ = decode_header(bytes.fromhex(str(entry.get("header", ""))),
-                                          fingerprint)
-                check_payload_len(header, dests.shape[1], dests.shape[1])
-            except (CorruptRecord, ValueError):
-                results.append(False)
-                continue
-            results.append(header.matches(meta) and header.payload_checksum == checksum)
-        return results
+        return check_headers(entries, metas, sums, self.transport.layout, dests.shape[1])
 
     def close(self) -> None:
         if self._open:

@@ -84,6 +84,15 @@ def start_server(llm: LLM, api_key: str | None = None, max_num_requests: int = 2
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$")
 
 
+def wait_for_pair(prefill_url: str, timeout_s: float) -> None:
+    """Wait until the prefill instance at `prefill_url` lists the nccl transport: its
+    torch.distributed pair forms in the background after start."""
+    deadline = time.monotonic() + timeout_s
+    while "nccl" not in httpx.get(f"{prefill_url}/v1/handoff/info").json()["transports"]:
+        assert time.monotonic() < deadline, f"the pair did not form in {timeout_s:g} s"
+        time.sleep(0.2)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} (comments skipped)."""
     samples = {}

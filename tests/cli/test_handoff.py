@@ -37,7 +37,7 @@ from kvtier.engine.loader import LoadedModel
 
 from kvtier.handoff.mooncake import mooncake_available
 from tests.cli.handoff_proxy import EndingProxy
-from tests.cli.serve_harness import MODEL_NAME, at_once, parse_metrics
+from tests.cli.serve_harness import MODEL_NAME, at_once, parse_metrics, wait_for_pair
 from tests.model_cache import seed_model_cache
 
 pytestmark = pytest.mark.slow
@@ -96,10 +96,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         prefill = _serve(cache_dir, tmp / "prefill.log", "--role", "prefill",
                          "--handoff-nccl", nccl, "--handoff-nccl-backend", "gloo",
                          "--handoff-nccl-group-mib", "1", "--handoff-nccl-in-flight", "3")
-        deadline = time.monotonic() + 60  # the gloo pair forms in the background
-        while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
-            assert time.monotonic() < deadline, "the gloo pair did not form"
-            time.sleep(0.2)
+        wait_for_pair(prefill.url, 60)  # it forms in the background
         info = httpx.get(f"{decode.url}/v1/handoff/info").json()
         assert info["role"] == "decode" and info["model"] == MODEL_NAME
         yield Pair(decode, prefill, info["transports"], cache_dir, tmp)

@@ -17,7 +17,6 @@ Needs a CUDA device (two for the last case); skipped elsewhere.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.engine import LLM, SamplingParams
 
 from tests.cli.handoff_proxy import EndingProxy
-from tests.cli.serve_harness import at_once, parse_metrics
+from tests.cli.serve_harness import at_once, parse_metrics, wait_for_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA device")]
@@ -145,10 +144,7 @@ def test_handoffs_the_receive_buffer_cannot_take_go_over_nccl(
     answers: list[tuple[list[int], int]] = []
     try:
         wait_healthy([decode, prefill], 600)
-        deadline = time.monotonic() + 120  # the NCCL pair forms in the background
-        while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
-            assert time.monotonic() < deadline, "the NCCL pair did not form"
-            time.sleep(0.2)
+        wait_for_pair(prefill.url, 120)  # it forms in the background
         model = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
         handed = at_once([partial(_hand_over, prefill, decode.url, model, p, None)
                           for p in prompts], 300)

@@ -21,7 +21,7 @@ from kvtier.cli.bench.cluster import Process, free_port, launch, wait_healthy
 from kvtier.engine import LLM, SamplingParams
 
 from tests.cli.handoff_proxy import EndingProxy
-from tests.cli.serve_harness import at_once, parse_metrics
+from tests.cli.serve_harness import at_once, parse_metrics, wait_for_pair
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -77,10 +77,7 @@ def test_prompts_handed_over_between_two_gpus_give_the_colocated_tokens(
     answers: list[tuple[list[int], int]] = []
     try:
         wait_healthy([decode, prefill], 600)
-        deadline = time.monotonic() + 120  # the NCCL pair forms in the background
-        while "nccl" not in httpx.get(f"{prefill.url}/v1/handoff/info").json()["transports"]:
-            assert time.monotonic() < deadline, "the NCCL pair did not form"
-            time.sleep(0.2)
+        wait_for_pair(prefill.url, 120)  # it forms in the background
         model = httpx.get(f"{decode.url}/v1/models").json()["data"][0]["id"]
         handed = at_once([partial(_hand_over, prefill, decode.url, model, prompt)
                           for prompt in prompts[:3]], 300)
