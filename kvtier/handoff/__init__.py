@@ -14,5 +14,6 @@ Modules, one job each: `base` (the transport seam: `HandoffTransport` and its tw
 `control` (the decode side's verbs, in process or over HTTP), `receiver` (the decode side:
 reservations, validation, placement, holds, expiry), `placement` (blocks into a
 `TierManager`'s pool), `sender` (the prefill side of one handoff), and one module per
-transport: `mooncake`, `redis`, `torch_dist` (NCCL, or gloo on CPU).
+transport: `cuda_ipc` (copy engines between GPUs of one host), `torch_dist` (NCCL, or gloo
+on CPU), `mooncake`, `redis`.
 """

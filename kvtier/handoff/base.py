@@ -9,7 +9,7 @@ HTTP (`kvtier.handoff.control`). Per handoff, each side opens a channel:
     (JSON) tells the prefill side where to put the records (slots of a registered buffer,
     a store, a rank), and whose `receive_into(entries, metas, dests)` reads the records a
     commit announces and validates each against the block the decode side expects, into
-    rows on the transport's `device` (the host, or the GPU for NCCL).
+    rows on the transport's `device` (the host, or the GPU for NCCL and CUDA IPC).
   * prefill side: `open_send(offer)` -> `SendChannel`, whose `send(blocks)` moves records
     and returns the commit entries (JSON) that announce them; at most `capacity` blocks
     per send, since a commit frees the room a send used.
