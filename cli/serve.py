@@ -102,8 +102,8 @@ def serve(
     handoff_cuda_ipc: str = typer.Option(
         "auto", "--handoff-cuda-ipc", help="Hand over through CUDA IPC between GPUs of this "
         "host (copy engines write the blocks; each process must see both GPUs): on, off, or "
-        "auto (on with --role prefill/decode on a CUDA device; used only where the prefill "
-        "instance sees the decode instance's GPU)."),
+        "auto (the default: on with --role prefill/decode on a CUDA device; used only where "
+        "the prefill instance sees the decode instance's GPU)."),
     handoff_cuda_ipc_mib: int = typer.Option(
         2048, "--handoff-cuda-ipc-mib", help="MiB of the decode instance's receive buffer "
         "for CUDA IPC handoffs (GPU memory; a handoff borrows at most a quarter of it)."),
