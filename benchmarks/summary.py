@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cli.bench import tables
-from kvtier.cli.bench.disagg import print_disagg
+from kvtier.cli.bench.disagg_report import print_disagg
 
 
 def _longctx(result: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from kvtier.cli.bench.disagg import DisaggConfig, _handoff_report, _Record, make_workload
+from kvtier.cli.bench.disagg import DisaggConfig, make_workload
+from kvtier.cli.bench.disagg_report import Record, handoff_report
 from kvtier.cli.bench.link import measure_mooncake, measure_peer_copy
 from kvtier.cli.main import app
 from typer.testing import CliRunner
@@ -65,14 +66,14 @@ def test_report_shape_of_both_modes(monkeypatch, tmp_path) -> None:
 
 
 def test_handoff_report_times_the_bytes_on_the_link_where_they_were_timed() -> None:
-    def record(handoff: dict) -> _Record:
-        return _Record(True, 0.1, 0.01, [1], handoff, 0.2)
+    def record(handoff: dict) -> Record:
+        return Record(True, 0.1, 0.01, [1], handoff, 0.2)
 
     records = [record({"bytes": 4 * 10**9, "transfer_s": 0.4, "wire_s": 0.02}),
                record({"bytes": 2 * 10**9, "transfer_s": 0.1, "wire_s": 0.01}),
                record({"bytes": 10**9, "transfer_s": 0.5, "wire_s": None}),  # not timed
                record({"fallback": "no transport"})]
-    report = _handoff_report(records, {"gb_s": 400.0})
+    report = handoff_report(records, {"gb_s": 400.0})
     assert report["num_handoffs"] == 3 and report["num_fallbacks"] == 1
     assert report["gb_s"] == pytest.approx(7.0)  # 7 GB over 1 s of transfer
     # Only the timed handoffs: 6 GB over 0.03 s on the link.
