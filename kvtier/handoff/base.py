@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import (
     BlockMeta,
@@ -221,6 +222,19 @@ def check_records(records: Sequence[memoryview | bytes | None], metas: Sequence[
         else:
             results.append(True)
     return results
+
+
+def device_checksum(rows: torch.Tensor, row_ids: Sequence[int] | None = None) -> list[int]:
+    """Per row of `rows` (uint8 `[n, nbytes]`, nbytes a multiple of 4, any device), or per
+    row `row_ids` names, the weighted sum of its 32-bit words, word i weighted 2i+1, modulo
+    2**64 (as an unsigned int): `kernels.word_checksum` on a GPU (reading the rows named
+    where they lie), its torch reference elsewhere. Integer arithmetic: the same on every
+    device. Waits for the device's queued work on the current stream."""
+    if rows.device.type == "cuda":
+        sums = word_checksum(rows.contiguous(), row_ids)  # [n] int64
+    else:
+        sums = reference.word_checksum(rows if row_ids is None else rows[list(row_ids)])
+    return [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in sums.cpu().tolist()]
 
 
 def check_headers(entries: Sequence[Json], metas: Sequence[BlockMeta],

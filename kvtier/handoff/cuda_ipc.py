@@ -13,11 +13,11 @@ them with the GPU's UUID. The prefill side maps the buffer into its process once
 decode instance (on its own device, peer access enabled on first use; a UUID this process
 cannot see means another host or a hidden GPU: the offer is refused, and NCCL, Mooncake or
 Redis go where CUDA IPC cannot). Each send then copies every block from its cache row to a
-lent row in one cudaMemcpyBatchAsync (`kernels._memcpy_batch`; one copy per block where
-the runtime lacks the call), beside a checksum of each block read where it lies
-(`kernels.word_checksum` with row ids), which the commit's record header carries as over
-NCCL; the decode side copies the announced rows out of the buffer into the commit's rows
-and checks every header and payload checksum there.
+lent row with `kernels.swap_blocks`' copy engines (one cudaMemcpyBatchAsync; a copy per
+run of adjacent rows where the runtime lacks the call), beside a checksum of each block
+read where it lies (`kernels.word_checksum` with row ids), which the commit's record
+header carries as over NCCL; the decode side copies the announced rows out of the buffer
+into the commit's rows and checks every header and payload checksum there.
 
 A handoff's sends take its rows in turns: the next send writes while the last one's commit
 is on its way, and an answered commit frees the oldest turn (the decode side takes a
@@ -34,7 +34,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvtier.cuda_device import on_stream, urgent_stream
@@ -47,9 +46,9 @@ from kvtier.handoff.base import (
     TransportError,
     cache_rows,
     check_headers,
+    device_checksum,
 )
-from kvtier.kernels import word_checksum
-from kvtier.kernels._memcpy_batch import memcpy_batch
+from kvtier.kernels import swap_blocks
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import BlockMeta, encode_header
 
@@ -281,8 +280,7 @@ class _Receive(ReceiveChannel):
             ids = torch.tensor([row if row is not None else known[0] for row in rows],
                                dtype=torch.int64).to(self.transport.device, non_blocking=True)
             torch.index_select(self.buffer, 0, ids, out=dests)
-            sums = [int(v) & 0xFFFF_FFFF_FFFF_FFFF
-                    for v in word_checksum(dests).cpu().tolist()]  # waits for the copy
+            sums = device_checksum(dests)  # waits for the copy
         return check_headers(entries, metas,
                              [s if row is not None else None for row, s in zip(rows, sums)],
                              self.transport.layout, dests.shape[1])
@@ -326,9 +324,11 @@ class _Send(SendChannel):
             copied = torch.cuda.Event(enable_timing=True)
             began = torch.cuda.Event(enable_timing=True)
             began.record()
-            _copy_rows(source, source_rows, self.table, targets)
+            # [n, 2] (cache row, lent row): one batched copy on the copy engines
+            mapping = torch.tensor(list(zip(source_rows, targets)), dtype=torch.int64)
+            swap_blocks(source, self.table, mapping, method="dma")
             copied.record()
-            sums = word_checksum(source, source_rows).cpu().tolist()  # beside the copies
+            sums = device_checksum(source, source_rows)  # beside the copies
         except BaseException:
             self._free_turns.release()
             raise
@@ -337,7 +337,7 @@ class _Send(SendChannel):
         layout = self.transport.layout
         return [{"index": block.index, "row": row,
                  "header": encode_header(block.meta, layout, layout.bytes_per_block,
-                                         int(checksum) & 0xFFFF_FFFF_FFFF_FFFF).hex()}
+                                         checksum).hex()}
                 for block, row, checksum in zip(blocks, targets, sums)]
 
     def committed(self) -> None:
@@ -357,24 +357,4 @@ class _Send(SendChannel):
             unanswered, self._posted = len(self._posted), deque()
         for _ in range(unanswered):
             self._free_turns.release()
-
-
-def _copy_rows(source: torch.Tensor, source_rows: Sequence[int], target: torch.Tensor,
-               target_rows: Sequence[int]) -> None:
-    """Copy `source[source_rows[i]]` to `target[target_rows[i]]` (uint8 rows of one size)
-    on the current stream with copy engines: one batched runtime call where there is one,
-    else a copy per row."""
-    size = source.shape[1]
-    batch = memcpy_batch()
-    if batch is not None:
-        srcs = source.data_ptr() + size * np.asarray(source_rows, dtype=np.uint64)
-        dsts = target.data_ptr() + size * np.asarray(target_rows, dtype=np.uint64)
-        try:
-            batch.copy(dsts, srcs, np.full(len(source_rows), size, dtype=np.uint64),
-                       torch.cuda.current_stream(source.device).cuda_stream)
-            return
-        except OSError:
-            pass  # the runtime refused the batch: one copy per row below
-    for s, t in zip(source_rows, target_rows):
-        target[t].copy_(source[s], non_blocking=True)
 

@@ -67,6 +67,7 @@ from kvtier.handoff.base import (
     SendChannel,
     TransportError,
     check_headers,
+    device_checksum,
     payload_rows,
 )
 from kvtier.handoff.torch_pair import (
@@ -76,7 +77,6 @@ from kvtier.handoff.torch_pair import (
     Generation,
     TorchPair,
 )
-from kvtier.kernels import reference, word_checksum
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import BlockMeta, encode_header
 
@@ -323,16 +323,6 @@ def send_number(entries: Sequence[Json]) -> tuple[int, int]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"a send's {name} must be an integer >= 0, got {value!r}")
     return generation, seq
-
-
-def device_checksum(rows: torch.Tensor) -> list[int]:
-    """Per row of `rows` (uint8 `[n, nbytes]`, nbytes a multiple of 4, any device), the
-    weighted sum of its 32-bit words, word i weighted 2i+1, modulo 2**64 (as an unsigned
-    int): `kernels.word_checksum` on a GPU, its torch reference elsewhere. Integer
-    arithmetic: the same on every device."""
-    sums = word_checksum(rows.contiguous()) if rows.device.type == "cuda" \
-        else reference.word_checksum(rows)  # [n] int64
-    return [int(v) & 0xFFFF_FFFF_FFFF_FFFF for v in sums.cpu().tolist()]
 
 
 class _Receive(ReceiveChannel):

@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.handoff.base import OutgoingBlock, cache_rows, check_records, payload_rows
-from kvtier.handoff.torch_dist import device_checksum
+from kvtier.handoff.base import (
+    OutgoingBlock,
+    cache_rows,
+    check_records,
+    device_checksum,
+    payload_rows,
+)
 from kvtier.hashing import hash_blocks, namespace_hash
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import encode_record, metas_for
@@ -94,3 +99,8 @@ def test_blocks_read_in_place_are_found_as_rows_of_their_cache() -> None:
         cache_rows([blocks[0], OutgoingBlock(3, None, elsewhere, cache_row=1)])
     with pytest.raises(ValueError, match="its row of one KV cache"):
         cache_rows([blocks[0], OutgoingBlock(3, None, cache[2], cache_row=4)])
+
+
+def test_the_device_checksum_of_rows_named_is_theirs() -> None:
+    _, payloads = _blocks()
+    assert device_checksum(payloads, [2, 0]) == device_checksum(payloads[[2, 0]])
