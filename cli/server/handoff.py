@@ -46,7 +46,6 @@ from prometheus_client.registry import Collector
 from kvtier.handoff.base import HandoffTransport, TransportError
 from kvtier.handoff.config import PREFERENCE, HandoffConfig, open_transports
 from kvtier.handoff.control import ControlError, HttpControl
-from kvtier.handoff.cuda_ipc import CudaIpcTransport
 from kvtier.handoff.placement import PoolPlacement
 from kvtier.handoff.receiver import HandoffReceiver, UnknownHandoff
 from kvtier.handoff.sender import HandoffFailed, PrefillHandoff
@@ -145,13 +144,12 @@ class HandoffService:
         return names
 
     def info(self, model_name: str) -> dict[str, Any]:
-        info = {"role": self.config.role, "model": model_name,
+        described = {name: transport.peer_info() for name, transport in self.transports.items()}
+        return {"role": self.config.role, "model": model_name,
                 "transports": self.transport_names(), "block_size": self.block_size,
-                "layout": self.layout.fingerprint().hex()}
-        ipc = self.transports.get("cuda_ipc")
-        if isinstance(ipc, CudaIpcTransport):
-            info["gpu"] = ipc.uuid  # where a prefill instance can tell whether it sees it
-        return info
+                "layout": self.layout.fingerprint().hex(),
+                "transport_info": {name: info for name, info in described.items()
+                                   if info is not None}}
 
     def close(self) -> None:
         self._stop.set()
@@ -234,11 +232,12 @@ class HandoffService:
                                f"instances (this one: {ours}, the decode instance: {theirs})",
                                type_="server_unavailable", code="transport_unavailable")
             return [wanted]
-        common = [name for name in ours if name in theirs]
-        ipc = self.transports.get("cuda_ipc")
-        if "cuda_ipc" in common and not (isinstance(ipc, CudaIpcTransport)
-                                         and ipc.sees(info.get("gpu"))):
-            common.remove("cuda_ipc")  # the decode GPU is on another host, or hidden here
+        described = info.get("transport_info")
+        described = described if isinstance(described, dict) else {}
+        # A transport both have that cannot reach that instance (CUDA IPC to a GPU of
+        # another host) is left out.
+        common = [name for name in ours if name in theirs
+                  and self.transports[name].reaches(described.get(name))]
         if not common:
             raise APIError(503, f"no transport both instances support (this one: {ours}, "
                            f"the decode instance: {theirs})", type_="server_unavailable",

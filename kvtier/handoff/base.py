@@ -187,6 +187,16 @@ class HandoffTransport(ABC):
         """The prefill side of a handoff whose decode side offered `offer`. Raises
         ValueError for an offer it cannot use, TransportError for a peer it cannot reach."""
 
+    def peer_info(self) -> Json | None:
+        """What a decode instance says of this transport in its `/v1/handoff/info`, for a
+        prefill instance to tell whether it reaches it (`reaches`); None: nothing."""
+        return None
+
+    def reaches(self, peer_info: Json | None) -> bool:
+        """Whether this side can send to a decode instance that described its end of the
+        transport as `peer_info` (its `peer_info()`, None when it gave none)."""
+        return True
+
     def receive_buffer(self, num_blocks: int) -> torch.Tensor:
         """Rows for one commit's payloads: uint8 `[num_blocks, bytes_per_block]` on
         `device`."""

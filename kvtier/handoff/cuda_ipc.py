@@ -166,9 +166,15 @@ class CudaIpcTransport(HandoffTransport):
 
     # ---- the prefill side ----------------------------------------------------------------
 
+    def peer_info(self) -> Json:
+        return {"gpu": self.uuid}
+
+    def reaches(self, peer_info: Json | None) -> bool:
+        return isinstance(peer_info, dict) and self.sees(peer_info.get("gpu"))
+
     def sees(self, uuid: object) -> bool:
-        """Whether the decode GPU of UUID `uuid` (from its instance's info) is one this
-        process can reach: visible here, and this GPU itself or a peer of it."""
+        """Whether the decode GPU of UUID `uuid` is one this process can reach: visible
+        here, and this GPU itself or a peer of it."""
         index = local_index(uuid) if isinstance(uuid, str) else None
         return index is not None and (index == self.device.index
                                       or torch.cuda.can_device_access_peer(self.device.index,

@@ -64,6 +64,8 @@ def test_the_receive_buffer_is_lent_in_quarters_and_taken_back() -> None:
 
         offer = channels[0].offer()
         assert transport.sees(offer["gpu"]) and not transport.sees("GPU-elsewhere")
+        assert transport.reaches(transport.peer_info()) and not transport.reaches(None)
+        assert not transport.reaches({"gpu": "GPU-elsewhere"})
         with pytest.raises(ValueError, match="is not visible to this process"):
             transport.open_send(dict(offer, gpu="GPU-00000000-0000-0000-0000-000000000000"))
         with pytest.raises(ValueError, match="the two layouts differ"):
