@@ -60,6 +60,11 @@ def router(
     down_for: float = typer.Option(
         _SETTINGS.down_for_s, "--down-for",
         help="Seconds an instance that failed a request is passed over."),
+    prefill_queue_limit: int | None = typer.Option(
+        None, "--prefill-queue-limit", metavar="N",
+        help="Requests a prefill instance may hold (computing or queued) before the router "
+        "has the decode instance compute the next prompt itself, so that a burst spills "
+        "onto the decode GPUs instead of queueing (default: no limit)."),
     max_body_bytes: int = typer.Option(
         _LIMITS.max_body_bytes, "--max-body-bytes", help="Largest request body (413 beyond)."),
     shutdown_timeout: float = typer.Option(
@@ -80,12 +85,16 @@ def router(
                          "instances for colocated serving)")
     if not 0 <= port <= 65535:
         raise ValueError(f"--port must lie in [0, 65535], got {port}")
+    if prefill_queue_limit is not None and both:
+        raise ValueError("--prefill-queue-limit applies to --prefill/--decode instances; "
+                         "colocated (--both) instances compute every prompt themselves")
     if shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
     settings = RouterSettings(connect_timeout_s=connect_timeout,
                               prefill_timeout_s=prefill_timeout,
                               decode_timeout_s=decode_timeout, down_for_s=down_for,
                               transport=transport, instance_api_key=instance_api_key,
+                              prefill_queue_limit=prefill_queue_limit,
                               limits=ServerLimits(max_body_bytes=max_body_bytes))
     parts = {"both": both} if both else {"prefill": prefill, "decode": decode}
     pools, cards = asyncio.run(connect(parts, settings))

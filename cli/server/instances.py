@@ -87,6 +87,12 @@ class InstancePool:
         chosen.last_picked = next(self._turns)
         return chosen
 
+    def least_loaded(self) -> Instance:
+        """The instance with the fewest requests in flight among those up (all of them when
+        every one is down), without picking it."""
+        now = time.monotonic()
+        return min(self.instances, key=lambda i: (i.down_until > now, i.num_in_flight))
+
     @contextmanager
     def holding(self, instance: Instance) -> Iterator[Instance]:
         """Count a request in flight on `instance` for the duration of the block."""

@@ -7,6 +7,11 @@ the client's body goes unchanged to the decode instance, whose answer is relayed
 event by event, as each arrives). Colocated (`both` instances): the whole request goes to
 one instance. Instances are picked by fewest requests in flight (`instances.py`).
 
+A prefill instance that holds `prefill_queue_limit` requests already (every one does, when
+there are several) is not given another: the decode instance computes that prompt itself,
+so that a burst past what the prefill GPUs serve spills onto the decode GPUs instead of
+queueing (conditional disaggregation; off unless the limit is set).
+
 Faults never cost a wrong token or a hang (every wait has a timeout setting):
 - a prefill instance that errors, times out or cannot be reached: the next prefill instance
   is tried; when none is left the request goes straight to the decode instance, which then
@@ -80,6 +85,7 @@ class RouterSettings:
     down_for_s: float = 10.0
     transport: str | None = None
     instance_api_key: str | None = None
+    prefill_queue_limit: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,9 @@ class RouterSettings:
                                  f"{getattr(self, name)}")
         if self.down_for_s < 0:
             raise ValueError(f"the router's down_for_s must be >= 0, got {self.down_for_s}")
+        if self.prefill_queue_limit is not None and self.prefill_queue_limit < 1:
+            raise ValueError("the router's prefill_queue_limit must be at least 1 request "
+                             f"(None: no limit), got {self.prefill_queue_limit}")
 
 
 class RouterMetrics:
@@ -160,6 +169,14 @@ class _Router:
         the handoff's figures, {"fallback": reason} when no prefill instance could, or the
         response to send back as it is (a prefill instance's 4xx)."""
         pool = self.pools["prefill"]
+        limit = self.settings.prefill_queue_limit
+        if limit is not None and (least := pool.least_loaded()).num_in_flight >= limit:
+            # Every prefill instance is busy: the decode GPU computes this prompt now rather
+            # than after the prompts queued ahead of it.
+            log.debug("prefill instance %s holds %d requests: the decode instance computes "
+                      "the prompt", least.url, least.num_in_flight)
+            self.metrics.fallbacks.labels("busy").inc()
+            return {"fallback": "busy"}
         payload = json.dumps({"endpoint": path, "request": body, "decode": decode.url,
                               "transport": self.settings.transport,
                               "timeout_s": self.settings.prefill_timeout_s}).encode()

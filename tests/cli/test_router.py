@@ -165,6 +165,12 @@ def test_router_options_and_unreachable_instances_are_one_line_errors() -> None:
     assert result.exit_code == 1 and "at least one --prefill and one --decode" in result.output
     result = runner.invoke(app, ["router", "--both", "127.0.0.1:8000"])
     assert result.exit_code == 1 and "base URL such as http://" in result.output
+    result = runner.invoke(app, ["router", "--both", dead, "--prefill-queue-limit", "2"])
+    assert result.exit_code == 1 and "--prefill-queue-limit applies to --prefill/--decode" \
+        in result.output
+    result = runner.invoke(app, ["router", "--prefill", dead, "--decode", dead,
+                                 "--prefill-queue-limit", "0"])
+    assert result.exit_code == 1 and "prefill_queue_limit must be at least 1" in result.output
 
 
 def test_a_killed_instance_is_passed_over(colocated) -> None:

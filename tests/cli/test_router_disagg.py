@@ -11,6 +11,8 @@ the prompts itself, with the same tokens, the fallback counted.
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -152,6 +154,43 @@ def test_a_handoff_past_its_timeout_falls_back(pair, tmp_path) -> None:
         assert json.loads(headers["x-kvtier-handoff"]) == {"fallback": "timeout"}
         metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
         assert metrics['kvtier_router_fallbacks_total{reason="timeout"}'] == 1
+    finally:
+        router.stop()
+
+
+def test_past_the_prefill_queue_limit_the_decode_instance_computes(pair, tmp_path) -> None:
+    """Six requests at once through a router that lets the prefill instance hold one: the
+    first is handed over, those that find it busy are computed by the decode instance, and
+    every answer has the tokens the prefill instance gives by itself."""
+    _, prefill, decode = pair
+    router = launch("limited-router", ["router", "--prefill", prefill.url, "--decode",
+                                       decode.url, "--prefill-queue-limit", "1"], tmp_path)
+    try:
+        wait_healthy([router])
+        prompts = [f"At once {i}. {DOCUMENT} Who waits?" for i in range(6)]
+        expected = [answer(prefill.url, p, stream=False)[0] for p in prompts]
+        start = threading.Barrier(len(prompts))
+
+        def ask(prompt: str) -> tuple[list[int], dict[str, str], int]:
+            start.wait()
+            return answer(router.url, prompt, stream=False)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+        assert [tokens for tokens, _, _ in answers] == expected
+        handoffs = [json.loads(headers["x-kvtier-handoff"]) for _, headers, _ in answers]
+        busy = [h for h in handoffs if h == {"fallback": "busy"}]
+        handed = [h for h in handoffs if "fallback" not in h]
+        assert len(busy) + len(handed) == len(prompts), handoffs
+        assert busy and handed, handoffs
+        metrics = parse_metrics(httpx.get(f"{router.url}/metrics", timeout=30).text)
+        assert metrics['kvtier_router_fallbacks_total{reason="busy"}'] == len(busy)
+        assert metrics["kvtier_router_handoffs_total"] == len(handed)
+        # One request at a time never finds the prefill instance busy.
+        prompt = f"Alone. {DOCUMENT} Who waits?"
+        got, headers, _ = answer(router.url, prompt, stream=True)
+        assert got == answer(prefill.url, prompt, stream=False)[0]
+        assert "fallback" not in json.loads(headers["x-kvtier-handoff"])
     finally:
         router.stop()
 
