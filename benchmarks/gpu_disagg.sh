@@ -7,7 +7,8 @@
 #            with NUM_REQUESTS (default 48) per rate; the mix: LONG_FRACTION (default 0.25)
 #            of LONG_TOKENS-token prompts (default 4096), the rest SHORT_TOKENS (256),
 #            MAX_TOKENS (64) generated each; LONG_PREFILL_TOKEN_THRESHOLD, when set, is passed
-#            to every instance (--long-prefill-token-threshold)
+#            to every instance (--long-prefill-token-threshold); PREFILL_QUEUE_LIMIT, when
+#            set, to the disaggregated router (--prefill-queue-limit)
 #   ttft32k  what handing over a 32K prompt's KV adds to its TTFT: four 32K prompts one at
 #            a time (--rates 0: no queueing), each mode
 #   burst    the disaggregated pair past what its prefill GPU serves: BURST_RATES (default
@@ -31,6 +32,7 @@ if stage goodput; then
     else ARGS="--rates ${RATES:-1,2,4,6,8,12} --num-requests ${NUM_REQUESTS:-48} --long-tokens ${LONG_TOKENS:-4096}"; fi
     [ -n "${LONG_PREFILL_TOKEN_THRESHOLD:-}" ] && \
         ARGS="$ARGS --serve-arg=--long-prefill-token-threshold=$LONG_PREFILL_TOKEN_THRESHOLD"
+    [ -n "${PREFILL_QUEUE_LIMIT:-}" ] && ARGS="$ARGS --prefill-queue-limit $PREFILL_QUEUE_LIMIT"
     limit "${GOODPUT_TIMEOUT:-590}" $KV bench disagg $COMMON $ARGS \
         --short-tokens "${SHORT_TOKENS:-256}" --long-fraction "${LONG_FRACTION:-0.25}" \
         --max-tokens "${MAX_TOKENS:-64}" --json > "$OUT_DIR/disagg.json" \

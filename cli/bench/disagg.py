@@ -81,6 +81,8 @@ class DisaggConfig:
     seed: int = 0
     link_bytes: int = 2**30
     serve_args: tuple[str, ...] = ()
+    #: The disaggregated router's --prefill-queue-limit (None: no limit).
+    prefill_queue_limit: int | None = None
     prefill_urls: tuple[str, ...] = ()
     decode_urls: tuple[str, ...] = ()
     both_urls: tuple[str, ...] = ()
@@ -96,6 +98,9 @@ class DisaggConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got "
                                  f"{getattr(self, name)}")
+        if self.prefill_queue_limit is not None and self.prefill_queue_limit < 1:
+            raise ValueError(f"--prefill-queue-limit must be at least 1, got "
+                             f"{self.prefill_queue_limit}")
         if not self.rates or min(self.rates) < 0:
             raise ValueError(f"--rates takes requests/s (0: one request at a time), got "
                              f"{self.rates}")
@@ -200,6 +205,8 @@ def _cluster(mode: str, config: DisaggConfig, devices: tuple[str, str, tuple[str
             router_args += [arg for url in given for arg in (f"--{part}", url)]
         if config.transport is not None and mode == "disaggregated":
             router_args += ["--transport", config.transport]
+        if config.prefill_queue_limit is not None and mode == "disaggregated":
+            router_args += ["--prefill-queue-limit", str(config.prefill_queue_limit)]
         router = launch(f"router-{mode}", router_args, logs)
         started.append(router)
         wait_healthy([router], 120.0)
@@ -427,6 +434,10 @@ def disagg(
     serve_arg: list[str] = typer.Option([], "--serve-arg", help="An option passed to every "
                                         "instance's `kvtier serve` (repeat; e.g. "
                                         "--serve-arg=--max-num-batched-tokens=2048)."),
+    prefill_queue_limit: int | None = typer.Option(
+        None, help="The disaggregated router's --prefill-queue-limit: past this many "
+        "requests on the prefill instance, the decode instance computes prompts itself "
+        "(counted as fallbacks, reason busy; default: no limit)."),
     prefill_url: list[str] = typer.Option([], "--prefill-url", help="Use this running "
                                           "prefill instance instead of starting one."),
     decode_url: list[str] = typer.Option([], "--decode-url", help="Use this running decode "
@@ -453,7 +464,8 @@ def disagg(
         modes=_names(modes), rates=_floats(rates, "--rates"), num_requests=num_requests,
         long_tokens=long_tokens, short_tokens=short_tokens, long_fraction=long_fraction,
         max_tokens=max_tokens, ttft_slo_s=ttft_slo, tpot_slo_s=tpot_slo, seed=seed,
-        link_bytes=link_bytes, serve_args=tuple(serve_arg), prefill_urls=tuple(prefill_url),
+        link_bytes=link_bytes, serve_args=tuple(serve_arg),
+        prefill_queue_limit=prefill_queue_limit, prefill_urls=tuple(prefill_url),
         decode_urls=tuple(decode_url), both_urls=tuple(both_url), logs_dir=logs_dir)
     result = _with_status("bench disagg", lambda update: run_disagg_bench(config, update))
     if json_output:

@@ -82,14 +82,15 @@ def test_dry_run_names_existing_options_and_files(runner, smoke, tmp_path):
     assert any(kind.startswith("bench ") for kind in kinds)
 
 
-def test_the_disagg_runner_passes_the_long_prefill_threshold_to_every_instance(tmp_path):
+def test_the_disagg_runner_passes_the_threshold_and_the_queue_limit_when_set(tmp_path):
     commands = _dry_run("gpu_disagg.sh", tmp_path / "out", STAGES="goodput",
-                        LONG_PREFILL_TOKEN_THRESHOLD="512")
+                        LONG_PREFILL_TOKEN_THRESHOLD="512", PREFILL_QUEUE_LIMIT="2")
     [goodput] = [c for c in commands if c[3:5] == ["bench", "disagg"]]
     assert "--serve-arg=--long-prefill-token-threshold=512" in goodput
+    assert goodput[goodput.index("--prefill-queue-limit") + 1] == "2"
     _check_kvtier_options(goodput[3:])
     plain = _dry_run("gpu_disagg.sh", tmp_path / "plain", STAGES="goodput")
-    assert not any("long-prefill" in arg for c in plain for arg in c)
+    assert not any("long-prefill" in arg or "queue-limit" in arg for c in plain for arg in c)
 
 
 @pytest.mark.parametrize("smoke", ["0", "1"])

@@ -101,6 +101,7 @@ def test_poisson_workload_is_seeded_and_mixed() -> None:
     (["--modes", "split"], "--modes takes colocated and/or disaggregated"),
     (["--long-fraction", "2"], "--long-fraction must lie in [0, 1]"),
     (["--prefill-url", "http://127.0.0.1:1"], "--prefill-url and --decode-url go together"),
+    (["--prefill-queue-limit", "0"], "--prefill-queue-limit must be at least 1"),
 ])
 def test_bad_options_are_one_line_errors(args, message) -> None:
     result = CliRunner().invoke(app, [*TINY, *args])
