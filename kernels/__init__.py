@@ -17,12 +17,13 @@ from kvtier.kernels.layer_ops import rms_norm, rotary_embedding_, silu_and_mul
 from kvtier.kernels.paged_attention import paged_attention
 from kvtier.kernels.paged_decode import AttentionConfig
 from kvtier.kernels.store_kv import store_kv
-from kvtier.kernels.swap_blocks import SWAP_METHODS, swap_blocks
+from kvtier.kernels.swap_blocks import SWAP_METHODS, DmaPlan, plan_dma, swap_blocks
 from kvtier.kernels.word_checksum import word_checksum
 
 __all__ = [
     "SWAP_METHODS",
     "AttentionConfig",
+    "DmaPlan",
     "copy_blocks",
     "flash_available",
     "flash_paged_attention",
@@ -30,6 +31,7 @@ __all__ = [
     "invariant_linear",
     "load_from_host",
     "paged_attention",
+    "plan_dma",
     "reference",
     "rms_norm",
     "rotary_embedding_",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -367,9 +368,10 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             else (src_ids, src)
         host_ids = host_side[0] if host_side is not None and _dense(host_side[1]) else None
         method = choose_method(runs, host_ids, _block_bytes(src))
-    if method == "dma" and runs is None:
-        runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
-    if method == "dma" and gpu is not None and _one_batch(src, dst, runs, gpu, stream):
+    if method == "dma":
+        if runs is None:
+            runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
+        DmaPlan(src, dst, runs).enqueue(stream)
         return
     with contextlib.ExitStack() as scope:
         if gpu is not None:
@@ -384,9 +386,42 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
                 num_sms = torch.cuda.get_device_properties(gpu.device).multi_processor_count
                 programs = _SWAP_PROGRAMS_PER_SM * num_sms
             launch_block_copy(src, dst, mapping, programs)
-        elif method == "staged":
+        else:
             scatter = dst.is_cuda and not src.is_cuda
             _swap_staged(src, dst, src_ids, dst_ids, staging_bytes, scatter)
-        else:
-            assert runs is not None  # planned above for every dma swap
+
+
+@dataclass(frozen=True, slots=True)
+class DmaPlan:
+    """The copies of `swap_blocks(src, dst, block_mapping, method="dma")`, checked and
+    coalesced on the host ahead of `enqueue` (`plan_dma`). A caller that times the copies
+    with events plans first: then only the runtime call lies between its first event and
+    the copies, not the checks and the planning."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    runs: Runs
+
+    def enqueue(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue the copies on `stream` (None: the current one), as `swap_blocks` does."""
+        src, dst, runs = self.src, self.dst, self.runs
+        if runs.num_runs == 0 or _block_numel(src) == 0:
+            return
+        gpu = src if src.is_cuda else dst if dst.is_cuda else None
+        if gpu is not None and _one_batch(src, dst, runs, gpu, stream):
+            return
+        with contextlib.ExitStack() as scope:
+            if gpu is not None:
+                scope.enter_context(torch.cuda.device(gpu.device))
+                if stream is not None:
+                    scope.enter_context(torch.cuda.stream(stream))
             _swap_dma(src, dst, runs)
+
+
+def plan_dma(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> DmaPlan:
+    """Check the arguments of `swap_blocks(src, dst, block_mapping, method="dma")` (the same
+    ValueErrors) and plan its copies; `DmaPlan.enqueue` then issues them."""
+    _check_swap_args(src, dst, block_mapping, "dma", STAGING_BYTES)
+    rows = block_mapping.numpy()  # [n, 2] int64, a view
+    return DmaPlan(src, dst, coalesce(rows[:, 0].copy(), rows[:, 1].copy(), _dense(src),
+                                      _dense(dst)))

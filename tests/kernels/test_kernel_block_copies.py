@@ -6,7 +6,7 @@ import kernel_cases as cases
 import numpy as np
 import pytest
 import torch
-from kvtier.kernels import SWAP_METHODS, copy_blocks, reference, swap_blocks
+from kvtier.kernels import SWAP_METHODS, copy_blocks, plan_dma, reference, swap_blocks
 from kvtier.kernels._swap_plan import coalesce, growing_slices, run_starts, split_even
 from kvtier.kernels.copy_blocks import launch_block_copy
 from kvtier.kernels.swap_blocks import _addresses, _swap_staged, choose_method, coalesce_runs
@@ -195,6 +195,21 @@ def test_capped_grid_strides_over_every_chunk(max_programs: int) -> None:
     assert torch.equal(dst.nan_to_num(9.0), expected.nan_to_num(9.0))
 
 
+def test_a_dma_plan_checks_first_and_copies_when_enqueued() -> None:
+    src = random_blocks(13, CPU_BLOCKS["model"], torch.float16, seed=5)
+    dst = torch.full((16, *CPU_BLOCKS["model"]), float("nan"), dtype=torch.float16)
+    mapping = torch.tensor([[1, 4], [2, 5], [3, 6], [9, 0], [0, 15]])
+    plan = plan_dma(src, dst, mapping)
+    assert plan.runs.num_runs == 3  # rows 1-3 adjacent on both sides: one run
+    assert torch.isnan(dst.float()).all()  # nothing moves before `enqueue`
+    plan.enqueue()
+    expected = torch.full_like(dst, float("nan"))
+    reference.swap_blocks(src, expected, mapping)
+    assert torch.equal(bits(dst), bits(expected))
+    with pytest.raises(ValueError, match="out of range"):
+        plan_dma(src, dst, torch.tensor([[13, 0]]))
+
+
 @cases.needs_interpreter
 def test_block_copies_reject_misuse(monkeypatch: pytest.MonkeyPatch) -> None:
     src = random_blocks(4, (2, 3), torch.float32, seed=3)
@@ -267,6 +282,23 @@ def test_gpu_swap_every_size_both_ways_at_once(block_bytes: int, method: str,
     reference.swap_blocks(host_before, expected_gpu, in_rows)
     assert torch.equal(bits(host), bits(expected_host))
     assert torch.equal(bits(gpu.cpu()), bits(expected_gpu))
+
+
+@pytest.mark.gpu
+@cases.requires_cuda
+def test_gpu_dma_plan_enqueues_on_the_stream_it_is_given() -> None:
+    block_shape = (4, 2, 16, 8, 128)
+    gpu = random_blocks(32, block_shape, torch.bfloat16, seed=6, device="cuda")
+    other = torch.zeros_like(gpu)
+    rows = torch.tensor([[3, 0], [4, 1], [5, 2], [30, 31], [10, 20]])
+    plan = plan_dma(gpu, other, rows)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    plan.enqueue(stream)
+    stream.synchronize()
+    for src, dst in rows.tolist():
+        assert torch.equal(other[dst], gpu[src])
+    assert int(other[6:20].count_nonzero()) == 0
 
 
 @pytest.mark.gpu
