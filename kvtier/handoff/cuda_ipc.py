@@ -13,7 +13,7 @@ them with the GPU's UUID. The prefill side maps the buffer into its process once
 decode instance (on its own device, peer access enabled on first use; a UUID this process
 cannot see means another host or a hidden GPU: the offer is refused, and NCCL, Mooncake or
 Redis go where CUDA IPC cannot). Each send then copies every block from its cache row to a
-lent row with `kernels.swap_blocks`' copy engines (one cudaMemcpyBatchAsync; a copy per
+lent row with the copy engines (`kernels.plan_dma`: one cudaMemcpyBatchAsync; a copy per
 run of adjacent rows where the runtime lacks the call), beside a checksum of each block
 read where it lies (`kernels.word_checksum` with row ids), which the commit's record
 header carries as over NCCL; the decode side copies the announced rows out of the buffer
@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtier.cuda_device import on_stream, urgent_stream
@@ -48,7 +49,7 @@ from kvtier.handoff.base import (
     check_headers,
     device_checksum,
 )
-from kvtier.kernels import swap_blocks
+from kvtier.kernels import plan_dma
 from kvtier.layout import KVLayout
 from kvtier.tiers.record import BlockMeta, encode_header
 
@@ -327,12 +328,16 @@ class _Send(SendChannel):
             self._next_turn += 1
             source, source_rows = cache_rows(blocks)
             targets = turn[:len(blocks)]
+            # [n, 2] (cache row, lent row): one batched copy on the copy engines, planned
+            # before `began`: an idle stream passes that event at once, and the checks and
+            # planning (a few hundred microseconds a group) are the host's time, not the
+            # link's. The runtime call that enqueues the copies still counts.
+            mapping = torch.from_numpy(np.array([source_rows, targets], dtype=np.int64).T.copy())
+            plan = plan_dma(source, self.table, mapping)
             copied = torch.cuda.Event(enable_timing=True)
             began = torch.cuda.Event(enable_timing=True)
             began.record()
-            # [n, 2] (cache row, lent row): one batched copy on the copy engines
-            mapping = torch.tensor(list(zip(source_rows, targets)), dtype=torch.int64)
-            swap_blocks(source, self.table, mapping, method="dma")
+            plan.enqueue()
             copied.record()
             sums = device_checksum(source, source_rows)  # beside the copies
         except BaseException:
