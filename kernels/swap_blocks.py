@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -373,11 +374,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             runs = coalesce(src_ids, dst_ids, _dense(src), _dense(dst))
         DmaPlan(src, dst, runs).enqueue(stream)
         return
-    with contextlib.ExitStack() as scope:
-        if gpu is not None:
-            scope.enter_context(torch.cuda.device(gpu.device))
-            if stream is not None:
-                scope.enter_context(torch.cuda.stream(stream))
+    with _current(gpu, stream):
         if method == "triton":
             mapping = block_mapping.contiguous()
             programs = None
@@ -410,12 +407,19 @@ class DmaPlan:
         gpu = src if src.is_cuda else dst if dst.is_cuda else None
         if gpu is not None and _one_batch(src, dst, runs, gpu, stream):
             return
-        with contextlib.ExitStack() as scope:
-            if gpu is not None:
-                scope.enter_context(torch.cuda.device(gpu.device))
-                if stream is not None:
-                    scope.enter_context(torch.cuda.stream(stream))
+        with _current(gpu, stream):
             _swap_dma(src, dst, runs)
+
+
+@contextlib.contextmanager
+def _current(gpu: torch.Tensor | None, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """`gpu`'s device, and `stream` when given, current for the block (nothing for None)."""
+    with contextlib.ExitStack() as scope:
+        if gpu is not None:
+            scope.enter_context(torch.cuda.device(gpu.device))
+            if stream is not None:
+                scope.enter_context(torch.cuda.stream(stream))
+        yield
 
 
 def plan_dma(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> DmaPlan:
