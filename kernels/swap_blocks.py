@@ -9,7 +9,8 @@ Three methods move the same bytes:
   `DMA_STREAMS` streams, which the driver feeds to several copy engines. The SMs stay free
   for the model. A plan that fits one call is enqueued on the caller's stream by its
   handle, without making the device and stream current (a few-block write-through is
-  mostly such host work).
+  mostly such host work). `plan_dma` checks and plans ahead and `DmaPlan.enqueue` issues
+  the copies later, for callers that keep the planning off a timed or critical stretch.
 * "staged": for small blocks scattered on the GPU but in runs in host memory (a host slab
   whose slots were handed out in order). The GPU blocks are gathered by a device index copy
   into a contiguous device staging buffer and each host run then moves as one DMA (and the
