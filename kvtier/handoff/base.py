@@ -86,17 +86,22 @@ def cache_rows(blocks: Sequence[OutgoingBlock]) -> tuple[torch.Tensor, list[int]
     row in it. Raises ValueError for a block without its `cache_row`, or whose payload is
     not that row of the first block's cache."""
     first = blocks[0]
-    if any(block.cache_row is None for block in blocks):
+    row_ids = [block.cache_row for block in blocks]
+    if any(row is None for row in row_ids):
         raise ValueError("a block read in place needs its cache_row")
     size = first.payload.numel()
-    origin = first.payload.storage_offset() - first.cache_row * size  # type: ignore[operator]
-    num_rows = max(block.cache_row for block in blocks) + 1  # type: ignore[type-var]
-    table = first.payload.as_strided((num_rows, size), (size, 1), origin)
-    for block in blocks:
+    row_bytes = size * first.payload.element_size()
+    start = first.payload.data_ptr() - first.cache_row * row_bytes  # type: ignore[operator]
+    # Each payload must start where its row does (address arithmetic: a view per block
+    # would cost host time on every group).
+    for block, row in zip(blocks, row_ids):
         if block.payload.numel() != size or not block.payload.is_contiguous() \
-                or block.payload.data_ptr() != table[block.cache_row].data_ptr():
+                or block.payload.data_ptr() != start + row * row_bytes:  # type: ignore[operator]
             raise ValueError("a block read in place must be its row of one KV cache")
-    return table, [block.cache_row for block in blocks]  # type: ignore[misc]
+    origin = first.payload.storage_offset() - first.cache_row * size  # type: ignore[operator]
+    num_rows = max(row_ids) + 1  # type: ignore[type-var]
+    return first.payload.as_strided((num_rows, size), (size, 1), origin), \
+        row_ids  # type: ignore[return-value]
 
 
 class SendChannel(ABC):
