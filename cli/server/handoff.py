@@ -252,17 +252,17 @@ class HandoffService:
         has no room now at the decode instance (503: its receive slots all lent) gives way
         to the next one both have, unless the request named it."""
         def reserve() -> tuple[HandoffTransport, Any]:
-            names = self._choose(wanted, control.info())
-            for k, name in enumerate(names):
+            *earlier, last = self._choose(wanted, control.info())
+            for name in earlier:
                 try:
                     return self.transports[name], control.reserve(prompt_ids, cache_salt,
                                                                   name)
                 except ControlError as exc:
-                    if exc.status != 503 or k == len(names) - 1:
+                    if exc.status != 503:
                         raise
-                    log.info("handoff over %s refused for now (%s); trying %s", name, exc,
-                             names[k + 1])
-            raise AssertionError("unreachable: the last transport's failure is raised")
+                    log.info("handoff over %s refused for now (%s); trying the next "
+                             "transport", name, exc)
+            return self.transports[last], control.reserve(prompt_ids, cache_salt, last)
 
         return await _control(reserve)
 
