@@ -38,6 +38,7 @@ from kvtier.engine.restore_gate import RestoreCounts
 from kvtier.engine.sampler import SamplingParams, make_generator
 from kvtier.engine.scheduler import MAX_STEPS_AHEAD, TRANSFER_WAIT_S
 from kvtier.engine.streaming import OutputTracker, RequestDelta
+from kvtier.engine.thread_time import ThreadTime
 from kvtier.engine.warmup import WarmupReport
 
 from kvtier.hashing import BlockHasher, namespace_hash
@@ -132,7 +133,9 @@ class LLM:
         # the step.
         self._failures = RequestFailures()
         self._step_requests: list[Request] = []  # the running step's, for `_abort_step`
-        self._planning_s = 0.0  # see `planning_seconds`
+        self._thread_time = ThreadTime()  # see `thread_time`
+        # When the running step's launch began and its `Scheduler.launched` ended.
+        self._launch_began = self._launch_ended = 0.0
         self._request_counter = itertools.count()
         self._closed = False
 
@@ -339,6 +342,14 @@ class LLM:
             log.exception("an engine step failed; its requests end with an error")
             return [], self._abort_step(exc)
 
+    def _launched(self) -> None:
+        """`Scheduler.launched`, timed: the runner calls it once the step is queued."""
+        launched = time.perf_counter()
+        self.scheduler.launched()
+        self._launch_ended = time.perf_counter()
+        self._thread_time.launching_s += launched - self._launch_began
+        self._thread_time.after_launch_s += self._launch_ended - launched
+
     def _abort_step(self, exc: Exception) -> list[Request]:
         requests = [r for r in self._step_requests if not r.is_finished] \
             or [r for r in self.scheduler.running if not r.is_finished] \
@@ -352,11 +363,14 @@ class LLM:
     def _step(self) -> tuple[list[Request], list[Request]]:
         # Plan the next step once the GPU is down to MAX_STEPS_AHEAD queued steps, landing
         # loads meanwhile (a restore's claims are then made on what has landed by then).
+        began = time.perf_counter()
         while self.runner.step_timer.num_queued() > MAX_STEPS_AHEAD:
             self.scheduler.while_device_busy()
-        began = time.perf_counter()
+        planning = time.perf_counter()
         plan = self.scheduler.schedule()
-        self._planning_s += time.perf_counter() - began
+        self._launch_began = time.perf_counter()
+        self._thread_time.waiting_s += planning - began
+        self._thread_time.planning_s += self._launch_began - planning
         self._step_requests = [s.request for s in plan.scheduled]
         # The restores' further loads, the stores the last update queued and the transfers'
         # host work run while the GPU computes this step.
@@ -364,10 +378,11 @@ class LLM:
             # While loads are under way they land as the GPU computes, not at the step's
             # end; otherwise the sampled ids are simply waited for.
             busy = self.scheduler.while_device_busy if self.scheduler.num_loading else None
-            sampled = self.runner.execute(plan.scheduled, self.scheduler.launched, busy)
+            sampled = self.runner.execute(plan.scheduled, self._launched, busy)
+            self._thread_time.waiting_s += time.perf_counter() - self._launch_ended
         else:
             sampled = []
-            self.scheduler.launched()
+            self._launched()
         self.scheduler.prefill_rate.observe_steps(self.runner.step_timer.finished())
         self.scheduler.prefill_rate.set_backlog(self.runner.step_timer.unfinished())
         finished = self._stopped + self.scheduler.update(plan, sampled)
@@ -517,7 +532,13 @@ class LLM:
         """Seconds this engine's thread has spent planning steps (`Scheduler.schedule`:
         polling transfers, lookups, allocations, issuing loads) since it started: time in
         which the GPU runs only what earlier steps queued, and then waits."""
-        return self._planning_s
+        return self._thread_time.planning_s
+
+    def thread_time(self) -> ThreadTime:
+        """Where this engine's thread spent its steps since it started (a copy; see
+        `kvtier.engine.thread_time.ThreadTime`): planning, launching, the tiers' work
+        while the GPU computes, waiting for the GPU."""
+        return dataclasses.replace(self._thread_time)
 
     def restore_rates(self) -> dict[str, Any]:
         """The speeds this engine's restores are sized by now (`kvtier.engine.restore_rates`):

@@ -10,6 +10,7 @@ checks and the step-wise interface are exercised on the tiny model.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,24 @@ def test_step_interface_and_cache_salt(tiny_llama: TinyModel) -> None:
         assert done[same].metrics.ttft_s is not None and done[same].metrics.ttft_s >= 0
         stats = llm.stats()
         assert stats.pool.num_blocks == 400
+
+
+def test_the_engine_thread_time_is_told_apart_by_part_of_the_step(
+        tiny_llama: TinyModel) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    with tiny_llm(tiny_llama) as llm:
+        before = llm.thread_time()
+        began = time.perf_counter()
+        llm.generate(tiny_llama.prompts[:2], params)
+        elapsed = time.perf_counter() - began
+        spent = llm.thread_time().since(before)
+        assert spent.planning_s == pytest.approx(llm.planning_seconds - before.planning_s)
+        # On the CPU the launch is the step's compute; the tiers' work follows each step.
+        assert spent.launching_s > 0 and spent.after_launch_s > 0 and spent.waiting_s >= 0
+        assert sum(spent.as_dict().values()) <= elapsed
+        # A copy: the engine's own count goes on without it.
+        llm.generate(tiny_llama.prompts[:1], params)
+        assert llm.thread_time().launching_s > before.launching_s + spent.launching_s
 
 
 def _observe_store_submits(llm: LLM) -> list[int]:
