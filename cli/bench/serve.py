@@ -241,7 +241,8 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         histories[conversation] += questions[conversation][rounds[conversation]]
         owner[llm.add_request(list(histories[conversation]), params)] = conversation
 
-    start, planned_before = time.perf_counter(), llm.planning_seconds
+    start, planned_before, thread_before = (time.perf_counter(), llm.planning_seconds,
+                                            llm.thread_time())
     for conversation in range(config.num_conversations):
         send(conversation)
     finished: list[RequestOutput] = []
@@ -268,6 +269,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
                 answered = []
     elapsed = time.perf_counter() - start
     planning_s = llm.planning_seconds - planned_before
+    thread_s = llm.thread_time().since(thread_before)
     llm.manager.drain()  # bytes moved count the writes the run started, landed or not yet
     ttft = [o.metrics.ttft_s for o in finished]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time)
@@ -278,8 +280,10 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
     return {
         "disk_writes": disk_writes(stats, raw_write),
         "elapsed_s": elapsed,
-        # Of it, the engine thread planning steps (`LLM.planning_seconds`).
+        # Of it, the engine thread planning steps (`LLM.planning_seconds`), and where all
+        # of its steps went (`LLM.thread_time`).
         "planning_s": planning_s,
+        "engine_thread_s": thread_s.as_dict(),
         "num_requests": len(finished),
         "generated_tokens": num_generated,
         "throughput_tok_s": num_generated / elapsed,

@@ -208,6 +208,14 @@ def print_serve(result: dict[str, Any]) -> None:
                                                             "turned_away", "probes",
                                                             "prefetched")))
                  for name, m in modes.items() if "restores" in m])
+    print_table("The engine thread, seconds of each mode's run (on the CPU the step's "
+                "compute is part of its launch)",
+                ("mode", "run", "planning", "launching", "after launch",
+                 "waiting for the GPU"),
+                [(name, f"{m['elapsed_s']:.2f}",
+                  *(f"{m['engine_thread_s'][k]:.2f}" for k in
+                    ("planning_s", "launching_s", "after_launch_s", "waiting_s")))
+                 for name, m in modes.items() if "engine_thread_s" in m])
     round_rows = [(name, index + 1, f"{r['seconds']:.2f}", f"{r['planning_s']:.2f}",
                    ms(r["ttft_p50_s"]),
                    r["tokens"]["host"], r["tokens"]["disk"], r["tokens"]["computed"],

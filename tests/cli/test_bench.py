@@ -500,6 +500,14 @@ def test_serve_host_small_disk_with_documents_in_lockstep(runner):
         # The engine planned steps in every round, within the round's time.
         assert all(0 < r["planning_s"] <= r["seconds"] for r in rounds)
         assert sum(r["planning_s"] for r in rounds) <= mode["planning_s"] <= mode["elapsed_s"]
+        # Where the engine thread's time went: its planning is the one above, and the
+        # parts, each taken, add up to no more than the run (on the CPU the compute is in
+        # the launch).
+        thread = mode["engine_thread_s"]
+        assert thread["planning_s"] == pytest.approx(mode["planning_s"])
+        assert thread["launching_s"] > 0 and thread["after_launch_s"] > 0
+        assert thread["waiting_s"] >= 0
+        assert sum(thread.values()) <= mode["elapsed_s"]
     ledgers = [r["disk_ledger"] for r in report["modes"]["host_small_disk"]["rounds"]]
     assert [ledger["written"] for ledger in ledgers] == sorted(ledger["written"]
                                                                for ledger in ledgers)
