@@ -36,4 +36,5 @@ class ThreadTime:
                             zip(dataclasses.astuple(self), dataclasses.astuple(earlier))))
 
     def as_dict(self) -> dict[str, float]:
+        """The parts by name (`planning_s`, ...), for reports."""
         return dataclasses.asdict(self)
