@@ -211,8 +211,7 @@ class CudaIpcTransport(HandoffTransport):
 
     def _map(self, uuid: str, shared: Json) -> torch.Tensor:
         """The decode buffer `shared` exports on GPU `uuid`, mapped into this process on
-        this device
-        (torch labels it with this device; its bytes are on the peer): uint8
+        this device (torch labels it with this device; its bytes are on the peer): uint8
         `[rows, bytes_per_block]`. Raises ValueError for a malformed export and
         TransportError when CUDA cannot open it."""
         try:
