@@ -30,6 +30,7 @@ import torch
 
 from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
+from kvtier.shared_host_memory import SharedHostMemory
 from kvtier.tiers.eviction import EvictionPolicy, LRUPolicy
 
 if TYPE_CHECKING:
@@ -71,13 +72,32 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def allocate_slab(layout: KVLayout, num_slots: int, pin_memory: bool) -> torch.Tensor:
-    """An uninitialised `[num_slots, *block_shape]` host tensor, pinned if asked.
+def allocate_slab(layout: KVLayout, num_slots: int, pin_memory: bool,
+                  shared: SharedHostMemory | None = None) -> torch.Tensor:
+    """An uninitialised `[num_slots, *block_shape]` host tensor, pinned if asked; with
+    `shared`, a view of that memory (which must hold exactly the slab's bytes).
 
-    Raises ValueError when `num_slots` is not positive, when pinning is asked without CUDA, or
-    when the slab is larger than the memory the kernel reports as available; OSError when
-    the allocation or the pinning fails.
+    Raises as `check_slab` does; OSError when the allocation or the pinning fails.
     """
+    num_bytes = check_slab(layout, num_slots, pin_memory)
+    if shared is not None:
+        if shared.num_bytes != num_bytes:
+            raise ValueError(f"the shared memory holds {shared.num_bytes} bytes, the slab "
+                             f"{num_bytes}")
+        return shared.data.view(layout.dtype).view(num_slots, *layout.block_shape)
+    try:
+        return torch.empty((num_slots, *layout.block_shape), dtype=layout.dtype,
+                           pin_memory=pin_memory)
+    except RuntimeError as exc:
+        what = "pin" if pin_memory else "allocate"
+        raise OSError(f"could not {what} a host slab of {num_bytes / 2**30:.2f} GiB: {exc}; "
+                      "lower the host capacity (or the locked-memory limit is too small)") from exc
+
+
+def check_slab(layout: KVLayout, num_slots: int, pin_memory: bool) -> int:
+    """The bytes of a slab of `num_slots`. Raises ValueError when `num_slots` is not
+    positive, when pinning is asked without CUDA, or when the slab is larger than the
+    memory the kernel reports as available."""
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
         raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
     if pin_memory and not torch.cuda.is_available():
@@ -88,13 +108,7 @@ def allocate_slab(layout: KVLayout, num_slots: int, pin_memory: bool) -> torch.T
         raise ValueError(f"the host tier needs {num_bytes / 2**30:.2f} GiB ({num_slots} slots "
                          f"of {layout.bytes_per_block} bytes) but only "
                          f"{available / 2**30:.2f} GiB are available; lower the host capacity")
-    try:
-        return torch.empty((num_slots, *layout.block_shape), dtype=layout.dtype,
-                           pin_memory=pin_memory)
-    except RuntimeError as exc:
-        what = "pin" if pin_memory else "allocate"
-        raise OSError(f"could not {what} a host slab of {num_bytes / 2**30:.2f} GiB: {exc}; "
-                      "lower the host capacity (or the locked-memory limit is too small)") from exc
+    return num_bytes
 
 
 class HostTier:
@@ -103,15 +117,23 @@ class HostTier:
     `pin_memory=True` needs CUDA (page-locked memory makes GPU copies asynchronous and
     fast). The policy (LRU by default) orders the clean cached blocks, the eviction
     candidates. `role`: a cache, or a staging slab (see the module
-    docstring). Raises as `allocate_slab` does.
+    docstring). `shared`: the slab lives in memory another process can map
+    (`shared_memory`: a disk worker process reads and writes its slots). Raises as
+    `allocate_slab` and `SharedHostMemory` do.
     """
 
     def __init__(self, layout: KVLayout, num_slots: int, pin_memory: bool,
                  policy: EvictionPolicy[BlockHash] | None = None,
-                 role: HostRole = HostRole.CACHE) -> None:
+                 role: HostRole = HostRole.CACHE, shared: bool = False) -> None:
         self.layout, self.role = layout, role
         self.num_slots = num_slots
-        self.slab = allocate_slab(layout, num_slots, pin_memory)  # [num_slots, *block_shape]
+        #: The slab's memory when it is shared with another process, else None.
+        self.shared_memory: SharedHostMemory | None = None
+        if shared:
+            self.shared_memory = SharedHostMemory(check_slab(layout, num_slots, pin_memory),
+                                                  pin=pin_memory)
+        # [num_slots, *block_shape]
+        self.slab = allocate_slab(layout, num_slots, pin_memory, self.shared_memory)
         # The same memory as numpy rows: a row costs far less than a tensor view, and a
         # restore takes one per block on the engine thread.
         self._slab_rows = self.slab.view(torch.uint8).view(num_slots, -1).numpy()
@@ -122,6 +144,12 @@ class HostTier:
         # Dirty cached blocks, least recently used first: the write-back order.
         self._dirty: OrderedDict[BlockHash, None] = OrderedDict()
         self.num_evictions = 0
+
+    def close(self) -> None:
+        """Give back a shared slab's page-locking and file (nothing for a private slab);
+        call it once no copy uses the slab. Idempotent."""
+        if self.shared_memory is not None:
+            self.shared_memory.close()
 
     # ---- queries -------------------------------------------------------------------------
 
