@@ -78,6 +78,8 @@ class EngineConfig(CheckedModel):
     disk_shards: LMDB environments a new disk tier directory is split over, each written by
         a thread of its own (an existing directory keeps its count; 1: one environment;
         None: four from a 4 GiB budget, else one).
+    disk_worker: run the disk tier in a worker process of its own (`TierConfig.disk_worker`;
+        None: on a CUDA device, not on the CPU).
     read_reserve_share: share of the host slots that write-throughs leave to reads from the
         disk while it is on; the rest is the disk's write buffer (`TierConfig`).
     hash_algorithm: "xxh3_128" or "sha256" (block hashes; part of every cache key).
@@ -141,6 +143,9 @@ class EngineConfig(CheckedModel):
         f"written side by side (None: {LARGE_BUDGET_SHARDS} from a "
         f"{SHARDING_BUDGET_BYTES >> 30} GiB budget, else 1); an existing directory keeps its "
         "own count")
+    disk_worker: bool | None = Field(
+        None, description="run the disk tier in a worker process of its own (None: on a "
+        "CUDA device)")
     read_reserve_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         DEFAULT_READ_RESERVE_SHARE, description="share of the host slots write-throughs "
         "leave to reads from the disk; the rest is its write buffer")

@@ -72,5 +72,6 @@ def tier_config(config: EngineConfig, gpu_blocks: int, layout: KVLayout) -> Tier
                       disk_path=disk_path,
                       disk_budget_bytes=config.disk_cache_bytes if disk_path else None,
                       disk_durable=config.disk_durable, disk_shards=config.disk_shards,
+                      disk_worker=config.disk_worker,
                       read_reserve_share=config.read_reserve_share,
                       remote=config.remote_config)

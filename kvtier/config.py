@@ -57,6 +57,10 @@ class TierConfig(CheckedModel):
     disk_shards: LMDB environments a new disk tier directory is split over, written side by
         side (`kvtier.tiers.disk.shards`); None: `shard_layout.default_shards` of the
         budget (4 from 4 GiB, else 1). An existing directory keeps its own count.
+    disk_worker: run the disk tier in a worker process of its own, which reads into and
+        writes from a host slab both processes map (`kvtier.tiers.disk.worker`): the disk
+        tier's Python work then never holds the GIL the engine launches its kernels under.
+        None (the default): on a CUDA device, not on the CPU.
     swap_method: how GPU <-> host copies run: "dma" (copy engines), "staged" (a device
         gather/scatter around copy-engine runs), "triton" (a kernel writing through unified
         addressing) or "auto" (the kernels' choice).
@@ -95,6 +99,9 @@ class TierConfig(CheckedModel):
         f"written side by side (None: {LARGE_BUDGET_SHARDS} from a "
         f"{SHARDING_BUDGET_BYTES >> 30} GiB budget, else 1); an existing directory keeps its "
         "own count")
+    disk_worker: bool | None = Field(
+        None, description="run the disk tier in a worker process of its own (None: on a "
+        "CUDA device)")
     swap_method: SwapMethod = Field("auto", description="how GPU <-> host copies run")
     io_threads: PositiveInt = Field(DEFAULT_IO_THREADS,
                                     description="threads running host <-> disk jobs")

@@ -44,6 +44,7 @@ from kvtier.tier_stack import LowerTiers, TierStack
 from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier
 from kvtier.tiers.host import HostRole, HostTier
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
@@ -90,17 +91,28 @@ class TierManager:
         self.kv_cache = allocate_kv_cache(layout, config.num_gpu_blocks, self.device)
         self.pool = BlockPool(config.num_gpu_blocks)
         num_host_slots = config.num_host_slots(layout)
-        lower, self.disk_recovery = open_lower_tiers(config, layout, disk_read_hook)
-        #: The tiers below the host, fastest first; their stats are readable from any thread.
-        self.lower_tiers = LowerTiers(lower)
         #: The host tier, or the staging slab the lower tiers' bytes pass through when it
         #: is off; None when nothing sits below the GPU.
         self.host: HostTier | None = None
-        if num_host_slots or lower:
+        if self.uses_disk_worker:
+            # The worker maps the slab: it must exist before the worker starts.
+            self.host = self._host_slab(num_host_slots, shared=True)
+        try:
+            lower, self.disk_recovery = open_lower_tiers(
+                config, layout, disk_read_hook,
+                self.host.shared_memory if self.host is not None else None)
+        except BaseException:
+            if self.host is not None:
+                self.host.close()
+            raise
+        #: The tiers below the host, fastest first; their stats are readable from any thread.
+        self.lower_tiers = LowerTiers(lower)
+        if self.host is not None and not (num_host_slots or lower):
+            self.host.close()  # the disk tier was turned off: nothing to stage for
+            self.host = None
+        elif self.host is None and (num_host_slots or lower):
             try:
-                self.host = HostTier(layout, num_host_slots or config.staging_slots,
-                                     pin_memory=self.device.type == "cuda",
-                                     role=HostRole.CACHE if num_host_slots else HostRole.STAGING)
+                self.host = self._host_slab(num_host_slots, shared=False)
             except BaseException:
                 self.lower_tiers.close()  # no half-built manager keeps files open
                 raise
@@ -127,10 +139,24 @@ class TierManager:
         self._closed = False
 
     @property
-    def disk(self) -> DiskTier | ShardedDiskTier | None:
-        """The disk tier (one LMDB environment, or several), or None when it is off."""
+    def uses_disk_worker(self) -> bool:
+        """Whether the disk tier runs in a worker process (`TierConfig.disk_worker`)."""
+        worker = self.config.disk_worker
+        return self.config.disk_path is not None and (
+            worker if worker is not None else self.device.type == "cuda")
+
+    def _host_slab(self, num_host_slots: int, shared: bool) -> HostTier:
+        return HostTier(self.layout, num_host_slots or self.config.staging_slots,
+                        pin_memory=self.device.type == "cuda",
+                        role=HostRole.CACHE if num_host_slots else HostRole.STAGING,
+                        shared=shared)
+
+    @property
+    def disk(self) -> DiskTier | ShardedDiskTier | DiskWorkerTier | None:
+        """The disk tier (one LMDB environment, or several; in this process or a worker),
+        or None when it is off."""
         disk = self.lower_tiers.named("disk")
-        assert disk is None or isinstance(disk, (DiskTier, ShardedDiskTier))
+        assert disk is None or isinstance(disk, (DiskTier, ShardedDiskTier, DiskWorkerTier))
         return disk
 
     @property
@@ -555,6 +581,8 @@ class TierManager:
                                  report.seconds)
         self.transfers.close()
         self.lower_tiers.close()
+        if self.host is not None:
+            self.host.close()
         self._closed = True
         return report
 

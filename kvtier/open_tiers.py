@@ -1,5 +1,6 @@
 """Which tiers below the host a `TierConfig` turns on, opened fastest first: the disk tier
-(one LMDB environment or shards, recovered from damaged files), a directory of one file per
+(one LMDB environment or shards, recovered from damaged files; in this process or in a
+worker process of its own), a directory of one file per
 block, the shared remote store."""
 
 from __future__ import annotations
@@ -8,23 +9,39 @@ from collections.abc import Callable
 
 from kvtier.config import TierConfig
 from kvtier.layout import KVLayout
+from kvtier.shared_host_memory import SharedHostMemory
 from kvtier.tiers.base import LowerTier
 from kvtier.tiers.directory.tier import DirectoryTier
 from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.disk.shard_layout import default_shards
 from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier
 from kvtier.tiers.record import BlockMeta
 
 
 def open_lower_tiers(config: TierConfig, layout: KVLayout,
-                     disk_read_hook: Callable[[BlockMeta], None] | None = None
+                     disk_read_hook: Callable[[BlockMeta], None] | None = None,
+                     disk_worker_memory: SharedHostMemory | None = None
                      ) -> tuple[list[LowerTier], DiskRecovery | None]:
     """The tiers below the host that `config` turns on, fastest first, and what was done
     about damaged disk files (moved aside, or the disk tier turned off, with a warning).
-    Raises as each tier's constructor does."""
+    With `disk_worker_memory` (the host slab's), the disk tier runs in a worker process
+    (`DiskWorkerTier`), whose reads and writes use that slab. Raises as each tier's
+    constructor does, and ValueError for a read hook with a worker (it could not run)."""
     tiers: list[LowerTier | None] = []
     recovery = None
-    if config.disk_path is not None:
+    if config.disk_path is not None and disk_worker_memory is not None:
+        if disk_read_hook is not None:
+            raise ValueError("a disk read hook runs in the engine's process: turn the disk "
+                             "worker off (TierConfig.disk_worker=False) to use one")
+        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
+        disk, recovery = DiskWorkerTier.start(
+            config.disk_path, layout, config.disk_budget_bytes, shared=disk_worker_memory,
+            shards=config.disk_shards or default_shards(config.disk_budget_bytes),
+            durable=config.disk_durable, lookup_deadline_s=config.disk_lookup_deadline_s,
+            threads=config.io_threads + 2)
+        tiers.append(disk)
+    elif config.disk_path is not None:
         assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
         disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
                                         shards=config.disk_shards or default_shards(

@@ -81,7 +81,8 @@ class CheckedModel(BaseModel):
         if isinstance(data, dict):
             for name, value in data.items():
                 info = cls.model_fields.get(name)
-                if isinstance(value, bool) and info is not None and info.annotation is not bool:
+                if isinstance(value, bool) and info is not None \
+                        and info.annotation not in (bool, bool | None):
                     raise ValueError(f"{cls.__name__}.{name} must not be a boolean, got "
                                      f"{value!r} ({info.description or 'see its docstring'})")
         return data

@@ -2,7 +2,8 @@
 disk or is counted skipped with its reason, closing writes what is pending so that a fresh
 engine finds every finished request's blocks, and a stored tail is used behind a head that
 was never written (gaps computed), with float32 tokens equal to tiers off; a prompt
-computed though the disk holds its blocks is not copied down again.
+computed though the disk holds its blocks is not copied down again. The disk tier runs in
+the engine's process and, where marked, in a worker process of its own.
 
 A random tiny Llama in float32 on the CPU, real LMDB files in tmp dirs.
 """
@@ -42,12 +43,21 @@ def references() -> dict[int, list[int]]:
     return {seed: list(o.outputs[0].token_ids) for seed, o in enumerate(outputs)}
 
 
-def test_close_writes_every_finished_block_and_a_fresh_engine_finds_them(tmp_path: Path) -> None:
+#: The disk tier in the engine's process, and in a worker process of its own.
+DISK_WORKER = pytest.mark.parametrize("disk_worker", [False, True],
+                                      ids=["in_process", "worker"])
+
+
+@DISK_WORKER
+def test_close_writes_every_finished_block_and_a_fresh_engine_finds_them(
+        tmp_path: Path, disk_worker: bool) -> None:
     disk_dir = tmp_path / "kv"
     prompts = [prompt(seed, 200 + 16 * seed) for seed in range(8)]
     # 4 host slots and a GPU pool that holds about two requests: most blocks find no host
     # slot when computed and wait, deferred, on the GPU (or are reused by it, counted).
-    llm = engine(disk_dir, gpu_blocks=40, host_cache_gb=4 * 8192 / 2**30, max_num_seqs=2)
+    llm = engine(disk_dir, gpu_blocks=40, host_cache_gb=4 * 8192 / 2**30, max_num_seqs=2,
+                 disk_worker=disk_worker)
+    assert llm.manager.uses_disk_worker is disk_worker
     assert llm.layout.bytes_per_block == 8192
     outputs = llm.generate(prompts, greedy())
     before = llm.stats().stores
@@ -62,7 +72,7 @@ def test_close_writes_every_finished_block_and_a_fresh_engine_finds_them(tmp_pat
 
     # A fresh engine finds every finished block on disk but those counted skipped.
     num_full_blocks = num_on_disk = 0
-    with engine(disk_dir, host_cache_gb=4 * 8192 / 2**30) as fresh:
+    with engine(disk_dir, host_cache_gb=4 * 8192 / 2**30, disk_worker=disk_worker) as fresh:
         for output in outputs:
             tokens = list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
             num_full = (len(tokens) - 1) // BS  # the last sampled token has no KV
@@ -132,18 +142,21 @@ PLACEMENTS = {
 }
 
 
-@pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_a_stored_tail_is_restored_behind_a_computed_head(placement: str, tmp_path: Path,
+@pytest.mark.parametrize(("placement", "disk_worker"),
+                         [(placement, False) for placement in PLACEMENTS]
+                         + [("gaps_in_head", True)])
+def test_a_stored_tail_is_restored_behind_a_computed_head(placement: str, disk_worker: bool,
+                                                          tmp_path: Path,
                                                           references: dict[int, list[int]]
                                                           ) -> None:
     disk_dir = tmp_path / "kv"
     seed = 1
     tokens = prompt(seed, 320)
-    with engine(disk_dir, host_cache=False) as writer:
+    with engine(disk_dir, host_cache=False, disk_worker=disk_worker) as writer:
         first = writer.generate([tokens], greedy())[0]
     assert list(first.outputs[0].token_ids) == references[seed]
 
-    with engine(disk_dir, host_cache=False) as fresh:
+    with engine(disk_dir, host_cache=False, disk_worker=disk_worker) as fresh:
         hashes = block_hashes(fresh, tokens)[:(len(tokens) - 1) // BS]
         kept = set(PLACEMENTS[placement](len(hashes)))
         assert fresh.manager.disk.contains(hashes) == [True] * len(hashes)
@@ -169,18 +182,19 @@ def test_flush_progress_speaks_only_for_a_long_flush_and_reports_what_is_left() 
     assert "9 KV blocks not written" in lines[1] and "flush_timeout_s" in lines[1]
 
 
+@DISK_WORKER
 def test_a_sharded_disk_serves_a_restart_with_the_tokens_of_tiers_off(
-        tmp_path: Path, references: dict[int, list[int]]) -> None:
+        tmp_path: Path, references: dict[int, list[int]], disk_worker: bool) -> None:
     """Blocks written over four LMDB environments by one engine restore in a fresh engine
     that asks for one (a directory keeps the count it was written with), with float32
     tokens equal to tiers off."""
     disk_dir = tmp_path / "kv"
     prompts = [prompt(seed, 320) for seed in range(4)]
-    with engine(disk_dir, disk_shards=4) as llm:
+    with engine(disk_dir, disk_shards=4, disk_worker=disk_worker) as llm:
         assert llm.config.disk_shards == 4
         llm.generate(prompts, greedy())
     assert sorted(p.name for p in disk_dir.iterdir()) == [f"shard-{i}-of-4" for i in range(4)]
-    with engine(disk_dir, disk_shards=1, host_cache=False) as fresh:
+    with engine(disk_dir, disk_shards=1, host_cache=False, disk_worker=disk_worker) as fresh:
         outputs = fresh.generate(prompts, greedy())
         stats = fresh.stats()
         assert [list(o.outputs[0].token_ids) for o in outputs] == \

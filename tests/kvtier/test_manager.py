@@ -38,11 +38,15 @@ from kvtier.tiers.record import BlockMeta
 
 # ---- the round trip ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_gpu_host_disk_host_gpu(tmp_path, managers, dtype):
+@pytest.mark.parametrize(("dtype", "disk_worker"),
+                         [(dtype, False) for dtype in DTYPES] + [(torch.bfloat16, True)])
+def test_round_trip_gpu_host_disk_host_gpu(tmp_path, managers, dtype, disk_worker):
+    """Also with the disk tier in a worker process, reading into and writing from the
+    shared host slab."""
     layout = small_layout(dtype)
-    m = TierManager(layout, config(layout, tmp_path, gpu=4, host=2))
+    m = TierManager(layout, config(layout, tmp_path, gpu=4, host=2, disk_worker=disk_worker))
     managers.append(m)
+    assert m.uses_disk_worker is disk_worker
     metas, data = chain(layout, "doc", 6), random_blocks(layout, 6, seed=11)
     # Compute and cache two blocks at a time; flush writes every host block back to disk.
     for i in range(0, 6, 2):

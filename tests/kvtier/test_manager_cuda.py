@@ -52,6 +52,8 @@ def test_round_trip_on_cuda(tmp_path, managers, swap_method):
         pytest.skip("the Triton copy kernel is measured compiled, not interpreted")
     m = cuda_manager(managers, tmp_path, swap_method=swap_method)
     layout = m.layout
+    # On CUDA the disk tier runs in a worker process over a shared, page-locked slab.
+    assert m.uses_disk_worker and m.host.shared_memory is not None
     assert m.host.slab.is_pinned()
     metas, data = chain(layout, "cuda", 6), random_blocks(layout, 6, seed=7)
     for i in range(0, 6, 2):

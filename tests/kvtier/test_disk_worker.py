@@ -1,0 +1,155 @@
+"""The disk tier in a worker process (`DiskWorkerTier`): blocks travel as offsets into the
+host slab both processes map, or as bytes for any other buffer; what it stores outlives it;
+a worker that dies leaves a tier that misses and refuses, never one that hangs or raises;
+opening errors come back as the in-process tier's.
+
+Real worker processes on real LMDB files in temp dirs, and a real shared slab.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from manager_cases import chain, random_blocks, small_layout
+
+from kvtier.shared_host_memory import SharedHostMemory, map_shared
+from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier
+from kvtier.tiers.host import HostTier
+
+LAYOUT = small_layout(torch.bfloat16)
+BUDGET = 1 << 24
+
+
+@pytest.fixture
+def host() -> Iterator[HostTier]:
+    tier = HostTier(LAYOUT, 8, pin_memory=False, shared=True)
+    yield tier
+    tier.close()
+
+
+def start(path: Path, host: HostTier, **options: object) -> DiskWorkerTier:
+    tier, recovery = DiskWorkerTier.start(path, LAYOUT, BUDGET, shared=host.shared_memory,
+                                          **options)
+    assert tier is not None and recovery is None
+    return tier
+
+
+def rows(host: HostTier, slots: range) -> list[np.ndarray]:
+    return [host.slot_array(slot) for slot in slots]
+
+
+def test_blocks_go_through_the_shared_slab_and_outlive_the_worker(tmp_path: Path,
+                                                                  host: HostTier) -> None:
+    metas, data = chain(LAYOUT, "doc", 6), random_blocks(LAYOUT, 6, seed=3)
+    host.slab[:6] = data
+    tier = start(tmp_path / "kv", host)
+    try:
+        assert tier.put(metas, rows(host, range(6))) == [True] * 6
+        host.slab[:6] = 0
+        hashes = [meta.block_hash for meta in metas]
+        assert tier.contains(hashes + [b"x" * 16]) == [True] * 6 + [False]
+        # Read back into other slots: the worker wrote the slab's bytes.
+        assert tier.get_many_into(metas[:4], rows(host, range(4, 8))) == [True] * 4
+        assert torch.equal(host.slab[4:8].view(torch.uint8), data[:4].view(torch.uint8))
+        assert tier.delete(hashes[:1]) == 1
+        stats = tier.stats()
+        assert stats.num_blocks == 5 and stats.puts == 6 and stats.hits == 4
+    finally:
+        tier.close()
+    tier.close()  # idempotent
+    # The in-process tier finds what the worker stored.
+    disk, _ = open_disk_tier(tmp_path / "kv", LAYOUT, BUDGET)
+    assert disk is not None
+    with disk:
+        assert disk.contains(hashes) == [False] + [True] * 5
+        dest = torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8)
+        assert disk.get_into(metas[5], dest)
+        assert torch.equal(dest, data[5].reshape(-1).view(torch.uint8))
+
+
+def test_buffers_outside_the_slab_travel_as_bytes(tmp_path: Path, host: HostTier) -> None:
+    metas, data = chain(LAYOUT, "bytes", 3), random_blocks(LAYOUT, 3, seed=4)
+    tier = start(tmp_path / "kv", host)
+    try:
+        assert tier.put(metas, [data[i].clone() for i in range(3)]) == [True] * 3
+        dests = [torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8) for _ in range(3)]
+        hits = tier.get_many_into(metas + [chain(LAYOUT, "absent", 1)[0]],
+                                  dests + [torch.empty_like(dests[0])])
+        assert hits == [True] * 3 + [False]
+        for dest, block in zip(dests, data):
+            assert torch.equal(dest, block.reshape(-1).view(torch.uint8))
+        with pytest.raises(ValueError, match="bytes"):  # checked before anything is sent
+            tier.put(metas[:1], [b"short"])
+        assert tier.stats().puts == 3
+    finally:
+        tier.close()
+
+
+def test_a_dead_worker_leaves_a_tier_that_misses_and_refuses(tmp_path: Path,
+                                                             host: HostTier) -> None:
+    metas, data = chain(LAYOUT, "dead", 2), random_blocks(LAYOUT, 2, seed=5)
+    host.slab[:2] = data
+    tier = start(tmp_path / "kv", host)
+    assert tier.put(metas, rows(host, range(2))) == [True, True]
+    before = tier.stats()
+    os.kill(tier._process.pid, signal.SIGKILL)
+    tier._process.wait()
+    tier._receiver.join(timeout=10)
+    assert tier.unavailable is not None and "exited" in tier.unavailable
+    hashes = [meta.block_hash for meta in metas]
+    assert tier.contains(hashes) == [False, False]
+    assert tier.get_many_into(metas, rows(host, range(2, 4))) == [False, False]
+    assert tier.put(metas, rows(host, range(2))) == [False, False]
+    assert tier.delete(hashes) == 0
+    assert tier.stats() == before  # the last counters it told
+    tier.sync()
+    tier.close()
+
+
+def test_opening_errors_are_those_of_the_in_process_tier(tmp_path: Path,
+                                                         host: HostTier) -> None:
+    with pytest.raises(ValueError, match="budget"):
+        DiskWorkerTier.start(tmp_path / "kv", LAYOUT, 0, shared=host.shared_memory)
+    with pytest.raises(ValueError, match="budget"):
+        open_disk_tier(tmp_path / "kv2", LAYOUT, 0)
+
+
+def test_a_damaged_directory_is_moved_aside_as_in_process(tmp_path: Path,
+                                                          host: HostTier) -> None:
+    """What recovery did comes back from the worker."""
+    (tmp_path / "kv").mkdir(mode=0o700)
+    (tmp_path / "kv" / "data.mdb").write_bytes(b"not an LMDB file" * 1024)
+    tier, recovery = DiskWorkerTier.start(tmp_path / "kv", LAYOUT, BUDGET,
+                                          shared=host.shared_memory)
+    assert tier is not None
+    try:
+        assert recovery is not None and recovery.moved_to is not None
+        assert tier.stats().num_blocks == 0
+    finally:
+        tier.close()
+
+
+def test_shared_memory_maps_the_same_bytes_in_another_mapping() -> None:
+    memory = SharedHostMemory(4096, pin=False)
+    try:
+        mapped = map_shared(memory.path, 4096)
+        memory.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        assert bytes(mapped[:4]) == b"\x01\x02\x03\x04"
+        mapped[4:6] = b"\x07\x08"
+        assert memory.data[4:6].tolist() == [7, 8]
+        assert memory.offset_of(memory.base_address + 100, 8) == 100
+        assert memory.offset_of(memory.base_address + 4090, 8) is None
+        with pytest.raises(OSError, match="fewer"):
+            map_shared(memory.path, 8192)
+        mapped.close()
+    finally:
+        memory.close()
+    with pytest.raises(ValueError, match="positive"):
+        SharedHostMemory(0, pin=False)
