@@ -179,7 +179,10 @@ def serve(
                               "host tier of host_disk without the disk; host_disk_all: "
                               "host_disk asking the disk for every prefix; host_small_disk: a "
                               "host tier of --host-cache-gb, then disk; host_small_disk_all: "
-                              "that, asking the disk for every prefix."),
+                              "that, asking the disk for every prefix; "
+                              "host_small_disk_inprocess / host_small_disk_worker: "
+                              "host_small_disk with the disk tier in the engine's process / "
+                              "in a worker process (default: a worker on a GPU)."),
     compare_hf: bool = typer.Option(False, "--compare-hf", help="Also compare prefill and "
                                     "decode tokens/s with transformers' generate()."),
     hf_batch: int = typer.Option(8, help="Batch size N of the transformers comparison."),

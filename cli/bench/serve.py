@@ -53,9 +53,17 @@ from kvtier.engine.loader import LoadedModel
 #: host_disk_all: host_disk with the disk asked for every prefix (restore_min_saving_s 0).
 #: host_small_disk: a host tier of `host_cache_gb` (default an eighth of the conversations),
 #: then disk. host_small_disk_all: host_small_disk with the disk asked for every prefix.
+#: host_small_disk_inprocess / host_small_disk_worker: host_small_disk with the disk tier in
+#: the engine's process / in a worker process of its own (host_small_disk: the engine's
+#: default, a worker on a CUDA device).
 MODES = ("off", "host", "host_disk")
-EXTRA_MODES = ("host_third", "host_disk_all", "host_small_disk", "host_small_disk_all")
-DISK_MODES = ("host_disk", "host_disk_all", "host_small_disk", "host_small_disk_all")
+EXTRA_MODES = ("host_third", "host_disk_all", "host_small_disk", "host_small_disk_all",
+               "host_small_disk_inprocess", "host_small_disk_worker")
+DISK_MODES = ("host_disk", "host_disk_all", "host_small_disk", "host_small_disk_all",
+              "host_small_disk_inprocess", "host_small_disk_worker")
+#: Modes that say where the disk tier runs: in the engine's process, or in a worker
+#: process of its own (the others take the engine's default for the device).
+DISK_WORKER_MODES = {"host_small_disk_inprocess": False, "host_small_disk_worker": True}
 GIB = 1 << 30
 
 Progress = Callable[[str], None]
@@ -169,12 +177,14 @@ def _tier_options(mode: str, config: ServeConfig, bytes_per_block: int) -> dict[
         # The host tier holds a third of the conversations; the rest must go to disk (or,
         # without one, be computed again).
         options["host_cache_gb"] = max(everything // 3, 2 * bytes_per_block) / GIB
-    elif mode in ("host_small_disk", "host_small_disk_all"):
+    elif mode in ("host_small_disk", "host_small_disk_all", *DISK_WORKER_MODES):
         options["host_cache_gb"] = config.host_cache_gb if config.host_cache_gb is not None \
             else max(everything // 8, 2 * bytes_per_block) / GIB
     if mode in DISK_MODES:
         options["disk_cache_gb"] = 5 * everything / 4 / GIB
         options["disk_durable"] = config.disk_durable
+    if mode in DISK_WORKER_MODES:
+        options["disk_worker"] = DISK_WORKER_MODES[mode]
     if mode in ("host_disk_all", "host_small_disk_all"):
         options["restore_min_saving_s"] = 0.0
     if config.remote_cache is not None and mode != "off":

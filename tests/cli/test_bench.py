@@ -478,16 +478,19 @@ def test_longctx_cold_reports_warm_restores_apart(runner, tmp_path):
 
 
 def test_serve_host_small_disk_with_documents_in_lockstep(runner):
+    """Also with the disk tier in a worker process (the default on a GPU)."""
     result = runner.invoke(app, [*SERVE, "--doc-tokens", "64", "--lockstep", "--modes",
-                                 "off,host_small_disk", *SMALL_HOST, "--json"])
+                                 "off,host_small_disk,host_small_disk_worker", *SMALL_HOST,
+                                 "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["outputs_identical"] is True
     assert report["modes"]["off"]["disk_writes"] is None
-    writes = report["modes"]["host_small_disk"]["disk_writes"]
-    assert writes["lost"] == 0 and writes["offered"] > 0
-    assert writes["offered"] == (writes["written"] + writes["duplicate"]
-                                 + sum(writes["skipped"].values()) + writes["pending"])
+    for mode in ("host_small_disk", "host_small_disk_worker"):
+        writes = report["modes"][mode]["disk_writes"]
+        assert writes["lost"] == 0 and writes["offered"] > 0
+        assert writes["offered"] == (writes["written"] + writes["duplicate"]
+                                     + sum(writes["skipped"].values()) + writes["pending"])
     # Each conversation's own document is in its history.
     assert report["working_set_blocks"] > 4 * 64 // 16
     # One record per round; together they are the run's prompt tokens.
