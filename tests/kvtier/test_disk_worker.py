@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +115,64 @@ def test_a_dead_worker_leaves_a_tier_that_misses_and_refuses(tmp_path: Path,
     assert tier.stats() == before  # the last counters it told
     tier.sync()
     tier.close()
+
+
+def test_the_worker_outlives_signals_and_ends_when_the_engine_goes(tmp_path: Path,
+                                                                  host: HostTier) -> None:
+    """Ctrl-C and SIGTERM reach the whole process group; the engine's shutdown flushes
+    through the worker after them. The engine's socket closing (its process gone) ends it."""
+    metas, data = chain(LAYOUT, "signals", 2), random_blocks(LAYOUT, 2, seed=6)
+    host.slab[:2] = data
+    tier = start(tmp_path / "kv", host)
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(tier._process.pid, signum)
+        assert tier.put(metas, rows(host, range(2))) == [True, True]
+        assert tier.unavailable is None and tier._process.poll() is None
+    finally:
+        tier.close()
+    # An engine process killed while its worker runs: the worker closes its tier and exits.
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, str(tmp_path / "kv")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(engine.stdout.readline())
+        engine.kill()
+        engine.wait()
+        deadline = time.monotonic() + 30
+        while _alive(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker_pid), "the worker outlived its engine"
+    finally:
+        engine.kill()
+    disk, _ = open_disk_tier(tmp_path / "kv", LAYOUT, BUDGET)
+    assert disk is not None
+    with disk:
+        assert disk.contains([meta.block_hash for meta in metas]) == [True, True]
+
+
+#: An engine's process in miniature: a shared slab and a worker; prints the worker's pid.
+ENGINE = textwrap.dedent("""
+    import sys, time, torch
+    from kvtier.layout import KVLayout
+    from kvtier.tiers.disk.worker_tier import DiskWorkerTier
+    from kvtier.tiers.host import HostTier
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                      dtype=torch.bfloat16)  # LAYOUT
+    host = HostTier(layout, 4, pin_memory=False, shared=True)
+    tier, _ = DiskWorkerTier.start(sys.argv[1], layout, 1 << 24,
+                                   shared=host.shared_memory)
+    print(tier._process.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, whose parent is gone, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_opening_errors_are_those_of_the_in_process_tier(tmp_path: Path,
