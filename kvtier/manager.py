@@ -22,6 +22,7 @@ is never served); pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from kvtier.tiers.host import HostRole, HostTier
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
 from kvtier.write_once import WriteOnce
+
+logger = logging.getLogger(__name__)
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
@@ -94,9 +97,9 @@ class TierManager:
         #: The host tier, or the staging slab the lower tiers' bytes pass through when it
         #: is off; None when nothing sits below the GPU.
         self.host: HostTier | None = None
-        if self.uses_disk_worker:
+        if self._wants_disk_worker():
             # The worker maps the slab: it must exist before the worker starts.
-            self.host = self._host_slab(num_host_slots, shared=True)
+            self.host = self._shared_host_slab(num_host_slots)
         try:
             lower, self.disk_recovery = open_lower_tiers(
                 config, layout, disk_read_hook,
@@ -138,12 +141,27 @@ class TierManager:
                        if self.host is not None else None)
         self._closed = False
 
-    @property
-    def uses_disk_worker(self) -> bool:
-        """Whether the disk tier runs in a worker process (`TierConfig.disk_worker`)."""
+    def _wants_disk_worker(self) -> bool:
+        """Whether the config asks for the disk tier in a worker process (None: on CUDA)."""
         worker = self.config.disk_worker
         return self.config.disk_path is not None and (
             worker if worker is not None else self.device.type == "cuda")
+
+    @property
+    def uses_disk_worker(self) -> bool:
+        """Whether the disk tier runs in a worker process (`TierConfig.disk_worker`; False
+        where the worker could not start and the tier runs in this process)."""
+        return isinstance(self.lower_tiers.named("disk"), DiskWorkerTier)
+
+    def _shared_host_slab(self, num_host_slots: int) -> HostTier | None:
+        """A host slab the disk worker can map, or None (with a warning) where shared memory
+        cannot be made: the disk tier then runs in this process, on a private slab."""
+        try:
+            return self._host_slab(num_host_slots, shared=True)
+        except OSError as exc:
+            logger.warning("the host tier cannot be shared with a disk worker process (%s); "
+                           "the disk tier runs in the engine's process instead", exc)
+            return None
 
     def _host_slab(self, num_host_slots: int, shared: bool) -> HostTier:
         return HostTier(self.layout, num_host_slots or self.config.staging_slots,

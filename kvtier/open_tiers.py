@@ -5,6 +5,7 @@ block, the shared remote store."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from kvtier.config import TierConfig
@@ -15,8 +16,10 @@ from kvtier.tiers.directory.tier import DirectoryTier
 from kvtier.tiers.disk.recovery import DiskRecovery, open_disk_tier
 from kvtier.tiers.disk.shard_layout import default_shards
 from kvtier.tiers.disk.tier import DiskTier
-from kvtier.tiers.disk.worker_tier import DiskWorkerTier
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier, WorkerGone
 from kvtier.tiers.record import BlockMeta
+
+logger = logging.getLogger(__name__)
 
 
 def open_lower_tiers(config: TierConfig, layout: KVLayout,
@@ -30,29 +33,39 @@ def open_lower_tiers(config: TierConfig, layout: KVLayout,
     constructor does, and ValueError for a read hook with a worker (it could not run)."""
     tiers: list[LowerTier | None] = []
     recovery = None
-    if config.disk_path is not None and disk_worker_memory is not None:
-        if disk_read_hook is not None:
-            raise ValueError("a disk read hook runs in the engine's process: turn the disk "
-                             "worker off (TierConfig.disk_worker=False) to use one")
-        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-        disk, recovery = DiskWorkerTier.start(
-            config.disk_path, layout, config.disk_budget_bytes, shared=disk_worker_memory,
-            shards=config.disk_shards or default_shards(config.disk_budget_bytes),
-            durable=config.disk_durable, lookup_deadline_s=config.disk_lookup_deadline_s,
-            threads=config.io_threads + 2)
-        tiers.append(disk)
-    elif config.disk_path is not None:
-        assert config.disk_budget_bytes is not None, "TierConfig checks the budget"
-        disk, recovery = open_disk_tier(config.disk_path, layout, config.disk_budget_bytes,
-                                        shards=config.disk_shards or default_shards(
-                                            config.disk_budget_bytes),
-                                        tier_class=DiskTier,
-                                        read_hook=disk_read_hook,
-                                        durable=config.disk_durable,
-                                        lookup_deadline_s=config.disk_lookup_deadline_s)
+    if config.disk_path is not None:
+        disk, recovery = _open_disk(config, layout, disk_read_hook, disk_worker_memory)
         tiers.append(disk)
     tiers.append(DirectoryTier(config.directory_path, layout) if config.directory_path else None)
     if config.remote is not None:
         from kvtier.tiers.remote.tier import RemoteTier  # imports redis: only when asked for
         tiers.append(RemoteTier(config.remote, layout))
     return [tier for tier in tiers if tier is not None], recovery
+
+
+def _open_disk(config: TierConfig, layout: KVLayout,
+               read_hook: Callable[[BlockMeta], None] | None,
+               worker_memory: SharedHostMemory | None
+               ) -> tuple[LowerTier | None, DiskRecovery | None]:
+    """The disk tier, in a worker process when `worker_memory` is given and the worker
+    starts; a worker that cannot (it exits, cannot map the slab, does not answer) leaves
+    the tier in this process, with a warning."""
+    assert config.disk_path is not None and config.disk_budget_bytes is not None, \
+        "TierConfig checks the budget"
+    shards = config.disk_shards or default_shards(config.disk_budget_bytes)
+    if worker_memory is not None:
+        if read_hook is not None:
+            raise ValueError("a disk read hook runs in the engine's process: turn the disk "
+                             "worker off (TierConfig.disk_worker=False) to use one")
+        try:
+            return DiskWorkerTier.start(config.disk_path, layout, config.disk_budget_bytes,
+                                        shared=worker_memory, shards=shards,
+                                        durable=config.disk_durable,
+                                        lookup_deadline_s=config.disk_lookup_deadline_s,
+                                        threads=config.io_threads + 2)
+        except WorkerGone as exc:  # the machine's doing, not the tier's: serve it here
+            logger.warning("%s; the disk tier runs in the engine's process instead", exc)
+    return open_disk_tier(config.disk_path, layout, config.disk_budget_bytes, shards=shards,
+                          tier_class=DiskTier, read_hook=read_hook,
+                          durable=config.disk_durable,
+                          lookup_deadline_s=config.disk_lookup_deadline_s)

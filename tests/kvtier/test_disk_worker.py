@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from manager_cases import chain, random_blocks, small_layout
+from manager_cases import chain, config, random_blocks, small_layout, write
 
+from kvtier.manager import TierManager
 from kvtier.shared_host_memory import SharedHostMemory, map_shared
 from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.disk.worker_tier import DiskWorkerTier
 from kvtier.tiers.host import HostTier
 
@@ -173,6 +175,22 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_that_cannot_start_leaves_the_tier_in_the_engines_process(
+        tmp_path: Path, managers: list, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A machine where the worker cannot run (here its interpreter exits at once): the
+    manager serves the disk tier itself, over the shared slab, and says so."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    m = TierManager(LAYOUT, config(LAYOUT, tmp_path, gpu=4, host=2, disk_worker=True))
+    managers.append(m)
+    assert not m.uses_disk_worker and isinstance(m.disk, DiskTier)
+    assert "runs in the engine's process instead" in caplog.text
+    metas, data = chain(LAYOUT, "fallback", 4), random_blocks(LAYOUT, 4, seed=8)
+    write(m, metas, data)
+    m.flush()
+    assert m.disk.contains([meta.block_hash for meta in metas]) == [True] * 4
 
 
 def test_opening_errors_are_those_of_the_in_process_tier(tmp_path: Path,

@@ -14,8 +14,9 @@ Started by `kvtier.tiers.disk.worker_tier.DiskWorkerTier` as
 pickled messages (`multiprocessing.connection` framing):
 
   * first an `OpenRequest`; the answer is `("ready", info)` with the tier's attributes and
-    what recovery did, `("off", recovery)` when recovery turned the disk tier off, or
-    `("failed", exception)`;
+    what recovery did, `("off", recovery)` when recovery turned the disk tier off,
+    `("unmapped", message)` when the host slab cannot be mapped here, or
+    `("failed", exception)` when opening the tier raised;
   * then `(request_id, verb, args)`, answered `(request_id, True, result)` or
     `(request_id, False, exception)`, on a pool of threads, in any order.
 
@@ -123,6 +124,10 @@ def _open(conn: Connection) -> tuple[_Server, OpenRequest] | None:
     request: OpenRequest = conn.recv()
     try:
         slab = map_shared(request.shared_path, request.shared_bytes)
+    except OSError as exc:  # this process cannot serve the engine's slab
+        conn.send(("unmapped", str(exc)))
+        return None
+    try:
         tier, recovery = open_disk_tier(request.path, request.layout, request.budget_bytes,
                                         shards=request.shards, tier_class=DiskTier,
                                         durable=request.durable,

@@ -103,7 +103,8 @@ class DiskWorkerTier(LowerTier):
 
         Returns (tier, recovery) as `open_disk_tier` does: (None, recovery) when recovery
         turned the disk tier off. Raises what opening the tier raised in the worker, and
-        WorkerGone when the worker did not start within `start_timeout_s`."""
+        WorkerGone when the worker exited, could not map the slab, or did not open the
+        tier within `start_timeout_s` (the tier itself may be fine: open it in process)."""
         root = Path(path).expanduser().absolute()
         ours, theirs = socket.socketpair()
         try:
@@ -132,6 +133,9 @@ class DiskWorkerTier(LowerTier):
             _stop(process)
             if status == "off":
                 return None, payload
+            if status == "unmapped":
+                raise WorkerGone(f"the disk worker for {root} cannot map the host slab "
+                                 f"({payload})")
             raise payload
         info, recovery = payload
         return cls(root, layout, info, process, conn, shared, lookup_deadline_s), recovery
