@@ -177,12 +177,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("interpreter", ["/bin/false", "/nonexistent/python3"])
 def test_a_worker_that_cannot_start_leaves_the_tier_in_the_engines_process(
         tmp_path: Path, managers: list, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
-    """A machine where the worker cannot run (here its interpreter exits at once): the
-    manager serves the disk tier itself, over the shared slab, and says so."""
-    monkeypatch.setattr(sys, "executable", "/bin/false")
+        caplog: pytest.LogCaptureFixture, interpreter: str) -> None:
+    """A machine where the worker cannot run (its interpreter exits at once, or is not
+    there): the manager serves the disk tier itself, over the shared slab, and says so."""
+    monkeypatch.setattr(sys, "executable", interpreter)
     m = TierManager(LAYOUT, config(LAYOUT, tmp_path, gpu=4, host=2, disk_worker=True))
     managers.append(m)
     assert not m.uses_disk_worker and isinstance(m.disk, DiskTier)

@@ -73,7 +73,6 @@ class TierInfo:
     serial_writes: bool
     durable: bool
     budget_bytes: int
-    num_shards: int
 
 
 def meta_tuples(metas: list[BlockMeta]) -> list[MetaTuple]:
@@ -138,9 +137,8 @@ def _open(conn: Connection) -> tuple[_Server, OpenRequest] | None:
     if tier is None:
         conn.send(("off", recovery))
         return None
-    shards = getattr(tier, "shards", [tier])
     conn.send(("ready", (TierInfo(tier.write_batch, tier.serial_writes, tier.durable,
-                                  tier.budget_bytes, len(shards)), recovery)))
+                                  tier.budget_bytes), recovery)))
     return _Server(tier, slab, request.layout.bytes_per_block), request
 
 

@@ -79,7 +79,6 @@ class DiskWorkerTier(LowerTier):
         self.path, self.layout = path, layout
         self.write_batch, self.serial_writes = info.write_batch, info.serial_writes
         self.durable, self.budget_bytes = info.durable, info.budget_bytes
-        self.num_shards = info.num_shards
         self.lookup_deadline_s = lookup_deadline_s
         self._process, self._conn, self._shared = process, conn, shared
         self._lock = threading.Lock()  # sending, and the pending requests
@@ -111,6 +110,9 @@ class DiskWorkerTier(LowerTier):
             process = subprocess.Popen(
                 [sys.executable, "-m", "kvtier.tiers.disk.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        except OSError as exc:  # no interpreter to run it with
+            ours.close()
+            raise WorkerGone(f"the disk worker for {root} cannot be started ({exc})") from exc
         finally:
             theirs.close()
         conn = Connection(ours.detach())
