@@ -48,6 +48,8 @@ from kvtier.cli.bench.longctx import (
 from kvtier.engine import LLM, RequestOutput, SamplingParams
 from kvtier.engine.loader import LoadedModel
 
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier, WorkerCalls
+
 #: off: tiers off. host: a host tier that holds every conversation. host_third: a host tier
 #: that holds a third of them (host_disk's), no disk. host_disk: that host tier, then disk.
 #: host_disk_all: host_disk with the disk asked for every prefix (restore_min_saving_s 0).
@@ -238,6 +240,12 @@ def _play_modes(loaded: LoadedModel, config: ServeConfig, system: list[int],
     return runs
 
 
+def _worker_calls(llm: LLM) -> dict[str, WorkerCalls] | None:
+    """The disk worker's requests so far, per verb; None without a disk worker."""
+    disk = llm.manager.lower_tiers.named("disk")
+    return disk.calls() if isinstance(disk, DiskWorkerTier) else None
+
+
 def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
               questions: list[list[list[int]]],
               raw_write: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -253,6 +261,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
 
     start, planned_before, thread_before = (time.perf_counter(), llm.planning_seconds,
                                             llm.thread_time())
+    worker_before = _worker_calls(llm)
     for conversation in range(config.num_conversations):
         send(conversation)
     finished: list[RequestOutput] = []
@@ -280,6 +289,7 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
     elapsed = time.perf_counter() - start
     planning_s = llm.planning_seconds - planned_before
     thread_s = llm.thread_time().since(thread_before)
+    worker_calls = _worker_calls(llm)
     llm.manager.drain()  # bytes moved count the writes the run started, landed or not yet
     ttft = [o.metrics.ttft_s for o in finished]
     tpot = [(o.metrics.finished_time - o.metrics.first_token_time)
@@ -294,6 +304,11 @@ def _run_mode(llm: LLM, config: ServeConfig, system: list[int],
         # of its steps went (`LLM.thread_time`).
         "planning_s": planning_s,
         "engine_thread_s": thread_s.as_dict(),
+        # Requests to the disk worker over the run, per verb: how many, and the seconds
+        # the engine's threads waited for them (None: the disk tier runs in process).
+        "disk_worker_calls": None if worker_calls is None else {
+            verb: asdict(calls.since(worker_before.get(verb, WorkerCalls())))
+            for verb, calls in sorted(worker_calls.items())},
         "num_requests": len(finished),
         "generated_tokens": num_generated,
         "throughput_tok_s": num_generated / elapsed,

@@ -216,6 +216,14 @@ def print_serve(result: dict[str, Any]) -> None:
                   *(f"{m['engine_thread_s'][k]:.2f}" for k in
                     ("planning_s", "launching_s", "after_launch_s", "waiting_s")))
                  for name, m in modes.items() if "engine_thread_s" in m])
+    worker_rows = [(name, verb, c["calls"], f"{c['seconds']:.3f}",
+                    ms(c["seconds"] / c["calls"]) if c["calls"] else "-")
+                   for name, m in modes.items() for verb, c in
+                   (m.get("disk_worker_calls") or {}).items()]
+    if worker_rows:
+        print_table("Requests to the disk worker process: the seconds the engine's threads "
+                    "waited for their answers", ("mode", "verb", "calls", "seconds", "mean ms"),
+                    worker_rows)
     round_rows = [(name, index + 1, f"{r['seconds']:.2f}", f"{r['planning_s']:.2f}",
                    ms(r["ttft_p50_s"]),
                    r["tokens"]["host"], r["tokens"]["disk"], r["tokens"]["computed"],

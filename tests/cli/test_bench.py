@@ -491,6 +491,11 @@ def test_serve_host_small_disk_with_documents_in_lockstep(runner):
         assert writes["lost"] == 0 and writes["offered"] > 0
         assert writes["offered"] == (writes["written"] + writes["duplicate"]
                                      + sum(writes["skipped"].values()) + writes["pending"])
+    # What the worker's requests cost the engine's threads; nothing without a worker.
+    assert report["modes"]["host_small_disk"]["disk_worker_calls"] is None
+    calls = report["modes"]["host_small_disk_worker"]["disk_worker_calls"]
+    assert calls["contains"]["calls"] > 0 and calls["put"]["calls"] > 0
+    assert all(c["seconds"] > 0 for c in calls.values() if c["calls"])
     # Each conversation's own document is in its history.
     assert report["working_set_blocks"] > 4 * 64 // 16
     # One record per round; together they are the run's prompt tokens.

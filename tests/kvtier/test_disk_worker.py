@@ -67,6 +67,10 @@ def test_blocks_go_through_the_shared_slab_and_outlive_the_worker(tmp_path: Path
         assert tier.delete(hashes[:1]) == 1
         stats = tier.stats()
         assert stats.num_blocks == 5 and stats.puts == 6 and stats.hits == 4
+        calls = tier.calls()  # the round trips the caller waited for, per verb
+        assert {verb: c.calls for verb, c in calls.items()} == \
+            {"put": 1, "contains": 1, "get": 1, "delete": 1, "stats": 1}
+        assert all(c.seconds > 0 for c in calls.values())
     finally:
         tier.close()
     tier.close()  # idempotent

@@ -20,9 +20,11 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,18 @@ CLOSE_TIMEOUT_S = 300.0
 
 class WorkerGone(OSError):
     """The disk worker exited, or stopped answering."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCalls:
+    """Requests of one verb made to the worker: how many were answered, and the seconds
+    their callers waited for the answers (the round trip, the worker's work included)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+    def since(self, before: WorkerCalls) -> WorkerCalls:
+        return WorkerCalls(self.calls - before.calls, self.seconds - before.seconds)
 
 
 def _address(buffer: object, nbytes: int) -> int | None:
@@ -87,6 +101,7 @@ class DiskWorkerTier(LowerTier):
         self._gone: str | None = None
         self._closed = False
         self._last_stats = DiskStats(0, 0, info.budget_bytes, 0, 0, 0, 0, 0, 0, info.durable)
+        self._calls: dict[str, WorkerCalls] = {}  # per verb, answered requests
         self._receiver = threading.Thread(target=self._receive, name="kvtier-disk-replies",
                                           daemon=True)
         self._receiver.start()
@@ -192,7 +207,19 @@ class DiskWorkerTier(LowerTier):
             future.set_exception(WorkerGone(reason))
 
     def _ask(self, verb: str, *args: object, timeout: float | None = None) -> Any:
-        return self._request(verb, *args).result(timeout=timeout)
+        started = time.perf_counter()
+        answer = self._request(verb, *args).result(timeout=timeout)
+        waited = time.perf_counter() - started
+        with self._lock:
+            calls = self._calls.get(verb, WorkerCalls())
+            self._calls[verb] = WorkerCalls(calls.calls + 1, calls.seconds + waited)
+        return answer
+
+    def calls(self) -> dict[str, WorkerCalls]:
+        """Per verb ("contains", "get", "put", ...), the requests answered so far and the
+        seconds their callers waited: what the worker costs the engine's threads."""
+        with self._lock:
+            return dict(self._calls)
 
     @property
     def unavailable(self) -> str | None:
