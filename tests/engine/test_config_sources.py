@@ -148,6 +148,29 @@ def test_disk_shards_and_read_reserve_from_the_environment_reach_the_tiers(
             load_engine_config({}, None)
 
 
+def test_the_disk_worker_is_off_on_the_cpu_unless_asked_for(tmp_path, monkeypatch) -> None:
+    """None (the default) is a worker on CUDA only; `disk_worker` or KVTIER_DISK_WORKER
+    turn it on here, and an engine with it answers as one without."""
+    assert EngineConfig().disk_worker is None
+    prompt, params = list(range(3, 80)), SamplingParams(max_tokens=4, ignore_eos=True)
+    answers = []
+    for worker, env in ((None, None), (True, None), (None, "true"), (False, "true")):
+        if env is None:
+            monkeypatch.delenv("KVTIER_DISK_WORKER", raising=False)
+        else:
+            monkeypatch.setenv("KVTIER_DISK_WORKER", env)
+        with LLM("random:tiny-llama", device="cpu", gpu_blocks=16, host_cache_gb=0.001,
+                 disk_cache_dir=tmp_path / f"kv-{worker}-{env}", disk_cache_gb=0.01,
+                 disk_worker=worker, dtype="float32") as llm:
+            expected = worker if worker is not None else env == "true"
+            assert llm.manager.uses_disk_worker is expected
+            answers.append(list(llm.generate([prompt], params)[0].outputs[0].token_ids))
+    assert all(answer == answers[0] for answer in answers)
+    monkeypatch.setenv("KVTIER_DISK_WORKER", "sometimes")
+    with pytest.raises(ValueError, match="disk_worker"):
+        load_engine_config({}, None)
+
+
 @pytest.mark.parametrize(("disk_cache_gb", "expected"), [
     (0.01, ["data.mdb", "lock.mdb"]),
     (4.0, [f"shard-{i}-of-4" for i in range(4)]),
