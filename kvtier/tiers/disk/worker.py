@@ -41,6 +41,7 @@ import numpy as np
 from kvtier.layout import KVLayout
 from kvtier.shared_host_memory import map_shared
 from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.record import BlockMeta
 
@@ -83,7 +84,8 @@ def meta_tuples(metas: list[BlockMeta]) -> list[MetaTuple]:
 class _Server:
     """One opened tier and the slab's mapping; `handle` runs one request."""
 
-    def __init__(self, tier: Any, slab: mmap.mmap, bytes_per_block: int) -> None:
+    def __init__(self, tier: DiskTier | ShardedDiskTier, slab: mmap.mmap,
+                 bytes_per_block: int) -> None:
         self.tier, self.bytes_per_block = tier, bytes_per_block
         self._slab = np.frombuffer(slab, dtype=np.uint8)  # [shared_bytes], writable
 
