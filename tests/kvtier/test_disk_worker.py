@@ -24,9 +24,12 @@ from manager_cases import chain, config, random_blocks, small_layout, write
 
 from kvtier.manager import TierManager
 from kvtier.shared_host_memory import SharedHostMemory, map_shared
+from kvtier.tiers.disk.key_changes import KeyChanges
+from kvtier.tiers.disk.key_replica import KeyReplica
 from kvtier.tiers.disk.recovery import open_disk_tier
+from kvtier.tiers.disk.shard_layout import shard_of
 from kvtier.tiers.disk.tier import DiskTier
-from kvtier.tiers.disk.worker_tier import DiskWorkerTier
+from kvtier.tiers.disk.worker_tier import DiskWorkerTier, WorkerCalls
 from kvtier.tiers.host import HostTier
 
 LAYOUT = small_layout(torch.bfloat16)
@@ -68,8 +71,10 @@ def test_blocks_go_through_the_shared_slab_and_outlive_the_worker(tmp_path: Path
         stats = tier.stats()
         assert stats.num_blocks == 5 and stats.puts == 6 and stats.hits == 4
         calls = tier.calls()  # the round trips the caller waited for, per verb
-        assert {verb: c.calls for verb, c in calls.items()} == \
-            {"put": 1, "contains": 1, "get": 1, "delete": 1, "stats": 1}
+        counts = {verb: c.calls for verb, c in calls.items()}
+        # The lookup went to the worker, or to the replica once the worker found it current.
+        assert counts.pop("contains", 0) + counts.pop("contains_replica", 0) == 1
+        assert counts == {"put": 1, "get": 1, "delete": 1, "stats": 1}
         assert all(c.seconds > 0 for c in calls.values())
     finally:
         tier.close()
@@ -82,6 +87,72 @@ def test_blocks_go_through_the_shared_slab_and_outlive_the_worker(tmp_path: Path
         dest = torch.empty(LAYOUT.bytes_per_block, dtype=torch.uint8)
         assert disk.get_into(metas[5], dest)
         assert torch.equal(dest, data[5].reshape(-1).view(torch.uint8))
+
+
+def wait_for_replica(tier: DiskWorkerTier, hashes: list[bytes], expected: list[bool]) -> None:
+    """Until the tier answers `expected` from its replica, not the worker (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if tier._replica.lookup(hashes) == expected:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the replica did not answer {expected} within 10 s")
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_lookups_come_from_the_replica_and_see_every_write(tmp_path: Path, host: HostTier,
+                                                           shards: int) -> None:
+    """Once the worker found its copy current, lookups are answered in this process; a
+    write or delete is in the replica by the time it returns; another process's writes to
+    the directory reach it within a few of the worker's checks."""
+    metas, data = chain(LAYOUT, "replica", 6), random_blocks(LAYOUT, 6, seed=9)
+    hashes = [meta.block_hash for meta in metas]
+    host.slab[:6] = data
+    tier = start(tmp_path / "kv", host, shards=shards)
+    try:
+        wait_for_replica(tier, hashes, [False] * 6)
+        assert tier.put(metas[:4], rows(host, range(4))) == [True] * 4
+        assert tier.contains(hashes) == [True] * 4 + [False] * 2  # no waiting
+        assert tier.delete(hashes[:1]) == 1
+        assert tier.contains(hashes) == [False] + [True] * 3 + [False] * 2
+        asked = tier.calls().get("contains", WorkerCalls()).calls
+        # Another process (the in-process tier here) writes the last two blocks.
+        other, _ = open_disk_tier(tmp_path / "kv", LAYOUT, BUDGET, shards=shards)
+        assert other is not None
+        with other:
+            assert other.put(metas[4:], [host.slot_array(i) for i in (4, 5)]) == [True] * 2
+        wait_for_replica(tier, hashes, [False] + [True] * 5)
+        assert tier.contains(hashes) == [False] + [True] * 5
+        assert tier.calls()["contains_replica"].calls >= 2
+        assert tier.calls().get("contains", WorkerCalls()).calls == asked
+    finally:
+        tier.close()
+
+
+def test_the_replica_replays_the_copys_events() -> None:
+    h = [bytes([i]) * 16 for i in range(4)]
+    replica = KeyReplica(num_shards=2, fresh_s=60.0)
+    assert replica.lookup(h) is None  # nothing loaded
+    for shard in (0, 1):
+        replica.apply(shard, ("loaded", [x for x in h[:2] if shard_of(x, 2) == shard]))
+    assert replica.lookup(h) is None  # loaded, not yet found current
+    replica.apply(0, ("current", None))
+    replica.apply(1, ("current", None))
+    assert replica.lookup(h) == [True, True, False, False]
+    changes = KeyChanges()
+    changes.added(h[2])
+    changes.removed(h[0])
+    for shard in (0, 1):  # each shard's copy is told its own commit's changes
+        mine = KeyChanges([step for step in changes.steps if shard_of(step[0], 2) == shard])
+        replica.apply(shard, ("changed", mine))
+    assert replica.lookup(h) == [False, True, True, False]
+    replica.apply(1, ("dropped", None))  # one shard's copy dropped: ask the worker
+    assert replica.lookup(h) is None
+    replica.apply(1, ("loaded", []))
+    replica.apply(1, ("current", None))
+    assert replica.lookup([h[3]]) == [False]
+    replica.clear()
+    assert replica.lookup(h) is None
 
 
 def test_buffers_outside_the_slab_travel_as_bytes(tmp_path: Path, host: HostTier) -> None:

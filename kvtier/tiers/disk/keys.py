@@ -48,6 +48,13 @@ logger = logging.getLogger(__name__)
 _SCAN_LEAVES = 64
 
 
+#: What a `DiskKeySet` tells its watcher, in the order it happens to the copy:
+#: ("loaded", [hashes]) the copy now holds exactly these; ("dropped", None) it holds nothing;
+#: ("changed", KeyChanges) a commit's changes were applied to it; ("current", None) a lookup
+#: found it at the stored generation.
+KeyEvent = tuple[str, object]
+
+
 class DiskKeySet:
     """The hashes stored at one key generation, kept current by this process's own commits.
 
@@ -55,7 +62,9 @@ class DiskKeySet:
     generation (lookups at that generation are answered). `committed` moves a loaded copy
     forward when this process's commit started at its generation, and drops it otherwise (a
     commit of another process came between). A load takes a snapshot in a read transaction;
-    this process's commits during the load are replayed onto it in `install`.
+    this process's commits during the load are replayed onto it in `install`. A watcher
+    (`watch`) is told every change of the copy (`KeyEvent`), in order, under the copy's lock:
+    how a disk worker keeps the engine's process a replica of it.
     """
 
     def __init__(self) -> None:
@@ -65,6 +74,19 @@ class DiskKeySet:
         self._replay: list[tuple[int, int, KeyChanges]] | None = None  # while loading
         # When a lookup last found the copy at the stored generation (monotonic seconds).
         self._confirmed_at: float | None = None
+        self._watcher: Callable[[KeyEvent], None] | None = None
+
+    def watch(self, watcher: Callable[[KeyEvent], None]) -> None:
+        """Tell `watcher` the copy as it is now ("loaded" or "dropped"), then every change
+        of it. It runs under the copy's lock: it must not call back into this object."""
+        with self._lock:
+            self._watcher = watcher
+            watcher(("loaded", list(self._keys)) if self._generation is not None
+                    else ("dropped", None))
+
+    def _tell(self, event: KeyEvent) -> None:
+        if self._watcher is not None:  # the caller holds the lock
+            self._watcher(event)
 
     @property
     def generation(self) -> int | None:
@@ -79,7 +101,18 @@ class DiskKeySet:
             if self._generation != generation:
                 return None
             self._confirmed_at = time.monotonic()
+            self._tell(("current", None))
             return self._stored(block_hashes)
+
+    def confirm(self, generation: int) -> bool:
+        """Whether the copy is at `generation` (the stored one, read by the caller); a
+        lookup after it may answer from the copy for a while (`lookup_recent`)."""
+        with self._lock:
+            if self._generation != generation:
+                return False
+            self._confirmed_at = time.monotonic()
+            self._tell(("current", None))
+            return True
 
     def lookup_recent(self, block_hashes: Sequence[BlockHash],
                       max_age_s: float) -> list[bool] | None:
@@ -119,6 +152,7 @@ class DiskKeySet:
                 return
             changes.apply_to(self._keys)
             self._generation = after
+            self._tell(("changed", changes))
 
     def start_load(self) -> bool:
         """Begin a load unless one runs; True when the caller should load (then call
@@ -146,6 +180,7 @@ class DiskKeySet:
                 changes.apply_to(loaded)
                 generation = after
             self._keys, self._generation, self._confirmed_at = loaded, generation, None
+            self._tell(("loaded", list(loaded)))
             return True
 
     def abandon_load(self) -> None:
@@ -155,6 +190,7 @@ class DiskKeySet:
 
     def _drop(self) -> None:
         self._keys, self._generation, self._confirmed_at = {}, None, None
+        self._tell(("dropped", None))
 
 
 class StoredKeys:
@@ -204,7 +240,7 @@ class StoredKeys:
             if self._env.closed:
                 return False
             with self._env.txn() as txn:
-                if self._keys.generation == self._index.key_generation(txn):
+                if self._keys.confirm(self._index.key_generation(txn)):
                     return True
             self.start_load()
             loader = self._loader
@@ -219,6 +255,10 @@ class StoredKeys:
     def spots(self, block_hashes: Sequence[BlockHash]) -> list[ValueSpot | None]:
         """Where each block's value lay when the copy last saw it (`DiskKeySet.spots`)."""
         return self._keys.spots(block_hashes)
+
+    def watch(self, watcher: Callable[[KeyEvent], None]) -> None:
+        """`DiskKeySet.watch` on the copy."""
+        self._keys.watch(watcher)
 
     @contextmanager
     def write(self) -> Iterator[tuple[lmdb.Transaction, KeyChanges]]:

@@ -48,7 +48,7 @@ from kvtier.tiers.disk.index import (
     GuardedEnv,
     LmdbIndex,
 )
-from kvtier.tiers.disk.keys import StoredKeys
+from kvtier.tiers.disk.keys import KeyEvent, StoredKeys
 from kvtier.tiers.disk.read import RecordSource, read_records_into
 from kvtier.tiers.disk.shard_layout import existing_shards
 from kvtier.tiers.disk.sync import WriteSync
@@ -359,6 +359,11 @@ class DiskTier(LowerTier):
             logger.warning("disk cache %s: a lookup took more than %s s; the disk tier counts "
                            "as unavailable until it returns", self.path, self.lookup_deadline_s)
         return fallback
+
+    def watch_keys(self, watcher: Callable[[KeyEvent], None]) -> None:
+        """Tell `watcher` this process's copy of the stored hashes and every change of it
+        (`kvtier.tiers.disk.keys.DiskKeySet.watch`); `keys_in_memory` confirms it current."""
+        self._keys.watch(watcher)
 
     def keys_in_memory(self, wait: float = 0.0) -> bool:
         """Whether lookups are answered from memory now: the copy of the stored hashes is at

@@ -18,7 +18,13 @@ pickled messages (`multiprocessing.connection` framing):
     `("unmapped", message)` when the host slab cannot be mapped here, or
     `("failed", exception)` when opening the tier raised;
   * then `(request_id, verb, args)`, answered `(request_id, True, result)` or
-    `(request_id, False, exception)`, on a pool of threads, in any order.
+    `(request_id, False, exception)`, on a pool of threads, in any order;
+  * unasked, `(None, "keys", (shard, event))`: every change of each shard's copy of its
+    stored hashes (`kvtier.tiers.disk.keys.KeyEvent`), in order, and "current" as a
+    thread of its own finds each copy at the stored generation every `KEYS_FRESH_S / 2`
+    seconds. The engine's side keeps a replica and answers lookups from it. A commit's
+    changes are sent before the answer to the request that made it, so the replica has
+    them when the caller learns the blocks are stored.
 
 EOF on the socket (the engine's process is gone) closes the tier and ends the process;
 SIGINT and SIGTERM are ignored (see `main`).
@@ -26,23 +32,27 @@ SIGINT and SIGTERM are ignored (see `main`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from kvtier.layout import KVLayout
 from kvtier.shared_host_memory import map_shared
+from kvtier.tiers.disk.keys import KeyEvent
 from kvtier.tiers.disk.recovery import open_disk_tier
 from kvtier.tiers.disk.shards import ShardedDiskTier
-from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.disk.tier import KEYS_FRESH_S, DiskTier
 from kvtier.tiers.record import BlockMeta
 
 logger = logging.getLogger("kvtier.tiers.disk.worker")
@@ -74,6 +84,7 @@ class TierInfo:
     serial_writes: bool
     durable: bool
     budget_bytes: int
+    num_shards: int
 
 
 def meta_tuples(metas: list[BlockMeta]) -> list[MetaTuple]:
@@ -140,8 +151,37 @@ def _open(conn: Connection) -> tuple[_Server, OpenRequest] | None:
         conn.send(("off", recovery))
         return None
     conn.send(("ready", (TierInfo(tier.write_batch, tier.serial_writes, tier.durable,
-                                  tier.budget_bytes), recovery)))
+                                  tier.budget_bytes, len(_shards(tier))), recovery)))
     return _Server(tier, slab, request.layout.bytes_per_block), request
+
+
+def _shards(tier: DiskTier | ShardedDiskTier) -> list[DiskTier]:
+    return tier.shards if isinstance(tier, ShardedDiskTier) else [tier]
+
+
+def _tell_keys(tier: DiskTier | ShardedDiskTier, send: Callable[[tuple], None],
+               stop: threading.Event) -> threading.Thread:
+    """Send every shard's key events, and confirm the copies current on a thread of its own
+    (returned, started) until `stop` is set."""
+    shards = _shards(tier)
+    for index, shard in enumerate(shards):
+        shard.watch_keys(functools.partial(_send_key_event, send, index))
+
+    def confirm() -> None:
+        while not stop.wait(KEYS_FRESH_S / 2):
+            for shard in shards:
+                try:
+                    shard.keys_in_memory()  # "current" when it is; a load when it is not
+                except (lmdb.Error, OSError, ValueError):  # closing, or the files went away
+                    pass
+
+    thread = threading.Thread(target=confirm, name="kvtier-disk-keys-current", daemon=True)
+    thread.start()
+    return thread
+
+
+def _send_key_event(send: Callable[[tuple], None], shard: int, event: KeyEvent) -> None:
+    send((None, "keys", (shard, event)))
 
 
 def serve(conn: Connection) -> None:
@@ -153,14 +193,23 @@ def serve(conn: Connection) -> None:
     server, request = opened
     send_lock = threading.Lock()
 
+    def send(message: tuple) -> None:
+        try:
+            with send_lock:
+                conn.send(message)
+        except (OSError, ValueError):  # the engine is gone: the receive loop ends
+            pass
+
+    stop_keys = threading.Event()
+    keys_thread = _tell_keys(server.tier, send, stop_keys)
+
     def answer(request_id: int, verb: str, args: tuple) -> None:
         try:
             reply = (request_id, True, server.handle(verb, args))
         except Exception as exc:
             logger.exception("disk worker: %s failed", verb)
             reply = (request_id, False, exc)
-        with send_lock:
-            conn.send(reply)
+        send(reply)
 
     pool = ThreadPoolExecutor(request.threads, thread_name_prefix="kvtier-disk-worker")
     close_id = None
@@ -175,11 +224,12 @@ def serve(conn: Connection) -> None:
                 break
             pool.submit(answer, request_id, verb, args)
     finally:
+        stop_keys.set()
+        keys_thread.join()
         pool.shutdown(wait=True)
         server.tier.close()
         if close_id is not None:
-            with send_lock:
-                conn.send((close_id, True, None))
+            send((close_id, True, None))
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,9 @@ take it back once per job, not several times per block.
 
 A worker that exits or stops answering leaves the tier serving nothing (`unavailable` says
 why): lookups miss, reads miss, writes are refused, as with a disk that went away; the run
-goes on recomputing. Lookups wait at most the tier's lookup deadline plus a second.
+goes on recomputing. Lookups are answered in this process from a replica of the worker's
+stored hashes while it is current (`kvtier.tiers.disk.key_replica`); asked of the worker,
+they wait at most the tier's lookup deadline plus a second.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from kvtier.layout import KVLayout
 from kvtier.shared_host_memory import SharedHostMemory
 from kvtier.stats import Tier
 from kvtier.tiers.base import LowerTier, WritePolicy
+from kvtier.tiers.disk.key_replica import KeyReplica
 from kvtier.tiers.disk.recovery import DiskRecovery
-from kvtier.tiers.disk.tier import LOOKUP_DEADLINE_S, DiskStats
+from kvtier.tiers.disk.tier import KEYS_FRESH_S, LOOKUP_DEADLINE_S, DiskStats
 from kvtier.tiers.disk.worker import OpenRequest, TierInfo, meta_tuples
 from kvtier.tiers.record import BlockBuffer, BlockMeta, dest_array, payload_view
 
@@ -102,6 +105,7 @@ class DiskWorkerTier(LowerTier):
         self._closed = False
         self._last_stats = DiskStats(0, 0, info.budget_bytes, 0, 0, 0, 0, 0, 0, info.durable)
         self._calls: dict[str, WorkerCalls] = {}  # per verb, answered requests
+        self._replica = KeyReplica(info.num_shards, KEYS_FRESH_S)
         self._receiver = threading.Thread(target=self._receive, name="kvtier-disk-replies",
                                           daemon=True)
         self._receiver.start()
@@ -179,6 +183,9 @@ class DiskWorkerTier(LowerTier):
                 request_id, ok, result = self._conn.recv()
             except (EOFError, OSError):
                 break
+            if request_id is None:  # unasked: (None, "keys", (shard, event))
+                self._replica.apply(*result)
+                continue
             with self._lock:
                 future = self._pending.pop(request_id, None)
             if future is None:
@@ -203,21 +210,26 @@ class DiskWorkerTier(LowerTier):
                 if not self._closed:
                     logger.warning("disk cache %s: %s", self.path, reason)
             pending, self._pending = self._pending, {}
+        self._replica.clear()
         for future in pending.values():
             future.set_exception(WorkerGone(reason))
 
     def _ask(self, verb: str, *args: object, timeout: float | None = None) -> Any:
         started = time.perf_counter()
         answer = self._request(verb, *args).result(timeout=timeout)
-        waited = time.perf_counter() - started
+        self._count(verb, time.perf_counter() - started)
+        return answer
+
+    def _count(self, verb: str, seconds: float) -> None:
         with self._lock:
             calls = self._calls.get(verb, WorkerCalls())
-            self._calls[verb] = WorkerCalls(calls.calls + 1, calls.seconds + waited)
-        return answer
+            self._calls[verb] = WorkerCalls(calls.calls + 1, calls.seconds + seconds)
 
     def calls(self) -> dict[str, WorkerCalls]:
         """Per verb ("contains", "get", "put", ...), the requests answered so far and the
-        seconds their callers waited: what the worker costs the engine's threads."""
+        seconds their callers waited: what the worker costs the engine's threads.
+        "contains_replica" counts the lookups answered here, from the replica of the
+        worker's stored hashes, without a request."""
         with self._lock:
             return dict(self._calls)
 
@@ -229,6 +241,14 @@ class DiskWorkerTier(LowerTier):
     # ---- the verbs -----------------------------------------------------------------------
 
     def contains(self, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """From the replica of the worker's stored hashes while it is current (see
+        `kvtier.tiers.disk.key_replica`), else asked of the worker, within the lookup
+        deadline plus a second (all misses past it, or once the worker is gone)."""
+        started = time.perf_counter()
+        found = self._replica.lookup(block_hashes)
+        if found is not None:
+            self._count("contains_replica", time.perf_counter() - started)
+            return found
         hashes = list(block_hashes)
         try:
             return self._ask("contains", hashes, timeout=self.lookup_deadline_s + 1.0)
