@@ -9,8 +9,9 @@
 # cache dropped; `conversations` serves 24 conversations over 6K-token documents in lockstep
 # through a 40K-token GPU pool: tiers off, a host tier holding everything, 3 GB host + disk
 # (and that asking the disk for every prefix); CONVERSATION_MODES picks the modes.
-# `short`: prompts of 272, 1,040 and 4,112 tokens restored from the host and the disk against
-# recompute, for the 8B and the 1B shapes (the "never slower than recompute" case).
+# `short`: prompts of 272, 1,040 and 4,112 tokens restored from the host and the disk (in its
+# worker process, and in the engine's) against recompute, for the 8B and the 1B shapes (the
+# "never slower than recompute" case).
 # STAGES picks stages (default: all): diskread longctx_cold longctx_warm serve small_host
 # conversations short. Together they
 # take longer than one 10-minute device call: split them, e.g. STAGES=longctx_cold, then
@@ -54,7 +55,7 @@ fi
 if stage short; then
     for shape in llama3-8b llama3-1b; do
         limit 240 $KV bench longctx --model "random:$shape" --device cuda --dtype bfloat16 \
-            --doc-tokens 256,1024,4096 --num-docs 6 --strategies recompute,host,disk \
+            --doc-tokens 256,1024,4096 --num-docs 6 --strategies recompute,host,disk,disk_inprocess \
             --disk-dir /tmp --json > "$OUT_DIR/short_$shape.json" 2> "$OUT_DIR/short_$shape.log"
     done
 fi

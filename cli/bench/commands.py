@@ -98,7 +98,9 @@ def longctx(
     strategies: str = typer.Option(",".join(STRATEGIES), help="Comma-separated strategies "
                                    "to compare; recompute is the baseline and required. Also "
                                    "host_small_disk: the disk behind a host tier smaller "
-                                   "than the documents (--host-cache-gb)."),
+                                   "than the documents (--host-cache-gb); disk_inprocess: "
+                                   "disk with the disk tier in the engine's process (not a "
+                                   "worker process, the default on a GPU)."),
     host_cache_gb: float | None = typer.Option(None, "--host-cache-gb", help="host_small_disk's "
                                                "host tier in GiB (default: an eighth of the "
                                                "documents' KV)."),

@@ -15,6 +15,8 @@ a time. Strategies, side by side on one loaded model:
     host_small_disk  as disk, but behind a host tier smaller than the documents
                (`host_cache_gb`, by default an eighth of them): the disk tier is fed while
                the host tier is full, as on a machine whose RAM is short
+    disk_inprocess  as disk, with the disk tier in the engine's process (on a GPU the
+               engine's default runs it in a worker process of its own)
 
 Round two restores bidirectionally (`engine.restore`): each request computes its document's
 head while the tail loads, and the two fronts meet where the tier's speed puts them; the
@@ -82,9 +84,10 @@ from kvtier.layout import KVLayout
 from kvtier.stats import Direction
 
 STRATEGIES = ("recompute", "host", "disk")
-#: Strategies run only when named: the disk behind a small host tier.
-EXTRA_STRATEGIES = ("host_small_disk",)
-DISK_STRATEGIES = ("disk", "host_small_disk")
+#: Strategies run only when named: the disk behind a small host tier, and the disk tier in
+#: the engine's process.
+EXTRA_STRATEGIES = ("host_small_disk", "disk_inprocess")
+DISK_STRATEGIES = ("disk", "host_small_disk", "disk_inprocess")
 #: Strategies whose round two runs on a fresh engine: the disk ones (their host tier starts
 #: empty) and recompute, their baseline, so that both pay what an engine's first requests
 #: pay (docs/BENCHMARKS.md, "Short prompts") and the ratio weighs the restore alone.
@@ -226,6 +229,8 @@ def _engine_options(strategy: str, config: LongctxConfig, layout: KVLayout,
     if strategy in DISK_STRATEGIES:
         options["disk_cache_dir"] = disk_dir / strategy
         options["disk_durable"] = config.disk_durable
+    if strategy == "disk_inprocess":
+        options["disk_worker"] = False
     return options
 
 

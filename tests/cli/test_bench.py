@@ -363,6 +363,26 @@ def test_serve_and_longctx_benches_pass_the_disk_durability_to_their_disk_engine
     assert LongctxConfig().disk_durable is False and ServeConfig().disk_durable is False
 
 
+def test_bench_modes_that_name_where_the_disk_tier_runs_pin_it(tmp_path):
+    """disk_inprocess / host_small_disk_inprocess keep the disk tier in the engine's
+    process, host_small_disk_worker asks for the worker, the others take the default."""
+    from kvtier.cli.bench.longctx import LongctxConfig, _engine_options
+    from kvtier.cli.bench.serve import ServeConfig, _tier_options
+
+    from kvtier.layout import KVLayout
+
+    layout = KVLayout(2, 1, 8, 16, torch.float32)
+    longctx = LongctxConfig(model="random:tiny-llama")
+    assert _engine_options("disk_inprocess", longctx, layout, tmp_path)["disk_worker"] is False
+    assert "disk_worker" not in _engine_options("disk", longctx, layout, tmp_path)
+    serve = ServeConfig(model="random:tiny-llama")
+    worker = {mode: _tier_options(mode, serve, layout.bytes_per_block).get("disk_worker")
+              for mode in ("host_small_disk", "host_small_disk_inprocess",
+                           "host_small_disk_worker")}
+    assert worker == {"host_small_disk": None, "host_small_disk_inprocess": False,
+                      "host_small_disk_worker": True}
+
+
 def test_roundtrip_bench_is_wired(runner, tmp_path):
     result = runner.invoke(app, ["bench", "roundtrip", "--total-mib", "4", "--repeats", "1",
                                  "--device", "cpu", "--disk-dir", str(tmp_path), "--json"])
