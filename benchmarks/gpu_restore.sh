@@ -8,7 +8,8 @@
 # documents through a 1 GB host tier + disk, then restores them in a fresh engine with the page
 # cache dropped; `conversations` serves 24 conversations over 6K-token documents in lockstep
 # through a 40K-token GPU pool: tiers off, a host tier holding everything, 3 GB host + disk
-# (and that asking the disk for every prefix); CONVERSATION_MODES picks the modes.
+# (the disk tier in its worker process, and in the engine's); CONVERSATION_MODES picks the
+# modes.
 # `short`: prompts of 272, 1,040 and 4,112 tokens restored from the host and the disk (in its
 # worker process, and in the engine's) against recompute, for the 8B and the 1B shapes (the
 # "never slower than recompute" case).
@@ -49,7 +50,7 @@ if stage conversations; then
     limit 420 $KV bench serve "${MODEL[@]}" --num-conversations 24 --num-rounds 4 \
         --system-tokens 64 --user-tokens 200 --max-tokens 64 --doc-tokens 6000 --lockstep \
         --gpu-blocks 2500 --max-batched-tokens 4096 --host-cache-gb 3 \
-        --modes "${CONVERSATION_MODES:-off,host,host_small_disk,host_small_disk_all}" \
+        --modes "${CONVERSATION_MODES:-off,host,host_small_disk,host_small_disk_inprocess}" \
         --json > "$OUT_DIR/conversations.json" 2> "$OUT_DIR/conversations.log"
 fi
 if stage short; then
