@@ -22,7 +22,6 @@ is never served); pins and slots are released and the failure is counted.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from kvtier.hashing import BlockHash
 from kvtier.layout import KVLayout
 from kvtier.load_path import LoadPath
 from kvtier.loads import Load, LoadBlock, LoadId, LoadState, PrefixHit
-from kvtier.open_tiers import open_lower_tiers
+from kvtier.open_tiers import open_tiers
 from kvtier.prefix_lookup import find_prefix
 from kvtier.stats import ManagerStats, Tier, new_tier_counters
 from kvtier.stores import StorePath
@@ -46,12 +45,10 @@ from kvtier.tiers.base import LowerTier, WritePolicy
 from kvtier.tiers.disk.shards import ShardedDiskTier
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.disk.worker_tier import DiskWorkerTier
-from kvtier.tiers.host import HostRole, HostTier
+from kvtier.tiers.host import HostTier
 from kvtier.tiers.record import BlockMeta
 from kvtier.transfer import IOJob, JobId, SwapJob, TransferEngine
 from kvtier.write_once import WriteOnce
-
-logger = logging.getLogger(__name__)
 
 #: Host hits per GPU copy job of a load: the first copies run while later blocks of a long
 #: prefix are still being looked up and pinned.
@@ -93,32 +90,13 @@ class TierManager:
         # [num_gpu_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(layout, config.num_gpu_blocks, self.device)
         self.pool = BlockPool(config.num_gpu_blocks)
-        num_host_slots = config.num_host_slots(layout)
+        opened = open_tiers(config, layout, self.device, disk_read_hook)
         #: The host tier, or the staging slab the lower tiers' bytes pass through when it
         #: is off; None when nothing sits below the GPU.
-        self.host: HostTier | None = None
-        if self._wants_disk_worker():
-            # The worker maps the slab: it must exist before the worker starts.
-            self.host = self._shared_host_slab(num_host_slots)
-        try:
-            lower, self.disk_recovery = open_lower_tiers(
-                config, layout, disk_read_hook,
-                self.host.shared_memory if self.host is not None else None)
-        except BaseException:
-            if self.host is not None:
-                self.host.close()
-            raise
+        self.host: HostTier | None = opened.host
         #: The tiers below the host, fastest first; their stats are readable from any thread.
-        self.lower_tiers = LowerTiers(lower)
-        if self.host is not None and not (num_host_slots or lower):
-            self.host.close()  # the disk tier was turned off: nothing to stage for
-            self.host = None
-        elif self.host is None and (num_host_slots or lower):
-            try:
-                self.host = self._host_slab(num_host_slots, shared=False)
-            except BaseException:
-                self.lower_tiers.close()  # no half-built manager keeps files open
-                raise
+        self.lower_tiers = LowerTiers(opened.lower)
+        self.disk_recovery = opened.disk_recovery
         self.transfers = TransferEngine(self.kv_cache.device, config.swap_method, config.io_threads,
                                         config.max_pending_io)
         self._on_done: dict[JobId, tuple[tuple[Load, ...], Callable[[bool], None]]] = {}
@@ -141,33 +119,11 @@ class TierManager:
                        if self.host is not None else None)
         self._closed = False
 
-    def _wants_disk_worker(self) -> bool:
-        """Whether the config asks for the disk tier in a worker process (None: on CUDA)."""
-        worker = self.config.disk_worker
-        return self.config.disk_path is not None and (
-            worker if worker is not None else self.device.type == "cuda")
-
     @property
     def uses_disk_worker(self) -> bool:
         """Whether the disk tier runs in a worker process (`TierConfig.disk_worker`; False
         where the worker could not start and the tier runs in this process)."""
         return isinstance(self.lower_tiers.named("disk"), DiskWorkerTier)
-
-    def _shared_host_slab(self, num_host_slots: int) -> HostTier | None:
-        """A host slab the disk worker can map, or None (with a warning) where shared memory
-        cannot be made: the disk tier then runs in this process, on a private slab."""
-        try:
-            return self._host_slab(num_host_slots, shared=True)
-        except OSError as exc:
-            logger.warning("the host tier cannot be shared with a disk worker process (%s); "
-                           "the disk tier runs in the engine's process instead", exc)
-            return None
-
-    def _host_slab(self, num_host_slots: int, shared: bool) -> HostTier:
-        return HostTier(self.layout, num_host_slots or self.config.staging_slots,
-                        pin_memory=self.device.type == "cuda",
-                        role=HostRole.CACHE if num_host_slots else HostRole.STAGING,
-                        shared=shared)
 
     @property
     def disk(self) -> DiskTier | ShardedDiskTier | DiskWorkerTier | None:
