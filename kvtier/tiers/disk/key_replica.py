@@ -32,7 +32,8 @@ class KeyReplica:
     def __init__(self, num_shards: int, fresh_s: float) -> None:
         self.num_shards, self.fresh_s = num_shards, fresh_s
         self._lock = threading.Lock()
-        self._keys: list[set[BlockHash] | None] = [None] * num_shards
+        # Per shard: hash -> packed spot, as the worker's copy holds them (spots unused here).
+        self._keys: list[dict[BlockHash, int] | None] = [None] * num_shards
         self._current_at: list[float | None] = [None] * num_shards
 
     def apply(self, shard: int, event: KeyEvent) -> None:
@@ -42,18 +43,12 @@ class KeyReplica:
             keys = self._keys[shard]
             if kind == "loaded":
                 assert isinstance(payload, list)
-                self._keys[shard], self._current_at[shard] = set(payload), None
+                self._keys[shard], self._current_at[shard] = dict.fromkeys(payload, 0), None
             elif kind == "dropped":
                 self._keys[shard], self._current_at[shard] = None, None
             elif kind == "changed" and keys is not None:
                 assert isinstance(payload, KeyChanges)
-                if payload.cleared:
-                    keys.clear()
-                for block_hash, spot in payload.steps:
-                    if spot is None:
-                        keys.discard(block_hash)
-                    else:
-                        keys.add(block_hash)
+                payload.apply_to(keys)
             elif kind == "current" and keys is not None:
                 self._current_at[shard] = time.monotonic()
 
