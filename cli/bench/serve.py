@@ -242,7 +242,7 @@ def _play_modes(loaded: LoadedModel, config: ServeConfig, system: list[int],
 
 def _worker_calls(llm: LLM) -> dict[str, WorkerCalls] | None:
     """The disk worker's requests so far, per verb; None without a disk worker."""
-    disk = llm.manager.lower_tiers.named("disk")
+    disk = llm.manager.disk
     return disk.calls() if isinstance(disk, DiskWorkerTier) else None
 
 
